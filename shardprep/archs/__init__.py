@@ -1,0 +1,124 @@
+"""Architecture families: where each tensor of a checkpoint goes in vLLM.
+
+Each module registers the Hugging Face architecture names (or draft methods) it knows.
+Nothing outside this package mentions a tensor name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shardprep.errors import ConfigError, summarize
+from shardprep.layout import Piece
+from shardprep.topology import Topology
+
+Config = Mapping[str, Any]
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One vLLM parameter: its name, the source pieces it is made of, the stages it is on."""
+
+    name: str
+    pieces: tuple[Piece, ...]
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything a family says about one model for one topology."""
+
+    params: tuple[Param, ...]
+    skipped: Mapping[str, str] = field(default_factory=dict)  # source name -> reason
+    # (parameter, stage) pairs that vLLM builds only when a speculative draft runs.
+    spec_decode_only: frozenset[tuple[str, int]] = frozenset()
+    # Parameters a draft may share with the target instead of holding its own.
+    shared_with_target: frozenset[str] = frozenset()
+    # Source tensors that config.json implies but a checkpoint may leave out.
+    optional_sources: frozenset[str] = frozenset()
+
+
+class Family(Protocol):
+    name: str
+
+    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+        """Every source tensor the config implies, with its shape (Hugging Face names)."""
+        ...
+
+    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+        """Problems that make the model unsplittable at this tp, each a full sentence."""
+        ...
+
+    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+        ...
+
+
+_TARGETS: dict[str, Family] = {}
+_DRAFTS: dict[str, Family] = {}
+
+
+def register_arch(*names: str) -> Callable[[type], type]:
+    """Register a family for Hugging Face `architectures` names. Idempotent."""
+
+    def wrap(cls: type) -> type:
+        for name in names:
+            _TARGETS[name] = cls()
+        return cls
+
+    return wrap
+
+
+def register_draft(*methods: str) -> Callable[[type], type]:
+    """Register a family for speculative-decoding draft methods (vLLM's `method`)."""
+
+    def wrap(cls: type) -> type:
+        for method in methods:
+            _DRAFTS[method] = cls()
+        return cls
+
+    return wrap
+
+
+def target_family(config: Config) -> tuple[str, Family]:
+    _load_builtin()
+    names = config.get("architectures") or []
+    for name in names:
+        if name in _TARGETS:
+            return name, _TARGETS[name]
+    raise ConfigError(
+        f"architecture {summarize(names) or '(none in config.json)'} is not supported; "
+        f"shardprep supports {summarize(sorted(_TARGETS), limit=20)}"
+    )
+
+
+def draft_family(method: str) -> Family:
+    _load_builtin()
+    if method not in _DRAFTS:
+        raise ConfigError(
+            f"draft method {method!r} is not supported; choose one of {', '.join(sorted(_DRAFTS))}"
+        )
+    return _DRAFTS[method]
+
+
+def draft_methods() -> list[str]:
+    _load_builtin()
+    return sorted(_DRAFTS)
+
+
+def detect_draft_method(config: Config, names: list[str]) -> str:
+    """The draft method its tensors imply; each draft family decides for itself."""
+    _load_builtin()
+    for method, family in sorted(_DRAFTS.items()):
+        if family.recognizes(config, names):  # type: ignore[attr-defined]
+            return method
+    raise ConfigError(
+        "cannot tell which kind of draft this is from its tensors; pass --draft-method "
+        f"({', '.join(sorted(_DRAFTS))})"
+    )
+
+
+def _load_builtin() -> None:
+    from shardprep.archs import llama  # noqa: F401  (registers itself)

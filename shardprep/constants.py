@@ -1,0 +1,57 @@
+"""File names, patterns, limits and environment variables, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FORMAT = "shardprep/1"
+VLLM_LAYOUT = "vllm-0.32/1"
+
+MANIFEST_NAME = "shardprep.json"
+SHARDS_DIR = "shards"
+DRAFT_DIR = "draft"
+SHARD_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"
+# The same pattern, spelled as vLLM's sharded_state loader expects it.
+VLLM_SHARDED_STATE_PATTERN = "shards/model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+PARTIAL_MARKER = ".shardprep-partial.json"
+INCOMPLETE_SUFFIX = ".incomplete"
+
+MAX_HEADER_BYTES = 100_000_000
+DEFAULT_MAX_PART_BYTES = 5 * 1024**3
+CHUNK_BYTES = 64 * 1024**2
+VOCAB_PADDING = 64
+
+# Files copied from a source model folder next to the shards.
+COPIED_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+    "preprocessor_config.json",
+)
+
+ENV_CACHE = "SHARDPREP_CACHE"
+ENV_DEBUG = "SHARDPREP_DEBUG"
+ENV_PP_PARTITION = "VLLM_PP_LAYER_PARTITION"
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(ENV_DEBUG, "") not in ("", "0")
+
+
+def pp_partition_from_env() -> str | None:
+    return os.environ.get(ENV_PP_PARTITION) or None
+
+
+def cache_root() -> Path:
+    """SHARDPREP_CACHE, else `shardprep` under the Hugging Face cache home."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE]).expanduser()
+    from huggingface_hub import constants as hf_constants
+
+    return Path(hf_constants.HF_HOME) / "shardprep"

@@ -1,0 +1,492 @@
+"""Execute a plan: read every source byte once, write every output byte once.
+
+Source files are read sequentially in bounded chunks (hashed on the way); each chunk is
+scattered straight to its place in every rank file that needs it. Rank files are
+written under a temporary name, hashed once complete, then renamed; the manifest is
+written last. A journal lets a rerun skip files already complete and verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import shardprep
+from shardprep import manifest as mf
+from shardprep.checkpoint import Checkpoint, open_checkpoint
+from shardprep.constants import (
+    CHUNK_BYTES,
+    COPIED_FILE_PATTERNS,
+    DEFAULT_MAX_PART_BYTES,
+    FORMAT,
+    INCOMPLETE_SUFFIX,
+    MANIFEST_NAME,
+    PARTIAL_MARKER,
+    VLLM_LAYOUT,
+    pp_partition_from_env,
+)
+from shardprep.errors import OutputExistsError
+from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
+from shardprep.safetensors_io import DTYPE_SIZES, encode_header, numel, sha256_file
+
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Options:
+    tp: int
+    pp: int
+    draft: str | None = None
+    draft_method: str | None = None
+    partition: str | None = None
+    stage: int | None = None
+    max_part_bytes: int = DEFAULT_MAX_PART_BYTES
+    dtype: str = "auto"
+    revision: str | None = None
+
+
+def source_model(checkpoint: Checkpoint) -> SourceModel:
+    tensors = {n: (t.info.dtype, t.info.shape) for n, t in checkpoint.tensors.items()}
+    return SourceModel(checkpoint.config, tensors)
+
+
+def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpoint]]:
+    """Open the checkpoints (headers only) and plan; nothing is written."""
+    target = open_checkpoint(model, options.revision)
+    checkpoints = {"target": target}
+    if options.draft:
+        checkpoints["draft"] = open_checkpoint(options.draft)
+    plan = make_plan(
+        source_model(target),
+        tp=options.tp,
+        pp=options.pp,
+        draft=source_model(checkpoints["draft"]) if options.draft else None,
+        draft_method=options.draft_method,
+        partition=options.partition or pp_partition_from_env(),
+        stage=options.stage,
+        max_part_bytes=options.max_part_bytes,
+        dtype=options.dtype,
+    )
+    return plan, checkpoints
+
+
+def convert(model: str, out: Path, options: Options, *, progress: bool = True) -> mf.Manifest:
+    plan, checkpoints = load_and_plan(model, options)
+    sources = {"target": model, "draft": options.draft or ""}
+    return execute(plan, checkpoints, sources, out, progress=progress)
+
+
+def execute(
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    sources: dict[str, str],
+    out: Path,
+    *,
+    progress: bool = True,
+) -> mf.Manifest:
+    out = Path(out)
+    journal = Journal.open(out, _fingerprint(plan, checkpoints), plan)
+    done = journal.verified_files(out)
+    todo = [f for f in plan.files if f.path not in done]
+    source_hashes = _write_rank_files(plan, checkpoints, out, todo, journal, progress)
+    extra = [e for role, cp in checkpoints.items() for e in _copy_extras(cp, out, role)]
+    manifest = _manifest(plan, checkpoints, sources, journal.done, source_hashes, extra)
+    mf.write_manifest(out, manifest)
+    journal.remove()
+    return manifest
+
+
+@dataclass
+class Journal:
+    """`.shardprep-partial.json`: which rank files are complete, for this exact plan."""
+
+    path: Path
+    fingerprint: str
+    done: dict[str, str] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def open(cls, out: Path, fingerprint: str, plan: Plan) -> Journal:
+        path = out / PARTIAL_MARKER
+        if path.is_file():
+            state = json.loads(path.read_text())
+            done = state["done"] if state.get("plan") == fingerprint else {}
+            return cls(path, fingerprint, done)
+        if (out / MANIFEST_NAME).is_file():
+            previous = mf.read_manifest(out)
+            done = {f.path: f.sha256 for f in previous.files}
+            _check_same_plan(out, previous, plan)
+            journal = cls(path, fingerprint, done)
+            journal._save()
+            return journal
+        if out.exists() and any(out.iterdir()):
+            raise OutputExistsError(
+                f"{out} already holds files that are not a shardprep artifact; "
+                "choose an empty or new output folder"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        journal = cls(path, fingerprint)
+        journal._save()
+        return journal
+
+    def verified_files(self, out: Path) -> set[str]:
+        """Files the journal lists whose bytes still hash to what it recorded."""
+        return {p for p, digest in self.done.items() if _hash_matches(out / p, digest)}
+
+    def record(self, path: str, digest: str) -> None:
+        with self.lock:
+            self.done[path] = digest
+            self._save()
+
+    def _save(self) -> None:
+        state = {"plan": self.fingerprint, "done": dict(sorted(self.done.items()))}
+        tmp = self.path.with_name(self.path.name + INCOMPLETE_SUFFIX)
+        tmp.write_text(json.dumps(state, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _check_same_plan(out: Path, previous: mf.Manifest, plan: Plan) -> None:
+    """A complete artifact is re-verified and kept only if it is this very plan's."""
+    same = (
+        (previous.topology.tp, previous.topology.pp, previous.topology.partition)
+        == (plan.topology.tp, plan.topology.pp, plan.topology.partition)
+        and previous.stages == plan.stages
+        and sorted(f.path for f in previous.files) == sorted(f.path for f in plan.files)
+        and sorted(m.role for m in previous.models) == sorted(m.role for m in plan.models)
+    )
+    if not same:
+        raise OutputExistsError(
+            f"{out} holds a shardprep artifact of another model or topology; "
+            "choose a new output folder or delete that one"
+        )
+
+
+def _hash_matches(path: Path, digest: str) -> bool:
+    return path.is_file() and sha256_file(path) == digest
+
+
+@dataclass(frozen=True)
+class Write:
+    """One block of a source tensor going to one place in one rank file."""
+
+    file: int
+    row_offset: int  # absolute byte offset of the destination tensor's row 0
+    dest_row: int  # first destination row of this block
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None
+    dtype: str
+    row_bytes: int  # bytes of one destination row
+
+
+@dataclass
+class OpenFile:
+    plan: FilePlan
+    path: Path
+    tmp: Path
+    fd: int
+    remaining: int
+
+
+def _write_rank_files(
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    out: Path,
+    todo: list[FilePlan],
+    journal: Journal,
+    progress: bool,
+) -> dict[tuple[str, str], str]:
+    files, writes = _open_outputs(todo, out)
+    full = plan.stages == tuple(range(plan.topology.pp))
+    hashes: dict[tuple[str, str], str] = {}
+    total = sum(_bytes_to_read(cp, role, writes, full) for role, cp in checkpoints.items())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    pending: list[Future[None]] = []
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+
+        def finish(index: int) -> None:
+            pending.append(hasher.submit(_commit, files[index], journal))
+
+        try:
+            for index, handle in enumerate(files):
+                if handle.remaining == 0:
+                    finish(index)
+            for role, checkpoint in checkpoints.items():
+                for file in checkpoint.files:
+                    digest = _scatter_file(checkpoint, role, file, writes, files, full, bar, finish)
+                    if digest:
+                        hashes[(role, file)] = digest
+            for future in pending:
+                future.result()
+        except BaseException:
+            for handle in files:
+                os.close(handle.fd) if handle.fd >= 0 else None
+                handle.tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            bar.close()
+    return hashes
+
+
+def _open_outputs(
+    todo: list[FilePlan], out: Path
+) -> tuple[list[OpenFile], dict[tuple[str, str], list[Write]]]:
+    """Create each rank file at full size (zero padding is never written: it is a hole)
+    with its header, and index every block by the source tensor it comes from."""
+    files: list[OpenFile] = []
+    writes: dict[tuple[str, str], list[Write]] = defaultdict(list)
+    for index, file_plan in enumerate(todo):
+        header = encode_header([t.spec for t in file_plan.tensors], {"format": "pt"})
+        path = out / file_plan.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + INCOMPLETE_SUFFIX)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(fd, header, 0)
+        os.ftruncate(fd, len(header) + file_plan.nbytes)
+        offset = len(header)
+        remaining = 0
+        for tensor in file_plan.tensors:
+            row_bytes = numel(tensor.shape[1:]) * DTYPE_SIZES[tensor.dtype]
+            dest_row = 0
+            for block in tensor.blocks:
+                rows = block.rows[1] - block.rows[0]
+                if block.source is not None:
+                    writes[(file_plan.role, block.source)].append(
+                        Write(index, offset, dest_row, block.rows, block.cols, tensor.dtype,
+                              row_bytes)
+                    )  # fmt: skip
+                    remaining += rows * row_bytes
+                dest_row += rows
+            offset += tensor.spec.nbytes
+        files.append(OpenFile(file_plan, path, tmp, fd, remaining))
+    return files, writes
+
+
+def _bytes_to_read(
+    checkpoint: Checkpoint, role: str, writes: dict[tuple[str, str], list[Write]], full: bool
+) -> int:
+    if full:
+        return sum((checkpoint.root / f).stat().st_size for f in checkpoint.files)
+    return sum(t.info.nbytes for n, t in checkpoint.tensors.items() if (role, n) in writes)
+
+
+def _scatter_file(
+    checkpoint: Checkpoint,
+    role: str,
+    file: str,
+    writes: dict[tuple[str, str], list[Write]],
+    files: list[OpenFile],
+    full: bool,
+    bar: tqdm,
+    finish: Callable[[int], None],
+) -> str | None:
+    """Read one source file in order (all of it, hashed, when `full`; else only the
+    tensors this plan needs) and scatter every chunk to its rank files."""
+    tensors = sorted(
+        (t for t in checkpoint.tensors.values() if t.file == file), key=lambda t: t.info.offset
+    )
+    digest = hashlib.sha256() if full else None
+    path = checkpoint.root / file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if digest is not None:
+            header_size = tensors[0].info.offset if tensors else path.stat().st_size
+            header = os.pread(fd, header_size, 0)
+            digest.update(header)
+            bar.update(len(header))
+        for tensor in tensors:
+            targets = writes.get((role, tensor.name), [])
+            if not targets and digest is None:
+                continue
+            for start, chunk in _read_chunks(fd, tensor.info):
+                if digest is not None:
+                    digest.update(chunk)
+                _scatter_chunk(tensor.info.dtype, tensor.info.shape, start, chunk, targets, files)
+                bar.update(len(chunk))
+            for target in targets:
+                if files[target.file].remaining == 0:
+                    finish(target.file)
+    finally:
+        os.close(fd)
+    return digest.hexdigest() if digest is not None else None
+
+
+def _read_chunks(fd: int, info: object) -> Iterator[tuple[int, memoryview]]:
+    """(first row, bytes) for consecutive row ranges of at most CHUNK_BYTES (one row at
+    least), read into one reused buffer."""
+    row_bytes = info.row_bytes  # type: ignore[attr-defined]
+    rows_total = info.shape[0] if info.shape else 1  # type: ignore[attr-defined]
+    rows_per_chunk = max(1, CHUNK_BYTES // max(row_bytes, 1))
+    buffer = memoryview(bytearray(min(info.nbytes, rows_per_chunk * row_bytes) or 1))  # type: ignore[attr-defined]
+    for start in range(0, rows_total, rows_per_chunk):
+        end = min(rows_total, start + rows_per_chunk)
+        count = (end - start) * row_bytes
+        offset = info.offset + start * row_bytes  # type: ignore[attr-defined]
+        done = 0
+        while done < count:
+            n = os.preadv(fd, [buffer[done:count]], offset + done)
+            if n == 0:
+                raise OSError(f"source file ended early at byte {offset + done:,}")
+            done += n
+        yield start, buffer[:count]
+
+
+def _scatter_chunk(
+    dtype: str,
+    shape: tuple[int, ...],
+    start: int,
+    chunk: memoryview,
+    targets: list[Write],
+    files: list[OpenFile],
+) -> None:
+    if not targets or not len(chunk):
+        return
+    rows = len(chunk) // (numel(shape[1:]) * DTYPE_SIZES[dtype]) if shape else 1
+    source = torch.frombuffer(chunk, dtype=torch.uint8).view(TORCH_DTYPES[dtype])
+    source = source.view(rows, *shape[1:]) if shape else source
+    end = start + rows
+    for target in targets:
+        first, last = max(start, target.rows[0]), min(end, target.rows[1])
+        if first >= last:
+            continue
+        block = source[first - start : last - start]
+        if target.cols is not None:
+            block = block[:, target.cols[0] : target.cols[1]]
+        if target.dtype != dtype:
+            block = block.to(TORCH_DTYPES[target.dtype])
+        data = block.contiguous().view(torch.uint8).numpy().data if block.numel() else b""
+        dest_row = target.dest_row + first - target.rows[0]
+        handle = files[target.file]
+        offset = target.row_offset + dest_row * target.row_bytes
+        _pwrite_all(handle.fd, data, offset)
+        handle.remaining -= (last - first) * target.row_bytes
+
+
+def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _commit(handle: OpenFile, journal: Journal) -> None:
+    """Hash the finished file (it is in the page cache), rename it, record it."""
+    os.close(handle.fd)
+    handle.fd = -1
+    digest = sha256_file(handle.tmp)
+    os.replace(handle.tmp, handle.path)
+    journal.record(handle.plan.path, digest)
+
+
+def _copy_extras(checkpoint: Checkpoint, out: Path, role: str) -> list[mf.ExtraFile]:
+    folder = out if role == "target" else out / "draft"
+    folder.mkdir(parents=True, exist_ok=True)
+    copied = []
+    names = sorted({p.name for pat in COPIED_FILE_PATTERNS for p in checkpoint.root.glob(pat)})
+    for name in names:
+        src = checkpoint.root / name
+        if not src.is_file():
+            continue
+        tmp = folder / (name + INCOMPLETE_SUFFIX)
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, folder / name)
+        rel = name if role == "target" else f"draft/{name}"
+        copied.append(mf.ExtraFile(rel, src.stat().st_size, sha256_file(folder / name)))
+    return copied
+
+
+def _manifest(
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    sources: dict[str, str],
+    done: dict[str, str],
+    source_hashes: dict[tuple[str, str], str],
+    extra: list[mf.ExtraFile],
+) -> mf.Manifest:
+    models = []
+    for model in plan.models:
+        checkpoint = checkpoints[model.role]
+        ranks: dict[str, dict[str, mf.ParamSpec]] = {}
+        for file in plan.files:
+            if file.role == model.role:
+                specs = ranks.setdefault(mf.rank_key(file.pp, file.tp), {})
+                specs.update({t.name: mf.ParamSpec(t.dtype, t.shape) for t in file.tensors})
+        source = mf.Source(
+            model=sources[model.role],
+            repo_id=checkpoint.repo_id,
+            revision=checkpoint.revision,
+            files=tuple(
+                mf.SourceFile(f, (checkpoint.root / f).stat().st_size,
+                              source_hashes.get((model.role, f)) or _cached_hub_sha256(checkpoint, f))
+                for f in checkpoint.files
+            ),
+        )  # fmt: skip
+        models.append(
+            mf.ModelEntry(
+                role=model.role,
+                architecture=model.architecture,
+                dtype=model.dtype,
+                folder=model.folder,
+                num_layers=model.num_layers,
+                source=source,
+                method=model.method,
+                ranks=ranks,
+                spec_decode_only=model.spec_decode_only,
+                shared_with_target=model.shared_with_target,
+            )
+        )
+    files = tuple(
+        mf.FileEntry(f.path, f.role, f.pp, f.tp, f.part, _size(f), done[f.path])
+        for f in plan.files
+    )
+    topology = mf.Topology(plan.topology.tp, plan.topology.pp, plan.topology.partition)
+    return mf.Manifest(
+        format=FORMAT,
+        shardprep_version=shardprep.__version__,
+        vllm_layout=VLLM_LAYOUT,
+        topology=topology,
+        stages=plan.stages,
+        models=tuple(models),
+        files=files,
+        extra_files=tuple(sorted(extra, key=lambda e: e.path)),
+    )
+
+
+def _size(file: FilePlan) -> int:
+    return len(encode_header([t.spec for t in file.tensors], {"format": "pt"})) + file.nbytes
+
+
+def _cached_hub_sha256(checkpoint: Checkpoint, file: str) -> str | None:
+    """A file in the Hugging Face cache links to a blob named by its sha256."""
+    path = checkpoint.root / file
+    name = path.resolve().name if path.is_symlink() else ""
+    return name if len(name) == 64 and all(c in "0123456789abcdef" for c in name) else None
+
+
+def _fingerprint(plan: Plan, checkpoints: dict[str, Checkpoint]) -> str:
+    """Changes whenever the plan or the source files' sizes and times change."""
+    stats = {
+        f"{role}/{f}": [(cp.root / f).stat().st_size, (cp.root / f).stat().st_mtime_ns]
+        for role, cp in checkpoints.items()
+        for f in cp.files
+    }
+    text = json.dumps([repr(plan), stats], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,55 @@
+"""One exception family. Each subclasses the built-in that callers already catch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class ShardprepError(Exception):
+    """Base of every error shardprep raises on purpose."""
+
+
+class ConfigError(ShardprepError, ValueError):
+    """A source model, its config.json or a command-line option is not usable."""
+
+
+class PlanError(ShardprepError, ValueError):
+    """The checkpoint cannot be split for the requested topology."""
+
+
+class ManifestError(ShardprepError, ValueError):
+    """An artifact's manifest is missing, malformed or of an unknown version."""
+
+
+class OutputExistsError(ShardprepError, FileExistsError):
+    """The output folder holds something that is not this artifact."""
+
+
+class CorruptFileError(ShardprepError, OSError):
+    """A file's bytes are not what its header or the manifest promise."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class TopologyMismatchError(ShardprepError, RuntimeError):
+    """An artifact was built for another parallel layout than the one running."""
+
+
+class HubError(ShardprepError, OSError):
+    """Publishing to or fetching from the Hugging Face Hub failed."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def summarize(items: Iterable[str], limit: int = 3) -> str:
+    """'a, b, c and 4 more' — never a wall of names in a message."""
+    items = list(items)
+    shown = ", ".join(items[:limit])
+    rest = len(items) - limit
+    return f"{shown} and {rest} more" if rest > 0 else shown

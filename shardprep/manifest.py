@@ -1,0 +1,220 @@
+"""The manifest: the contract between the converter and the loader.
+
+`shardprep.json` at the artifact's root, written last: its presence means complete.
+Frozen dataclasses, `to_json`/`from_json`; an unknown format or key is an error.
+The JSON Schema in docs/manifest.schema.json describes the same document.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from shardprep.constants import FORMAT, MANIFEST_NAME
+from shardprep.errors import ManifestError
+
+ROLES = ("target", "draft")
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str
+    bytes: int
+    sha256: str | None  # None when this conversion did not read the whole file
+
+
+@dataclass(frozen=True)
+class Source:
+    model: str  # the folder or repo id given on the command line
+    repo_id: str | None
+    revision: str | None
+    files: tuple[SourceFile, ...]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    role: str
+    architecture: str
+    dtype: str
+    folder: str  # "" for the target, "draft" for the draft
+    num_layers: int
+    source: Source
+    method: str | None = None  # the speculative method, for drafts
+    # rank key "pp{P}-tp{T}" -> parameter name -> spec: what vLLM holds on that rank
+    ranks: dict[str, dict[str, ParamSpec]] = field(default_factory=dict)
+    spec_decode_only: tuple[tuple[str, int], ...] = ()
+    shared_with_target: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    role: str
+    pp: int
+    tp: int
+    part: int
+    bytes: int
+    sha256: str
+    codec: str = "none"
+    stored_bytes: int | None = None
+    stored_sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class ExtraFile:
+    """A file copied from the source next to the shards (config, tokenizer)."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Topology:
+    tp: int
+    pp: int
+    partition: tuple[int, ...]
+    expert_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format: str
+    shardprep_version: str
+    vllm_layout: str
+    topology: Topology
+    stages: tuple[int, ...]
+    models: tuple[ModelEntry, ...]
+    files: tuple[FileEntry, ...]
+    extra_files: tuple[ExtraFile, ...] = ()
+
+    def model(self, role: str) -> ModelEntry | None:
+        return next((m for m in self.models if m.role == role), None)
+
+    def rank_files(self, role: str, pp: int, tp: int) -> list[FileEntry]:
+        found = [f for f in self.files if f.role == role and f.pp == pp and f.tp == tp]
+        return sorted(found, key=lambda f: f.part)
+
+    def to_json(self) -> str:
+        return json.dumps(_plain(asdict(self)), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = MANIFEST_NAME) -> Manifest:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{where} is not valid JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else None
+            raise ManifestError(
+                f"{where} has format {found!r}; this shardprep reads {FORMAT!r}. "
+                "Convert the model again with this version, or install the shardprep that made it"
+            )
+        manifest = _build(cls, data, where)
+        for entry in manifest.files:
+            check_relative(entry.path, where)
+        for extra in manifest.extra_files:
+            check_relative(extra.path, where)
+        for model in manifest.models:
+            check_relative(model.folder or ".", where)
+            if model.role not in ROLES:
+                raise ManifestError(f"{where} has a model of unknown role {model.role!r}")
+        return manifest
+
+
+def check_relative(path: str, where: str) -> None:
+    """Paths in a manifest are relative and stay inside the artifact."""
+    pure = PurePosixPath(path)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in path:
+        raise ManifestError(f"{where} names {path!r}, which leaves the artifact; refusing it")
+
+
+def read_manifest(folder: Path) -> Manifest:
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(
+            f"{folder} has no {MANIFEST_NAME}: it is not a complete shardprep artifact. "
+            f"Create it with `shardprep convert MODEL -o {folder}` (a rerun resumes)"
+        )
+    return Manifest.from_json(path.read_text(), where=str(path))
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    """Write atomically: a temporary name, then rename."""
+    path = folder / MANIFEST_NAME
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".manifest-", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(manifest.to_json())
+    os.replace(tmp, path)
+    return path
+
+
+def rank_key(pp: int, tp: int) -> str:
+    return f"pp{pp}-tp{tp}"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Build a frozen dataclass from JSON, rejecting unknown and missing keys."""
+    if not isinstance(data, dict):
+        raise ManifestError(f"{where}: expected an object for {cls.__name__}, found {data!r:.60}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ManifestError(f"{where}: unknown key(s) {unknown} in {cls.__name__} ({FORMAT})")
+    missing = [
+        name
+        for name, f in known.items()
+        if name not in data and f.default is MISSING and f.default_factory is MISSING
+    ]
+    if missing:
+        raise ManifestError(f"{where}: {cls.__name__} lacks the key(s) {missing}")
+    try:
+        return cls(**{name: _convert(cls, name, value, where) for name, value in data.items()})
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ManifestError(f"{where}: {cls.__name__} is malformed ({exc})") from None
+
+
+_NESTED: dict[tuple[type, str], type] = {
+    (Manifest, "topology"): Topology,
+    (Manifest, "models"): ModelEntry,
+    (Manifest, "files"): FileEntry,
+    (Manifest, "extra_files"): ExtraFile,
+    (ModelEntry, "source"): Source,
+    (Source, "files"): SourceFile,
+}
+
+
+def _convert(cls: type, name: str, value: Any, where: str) -> Any:
+    nested = _NESTED.get((cls, name))
+    if nested is not None:
+        if isinstance(value, list):
+            return tuple(_build(nested, v, where) for v in value)
+        return _build(nested, value, where)
+    if name == "spec_decode_only":
+        return tuple((str(n), int(s)) for n, s in value)
+    if name == "ranks":
+        return {
+            key: {p: ParamSpec(spec["dtype"], tuple(spec["shape"])) for p, spec in params.items()}
+            for key, params in value.items()
+        }
+    if isinstance(value, list):
+        return tuple(value)
+    return value

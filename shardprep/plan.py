@@ -1,0 +1,252 @@
+"""Source headers + topology + architecture rules -> what goes in every rank file.
+
+Pure data: no byte of a weight is touched here, so a 1 TB model plans in milliseconds
+and every check runs before the first write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardprep import archs
+from shardprep.constants import DEFAULT_MAX_PART_BYTES, DRAFT_DIR, SHARD_PATTERN, SHARDS_DIR
+from shardprep.errors import ConfigError, PlanError, summarize
+from shardprep.layout import Block, block_shape, piece_blocks
+from shardprep.safetensors_io import DTYPE_SIZES, TensorSpec
+from shardprep.topology import Topology, make_topology
+
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """What planning needs of a checkpoint: its config and tensor headers."""
+
+    config: Mapping[str, Any]
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    blocks: tuple[Block, ...]  # stacked along dim 0; zero blocks where source is None
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    path: str
+    role: str
+    pp: int
+    tp: int
+    part: int
+    tensors: tuple[TensorPlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.spec.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    role: str
+    architecture: str
+    method: str | None
+    dtype: str
+    folder: str
+    num_layers: int
+    spec_decode_only: tuple[tuple[str, int], ...]
+    shared_with_target: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    topology: Topology
+    stages: tuple[int, ...]
+    models: tuple[ModelPlan, ...]
+    files: tuple[FilePlan, ...]
+
+
+def resolve_dtype(requested: str, config: Mapping[str, Any], source: SourceModel) -> str:
+    """The safetensors dtype vLLM's parameters will have: --dtype, else config.json's
+    torch_dtype, else the most common floating dtype of the checkpoint."""
+    name = requested
+    if requested == "auto":
+        name = str(config.get("torch_dtype") or config.get("dtype") or "")
+        if not name:
+            floats = [d for d, _ in source.tensors.values() if d in FLOAT_DTYPES]
+            return max(set(floats), key=floats.count) if floats else "F32"
+    if name not in DTYPE_NAMES:
+        raise ConfigError(
+            f"dtype {name!r} is not supported; choose one of auto, {', '.join(DTYPE_NAMES)}"
+        )
+    return DTYPE_NAMES[name]
+
+
+def make_plan(
+    target: SourceModel,
+    *,
+    tp: int,
+    pp: int,
+    draft: SourceModel | None = None,
+    draft_method: str | None = None,
+    partition: str | None = None,
+    stage: int | None = None,
+    max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
+    dtype: str = "auto",
+) -> Plan:
+    """Validate everything, then lay out every rank file. Raises one PlanError listing
+    every problem found."""
+    architecture, family = archs.target_family(target.config)
+    num_layers = int(target.config.get("num_hidden_layers", 0))
+    topology = make_topology(num_layers, tp, pp, partition)
+    if stage is not None and not 0 <= stage < pp:
+        raise PlanError(f"--stage {stage} is outside the pipeline stages 0..{pp - 1}")
+    stages = tuple(range(pp)) if stage is None else (stage,)
+    model_dtype = resolve_dtype(dtype, target.config, target)
+
+    models: list[ModelPlan] = []
+    files: list[FilePlan] = []
+    problems: list[str] = []
+    jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
+        ("target", architecture, None, family, target, {"with_draft": draft is not None})
+    ]
+    if draft is not None:
+        names = sorted(draft.tensors)
+        method = draft_method or archs.detect_draft_method(draft.config, names)
+        context = {"target_config": target.config}
+        jobs.append(("draft", method, method, archs.draft_family(method), draft, context))
+    for role, arch_name, method, fam, source, context in jobs:
+        layout, found = _checked_layout(role, fam, source, topology, context)
+        problems += found
+        if layout is None:
+            continue
+        folder = "" if role == "target" else DRAFT_DIR
+        model_stages = stages if role == "target" else tuple(s for s in stages if s == pp - 1)
+        models.append(
+            ModelPlan(
+                role=role,
+                architecture=arch_name,
+                method=method,
+                dtype=model_dtype,
+                folder=folder,
+                num_layers=int(source.config.get("num_hidden_layers", 0)),
+                spec_decode_only=tuple(sorted(layout.spec_decode_only)),
+                shared_with_target=tuple(sorted(layout.shared_with_target)),
+                skipped=tuple(sorted(layout.skipped.items())),
+            )
+        )
+        for pp_rank in model_stages:
+            for tp_rank in range(tp):
+                tensors = [
+                    _tensor_plan(param, source, tp, tp_rank, model_dtype)
+                    for param in layout.params
+                    if pp_rank in param.stages
+                ]
+                files += _split_parts(folder, role, pp_rank, tp_rank, tensors, max_part_bytes)
+    if problems:
+        raise PlanError(_problem_summary(problems))
+    return Plan(topology, stages, tuple(models), tuple(files))
+
+
+def _checked_layout(
+    role: str,
+    family: archs.Family,
+    source: SourceModel,
+    topology: Topology,
+    context: dict[str, Any],
+) -> tuple[archs.Layout | None, list[str]]:
+    problems = [f"{role}: {p}" for p in family.check(source.config, topology.tp, **context)]
+    try:
+        expected = family.expected_shapes(source.config, **context)
+    except (KeyError, ValueError, TypeError) as exc:
+        return None, [*problems, f"{role}: config.json lacks or garbles {exc}"]
+    shapes = {name: shape for name, (_, shape) in source.tensors.items()}
+    for name, shape in sorted(shapes.items()):
+        if name in expected and tuple(expected[name]) != shape:
+            problems.append(
+                f"{role}: {name} has shape {list(shape)} but config.json implies "
+                f"{list(expected[name])}"
+            )
+    layout = family.layout(source.config, shapes, topology, **context)
+    consumed = {piece.source for param in layout.params for piece in param.pieces}
+    unknown = sorted(set(shapes) - consumed - set(layout.skipped))
+    if unknown:
+        problems.append(
+            f"{role}: {len(unknown)} tensor(s) that shardprep does not know where to put: "
+            f"{summarize(unknown)}"
+        )
+    missing = sorted(set(expected) - set(shapes) - set(layout.optional_sources))
+    if missing:
+        problems.append(
+            f"{role}: {len(missing)} tensor(s) that config.json implies are missing: "
+            f"{summarize(missing)}"
+        )
+    return layout, problems
+
+
+def _tensor_plan(
+    param: archs.Param, source: SourceModel, tp: int, rank: int, model_dtype: str
+) -> TensorPlan:
+    blocks: list[Block] = []
+    for piece in param.pieces:
+        try:
+            blocks += piece_blocks(piece, source.tensors[piece.source][1], tp, rank)
+        except PlanError as exc:
+            raise PlanError(f"{param.name}: {exc}") from None
+    first = param.pieces[0].source
+    source_dtype, first_shape = source.tensors[first]
+    if first_shape:
+        trailing = block_shape(blocks[0], first_shape)[1:]
+        shape = (sum(b.rows[1] - b.rows[0] for b in blocks), *trailing)
+    else:
+        shape = ()
+    dtype = model_dtype if source_dtype in FLOAT_DTYPES else source_dtype
+    return TensorPlan(param.name, dtype, shape, tuple(blocks))
+
+
+def _split_parts(
+    folder: str,
+    role: str,
+    pp: int,
+    tp: int,
+    tensors: Sequence[TensorPlan],
+    max_part_bytes: int,
+) -> list[FilePlan]:
+    """Greedy: a tensor starts a new part when it would push the current one over the
+    limit; a tensor is never split across parts."""
+    parts: list[list[TensorPlan]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.spec.nbytes
+        if parts[-1] and size + nbytes > max_part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(tensor)
+        size += nbytes
+    prefix = f"{folder}/{SHARDS_DIR}" if folder else SHARDS_DIR
+    return [
+        FilePlan(
+            f"{prefix}/{SHARD_PATTERN.format(pp=pp, tp=tp, part=i)}", role, pp, tp, i, tuple(part)
+        )
+        for i, part in enumerate(parts)
+    ]
+
+
+def _problem_summary(problems: list[str], limit: int = 8) -> str:
+    head = "; ".join(problems[:limit])
+    more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
+    return f"cannot convert: {head}{more}"
+
+
+def dtype_size(dtype: str) -> int:
+    return DTYPE_SIZES[dtype]

@@ -1,0 +1,124 @@
+"""Tiny random models with real Hugging Face names and config.json, for the demo and
+the tests. Tensor names and shapes come from the architecture families themselves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from shardprep import archs
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": _MODEL_TYPES[architecture],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 1000,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    config.update(overrides)
+    return config
+
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def make_tiny_model(
+    folder: Path, architecture: str = "LlamaForCausalLM", *, files: int = 1, seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Write config.json, generation_config.json and random safetensors weights (with an
+    index when `files` > 1) into `folder`."""
+    config = tiny_config(architecture, **overrides)
+    _, family = archs.target_family(config)
+    tensors = _random_tensors(family.expected_shapes(config), config["torch_dtype"], seed)
+    _write_model(folder, config, tensors, files)
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return folder
+
+
+def make_tiny_draft(
+    folder: Path, target: Path, method: str = "eagle3", *, seed: int = 1, **overrides: Any
+) -> Path:
+    """An EAGLE or EAGLE3 head for the tiny model in `target`."""
+    target_config = json.loads((target / "config.json").read_text())
+    config = {
+        key: target_config[key]
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                    "rms_norm_eps", "rope_theta", "hidden_act", "torch_dtype", "bos_token_id",
+                    "eos_token_id")
+    }  # fmt: skip
+    config.update(
+        architectures=["LlamaForCausalLMEagle3" if method == "eagle3" else "LlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+    )
+    if method == "eagle3":
+        config["draft_vocab_size"] = min(512, target_config["vocab_size"])
+    config.update(overrides)
+    family = archs.draft_family(method)
+    shapes = family.expected_shapes(config, target_config=target_config)
+    tensors = _random_tensors(shapes, config["torch_dtype"], seed)
+    tensors.update(family.example_tables(config, target_config=target_config, seed=seed))  # type: ignore[attr-defined]
+    _write_model(folder, config, tensors, 1)
+    return folder
+
+
+def _random_tensors(
+    shapes: dict[str, tuple[int, ...]], dtype: str, seed: int
+) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in sorted(shapes.items()):
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
+        # 1-D weights are norms (around 1) or biases; 2-D are projections.
+        values = 1.0 + 0.1 * values if len(shape) == 1 else 0.05 * values
+        tensors[name] = values.to(TORCH_DTYPES[dtype])
+    return tensors
+
+
+def _write_model(
+    folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], files: int
+) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    names = sorted(tensors)
+    if files == 1:
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i in range(files):
+        file = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        chunk = names[i::files]
+        save_file({n: tensors[n] for n in chunk}, folder / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in chunk})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+             "weight_map": dict(sorted(weight_map.items()))}  # fmt: skip
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

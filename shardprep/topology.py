@@ -1,0 +1,124 @@
+"""Pure arithmetic of tensor and pipeline parallelism, as vLLM does it.
+
+No environment reads here: callers resolve `VLLM_PP_LAYER_PARTITION` once at the edge
+and pass the explicit partition in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardprep.constants import VOCAB_PADDING
+from shardprep.errors import PlanError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """tp x pp, with the explicit number of layers on each stage."""
+
+    tp: int
+    pp: int
+    partition: tuple[int, ...]
+
+    def layer_range(self, stage: int) -> tuple[int, int]:
+        start = sum(self.partition[:stage])
+        return start, start + self.partition[stage]
+
+    def stage_of_layer(self, layer: int) -> int:
+        for stage in range(self.pp):
+            start, end = self.layer_range(stage)
+            if start <= layer < end:
+                return stage
+        raise PlanError(f"layer {layer} is outside the {sum(self.partition)} layers of the model")
+
+    @property
+    def last_stage(self) -> int:
+        return self.pp - 1
+
+
+def default_partition(num_layers: int, pp: int) -> tuple[int, ...]:
+    """vLLM's `get_pp_indices`: `n // pp` layers each; the remainder goes one each to
+    the second-to-last stage, then the third-to-last, and so on, never to the last.
+
+    >>> default_partition(10, 4)
+    (2, 3, 3, 2)
+    """
+    if pp < 1:
+        raise PlanError(f"pipeline parallel size must be at least 1, got {pp}")
+    if num_layers < pp:
+        raise PlanError(
+            f"the model has {num_layers} layers, fewer than pp={pp} stages; use a smaller --pp"
+        )
+    sizes = [num_layers // pp] * pp
+    remainder = num_layers % pp
+    for i in range(remainder):
+        sizes[pp - 2 - i] += 1
+    return tuple(sizes)
+
+
+def parse_partition(text: str, num_layers: int, pp: int) -> tuple[int, ...]:
+    """Check an explicit partition such as "31,30" the way vLLM does."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise PlanError(
+            f"layer partition {text!r} is not a comma-separated list of integers; "
+            f"write it as e.g. {','.join(map(str, default_partition(num_layers, pp)))}"
+        ) from None
+    if len(sizes) != pp:
+        raise PlanError(f"layer partition {text!r} has {len(sizes)} entries but pp={pp}")
+    if sum(sizes) != num_layers:
+        raise PlanError(
+            f"layer partition {text!r} sums to {sum(sizes)} but the model has "
+            f"{num_layers} layers; make the entries add up to {num_layers}"
+        )
+    if min(sizes) < 1:
+        raise PlanError(f"layer partition {text!r} leaves a stage without layers")
+    return sizes
+
+
+def make_topology(num_layers: int, tp: int, pp: int, partition: str | None = None) -> Topology:
+    if tp < 1:
+        raise PlanError(f"tensor parallel size must be at least 1, got {tp}")
+    sizes = (
+        parse_partition(partition, num_layers, pp)
+        if partition
+        else default_partition(num_layers, pp)
+    )
+    return Topology(tp=tp, pp=pp, partition=sizes)
+
+
+def pad_vocab(vocab_size: int, multiple: int = VOCAB_PADDING) -> int:
+    """Round up to a multiple of `multiple` (vLLM's `pad_vocab_size`)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def even_split(size: int, tp: int, what: str) -> int:
+    """The per-rank share of `size`, which must divide by tp."""
+    if size % tp:
+        raise PlanError(f"{what} ({size}) is not divisible by tp={tp}; choose a tp that divides it")
+    return size // tp
+
+
+def rank_range(size: int, tp: int, rank: int) -> tuple[int, int]:
+    """The [start, end) block of rank `rank` when `size` splits evenly over tp."""
+    per = size // tp
+    return rank * per, (rank + 1) * per
+
+
+def kv_heads_of_rank(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """[first, end) of the KV heads that rank `rank` holds.
+
+    When tp >= num_kv_heads, each rank holds one head, replicated over tp/num_kv_heads
+    ranks; otherwise each holds num_kv_heads/tp heads.
+    """
+    if tp >= num_kv_heads:
+        if tp % num_kv_heads:
+            raise PlanError(
+                f"tp={tp} is not a multiple of the {num_kv_heads} KV heads; "
+                "choose a tp that divides or is a multiple of the KV heads"
+            )
+        head = rank // (tp // num_kv_heads)
+        return head, head + 1
+    per = even_split(num_kv_heads, tp, "the number of KV heads")
+    return rank * per, (rank + 1) * per

@@ -1,0 +1,27 @@
+"""Test-only vLLM plugin: the load format ``dump-default``.
+
+It loads exactly as vLLM's ``DefaultModelLoader`` does and, right after
+``load_weights`` (before ``process_weights_after_loading``), saves every parameter of
+the rank to ``$SHARDPREP_DUMP_DIR/{role}-pp{P}-tp{T}.safetensors``.
+
+Importing this package does not import vLLM; ``register`` does, and is idempotent.
+"""
+
+from __future__ import annotations
+
+DUMP_FORMAT = "dump-default"
+DUMP_DIR_ENV = "SHARDPREP_DUMP_DIR"
+
+__all__ = ["DUMP_DIR_ENV", "DUMP_FORMAT", "register"]
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``: add the ``dump-default`` load format."""
+    from vllm.model_executor import model_loader
+
+    registered = model_loader._LOAD_FORMAT_TO_MODEL_LOADER
+    if DUMP_FORMAT in registered:
+        return
+    from shardprep_test_dump.loader import DumpDefaultLoader
+
+    model_loader.register_model_loader(DUMP_FORMAT)(DumpDefaultLoader)

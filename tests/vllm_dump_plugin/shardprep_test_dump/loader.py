@@ -1,0 +1,73 @@
+"""``DumpDefaultLoader``: vLLM's default loader plus a dump of the loaded parameters."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch import nn
+from vllm.config import ModelConfig, get_current_vllm_config_or_none
+from vllm.config.load import LoadConfig
+from vllm.config.utils import replace
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from shardprep_test_dump import DUMP_DIR_ENV
+from shardprep_test_dump.state import save_state
+
+
+def model_role(model_config: ModelConfig) -> str:
+    """``target`` or ``draft``, told apart by object identity with the worker's config."""
+    current = get_current_vllm_config_or_none()
+    if current is None:
+        raise RuntimeError("dump-default: no current vLLM config during load_weights")
+    spec = current.speculative_config
+    if spec is not None and model_config is spec.draft_model_config:
+        return "draft"
+    if model_config is current.model_config:
+        return "target"
+    raise RuntimeError("dump-default: model_config is neither the target's nor the draft's")
+
+
+def dump_path(role: str) -> Path:
+    """``$SHARDPREP_DUMP_DIR/{role}-pp{P}-tp{T}.safetensors`` for this rank."""
+    root = os.environ.get(DUMP_DIR_ENV)
+    if not root:
+        raise RuntimeError(f"dump-default needs {DUMP_DIR_ENV} in the environment")
+    pp_rank = get_pp_group().rank_in_group
+    tp_rank = get_tensor_model_parallel_rank()
+    return Path(root) / f"{role}-pp{pp_rank}-tp{tp_rank}.safetensors"
+
+
+def rank_metadata(model: nn.Module, model_config: ModelConfig, role: str) -> dict[str, object]:
+    """What the dump records besides the tensors (all JSON values)."""
+    pp = get_pp_group()
+    return {
+        "role": role,
+        "pp_rank": pp.rank_in_group,
+        "pp_size": pp.world_size,
+        "tp_rank": get_tensor_model_parallel_rank(),
+        "model_class": type(model).__name__,
+        "model": model_config.model,
+        "dtype": str(model_config.dtype),
+        "has_own_lm_head": getattr(model, "has_own_lm_head", None),
+        "has_own_embed_tokens": getattr(model, "has_own_embed_tokens", None),
+    }
+
+
+class DumpDefaultLoader(BaseModelLoader):
+    """Loads with ``DefaultModelLoader`` and saves the rank's parameters before processing."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        inner_config = replace(load_config, load_format="auto", model_loader_extra_config={})
+        self.inner = DefaultModelLoader(inner_config)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        self.inner.download_model(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        self.inner.load_weights(model, model_config)
+        role = model_role(model_config)
+        save_state(model, dump_path(role), rank_metadata(model, model_config, role))

@@ -1,0 +1,267 @@
+"""Pytest-side helper: run a real vLLM (CPU build) in a subprocess through vllm_runner.py.
+
+    generate(model_dir, tp, pp, load_format="auto", **kw) -> list[list[int]]
+    dump_state(model_dir, tp, pp, dump_dir, **kw) -> {(role, pp_rank, tp_rank): Path}
+    serve_and_complete(model_dir, tp, pp, load_format, prompt_ids, **kw) -> list[int]
+    dump_draft(target_dir, draft_dir, method, dump_dir, tp=1) -> {("draft", pp, tp): Path}
+
+Keyword arguments of the first three: prompts (list of token-id lists), max_tokens,
+dtype, speculative_config (dict), model_loader_extra_config (dict), env (extra
+environment, e.g. VLLM_PP_LAYER_PARTITION), timeout (seconds).
+
+The vLLM python is ``$SHARDPREP_VLLM_PYTHON``, else this interpreter if it has vLLM,
+else ``<repo>/.venv-vllm/bin/python``. One vLLM runs at a time (a file lock), and the
+``vllm_dist_*`` files of each run are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+RUNNER = TESTS / "vllm_runner.py"
+DRAFT_DUMPER = TESTS / "vllm_dump_plugin" / "shardprep_test_dump" / "draft.py"
+PYTHON_ENV = "SHARDPREP_VLLM_PYTHON"
+DUMP_DIR_ENV = "SHARDPREP_DUMP_DIR"
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_PROMPTS: list[list[int]] = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
+LOCK_FILE = Path(tempfile.gettempdir()) / "shardprep-vllm-harness.lock"
+DUMP_NAME = re.compile(r"(target|draft)-pp(\d+)-tp(\d+)\.safetensors")
+STDERR_TAIL = 6000
+
+DumpFiles = dict[tuple[str, int, int], Path]
+
+
+class VllmRunError(RuntimeError):
+    """A vLLM subprocess failed or timed out; the message ends with its output's tail."""
+
+
+@functools.cache
+def vllm_python() -> str | None:
+    """The interpreter that has vLLM installed, or None."""
+    explicit = os.environ.get(PYTHON_ENV)
+    if explicit:
+        return explicit
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv = REPO / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
+def require_python() -> str:
+    python = vllm_python()
+    if python is None:
+        raise VllmRunError(f"no vLLM python: set {PYTHON_ENV} or create {REPO}/.venv-vllm")
+    return python
+
+
+def thread_binding(world_size: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND: one core per rank, round robin; None for one rank."""
+    if world_size <= 1:
+        return None
+    cores = max(1, min(os.cpu_count() or 1, 2))
+    return "|".join(str(rank % cores) for rank in range(world_size))
+
+
+def vllm_environ(world_size: int, tmpdir: Path, extra: Mapping[str, str] | None) -> dict[str, str]:
+    """The subprocess environment: loopback only, 1 GiB of KV cache, a private TMPDIR."""
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_LOOPBACK_IP="127.0.0.1",
+        TMPDIR=str(tmpdir),
+        PYTHONUNBUFFERED="1",
+    )
+    binding = thread_binding(world_size)
+    if binding is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    env.update(extra or {})
+    return env
+
+
+@contextlib.contextmanager
+def one_vllm_at_a_time() -> Iterator[None]:
+    """Serialize vLLM runs of this machine's test processes (they share 2 cores)."""
+    with open(LOCK_FILE, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def remove_dist_files(tmpdir: Path) -> None:
+    """Remove the run's file store (in its TMPDIR) and the /dev/shm files named after it."""
+    idents = [path.name for path in tmpdir.glob("vllm_dist_*")]
+    for ident in idents:
+        for path in Path("/dev/shm").glob(f"{ident}*"):
+            path.unlink(missing_ok=True)
+        for path in Path("/tmp").glob(f"{ident}*"):
+            path.unlink(missing_ok=True)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """Kill the process group that this helper started (the runner is its leader)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_python(
+    args: list[str], world_size: int, env: Mapping[str, str] | None, timeout: float
+) -> str:
+    """Run ``vllm-python ARGS`` in its own session; return stdout, raise with the tail."""
+    tmpdir = Path(tempfile.mkdtemp(prefix="shardprep-vllm-"))
+    cmd = [require_python(), *args]
+    with one_vllm_at_a_time():
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=vllm_environ(world_size, tmpdir, env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            stdout, stderr = proc.communicate()
+            raise VllmRunError(failure(cmd, f"timed out after {timeout:.0f} s", stdout, stderr))
+        finally:
+            kill_group(proc)  # stray workers, if the runner left any
+            remove_dist_files(tmpdir)
+    if proc.returncode != 0:
+        raise VllmRunError(failure(cmd, f"exit code {proc.returncode}", stdout, stderr))
+    return stdout
+
+
+def failure(cmd: list[str], why: str, stdout: str, stderr: str) -> str:
+    errors = [line for line in stdout.splitlines() if "Error" in line][-20:]
+    return (
+        f"vLLM run failed ({why}): {' '.join(cmd)}\n"
+        + "--- error lines of stdout ---\n"
+        + "\n".join(errors)
+        + "\n--- tail of stderr ---\n"
+        + stderr[-STDERR_TAIL:]
+    )
+
+
+def parse_tokens(stdout: str) -> list[list[int]]:
+    """The runner's result: its last stdout line that starts with ``{"tokens"``."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith('{"tokens"'):
+            return [[int(t) for t in seq] for seq in json.loads(line)["tokens"]]
+    raise VllmRunError("the vLLM runner printed no result line:\n" + stdout[-STDERR_TAIL:])
+
+
+def runner_args(
+    model_dir: Path | str,
+    tp: int,
+    pp: int,
+    load_format: str,
+    *,
+    prompts: list[list[int]] | None = None,
+    max_tokens: int = 8,
+    dtype: str = "float32",
+    speculative_config: Mapping[str, Any] | None = None,
+    model_loader_extra_config: Mapping[str, Any] | None = None,
+    dump_dir: Path | str | None = None,
+    server: bool = False,
+) -> list[str]:
+    args = [str(RUNNER), "--model", str(model_dir), "--tp", str(tp), "--pp", str(pp)]
+    args += ["--load-format", load_format, "--dtype", dtype, "--max-tokens", str(max_tokens)]
+    args += ["--prompts-json", json.dumps(prompts or DEFAULT_PROMPTS)]
+    if speculative_config is not None:
+        args += ["--speculative-config", json.dumps(dict(speculative_config))]
+    if model_loader_extra_config is not None:
+        args += ["--model-loader-extra-config", json.dumps(dict(model_loader_extra_config))]
+    if dump_dir is not None:
+        args += ["--dump-dir", str(dump_dir)]
+    if server:
+        args.append("--server")
+    return args
+
+
+def generate(
+    model_dir: Path | str,
+    tp: int = 1,
+    pp: int = 1,
+    load_format: str = "auto",
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    **kw: Any,
+) -> list[list[int]]:
+    """Greedy token ids (``max_tokens`` each, EOS ignored) from an offline ``vllm.LLM``."""
+    args = runner_args(model_dir, tp, pp, load_format, **kw)
+    return parse_tokens(run_python(args, tp * pp, env, timeout))
+
+
+def dump_state(
+    model_dir: Path | str,
+    tp: int,
+    pp: int,
+    dump_dir: Path | str,
+    *,
+    max_tokens: int = 1,
+    **kw: Any,
+) -> DumpFiles:
+    """Run vLLM with ``--load-format dump-default``; the rank files it wrote."""
+    generate(model_dir, tp, pp, "dump-default", dump_dir=dump_dir, max_tokens=max_tokens, **kw)
+    return dump_files(dump_dir)
+
+
+def dump_files(dump_dir: Path | str) -> DumpFiles:
+    """``{(role, pp_rank, tp_rank): path}`` of the dump files in ``dump_dir``."""
+    found: DumpFiles = {}
+    for path in sorted(Path(dump_dir).glob("*.safetensors")):
+        match = DUMP_NAME.fullmatch(path.name)
+        if match:
+            found[(match[1], int(match[2]), int(match[3]))] = path
+    return found
+
+
+def serve_and_complete(
+    model_dir: Path | str,
+    tp: int,
+    pp: int,
+    load_format: str,
+    prompt_ids: list[int],
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    **kw: Any,
+) -> list[int]:
+    """Greedy token ids of one ``/v1/completions`` request to a real OpenAI server."""
+    args = runner_args(model_dir, tp, pp, load_format, prompts=[prompt_ids], server=True, **kw)
+    return parse_tokens(run_python(args, tp * pp, env, timeout))[0]
+
+
+def read_dump(path: Path | str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tensors of one dump file and its metadata (JSON values decoded)."""
+    from safetensors.torch import load_file
+
+    with open(path, "rb") as handle:
+        header_len = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_len))
+    raw = header.get("__metadata__", {})
+    return load_file(str(path)), {key: json.loads(value) for key, value in raw.items()}

@@ -1,0 +1,181 @@
+"""Run a real vLLM (CPU build) once and print ``{"tokens": [[...], ...]}`` as the last line.
+
+Run it with the vLLM environment's python, from ``tests/vllm_env.py``:
+
+    python tests/vllm_runner.py --model DIR --tp 2 --pp 2 --load-format auto \\
+        --prompts-json '[[1, 2, 3]]' [--server] [--dump-dir DIR] [--speculative-config JSON]
+
+Offline mode uses ``vllm.LLM``; ``--server`` starts the OpenAI server in a subprocess on
+127.0.0.1, sends one ``/v1/completions`` request per prompt, and stops the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+RESULT_KEY = "tokens"
+DUMP_DIR_ENV = "SHARDPREP_DUMP_DIR"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--prompts-json", default="[[1, 2, 3, 4, 5]]")
+    parser.add_argument("--speculative-config", default=None, help="JSON object")
+    parser.add_argument("--model-loader-extra-config", default=None, help="JSON object")
+    parser.add_argument("--dump-dir", default=None, help=f"sets ${DUMP_DIR_ENV}")
+    parser.add_argument("--server", action="store_true", help="use the OpenAI server")
+    parser.add_argument("--server-timeout", type=float, default=300.0)
+    return parser.parse_args(argv)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` (the notes/vllm-cpu.md recipe)."""
+    kwargs: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "skip_tokenizer_init": True,
+        "max_model_len": args.max_model_len,
+        "tensor_parallel_size": args.tp,
+        "pipeline_parallel_size": args.pp,
+        "load_format": args.load_format,
+        "seed": 0,
+    }
+    if args.pp > 1:
+        kwargs["compilation_config"] = {"mode": 2, "backend": "eager"}
+    else:
+        kwargs["enforce_eager"] = True
+    if args.speculative_config:
+        kwargs["speculative_config"] = json.loads(args.speculative_config)
+    if args.model_loader_extra_config:
+        kwargs["model_loader_extra_config"] = json.loads(args.model_loader_extra_config)
+    return kwargs
+
+
+def generate_offline(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
+    )
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params)
+    tokens = [list(out.outputs[0].token_ids) for out in outputs]
+    llm.llm_engine.engine_core.shutdown()
+    return tokens
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def server_command(args: argparse.Namespace, port: int) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` with the offline mode's settings."""
+    kwargs = engine_kwargs(args)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--model", kwargs.pop("model")]
+    cmd += ["--skip-tokenizer-init"]
+    kwargs.pop("skip_tokenizer_init")
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif isinstance(value, dict):
+            cmd += [flag, json.dumps(value)]
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def http_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM server exited early with code {proc.returncode}")
+        try:
+            http_json(f"{base}/health", timeout=2.0)
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+            time.sleep(1.0)
+    raise TimeoutError(f"vLLM server not healthy after {timeout:.0f} s")
+
+
+def complete(base: str, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """One ``/v1/completions`` request with a token-id prompt; the generated token ids."""
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    reply = http_json(f"{base}/v1/completions", payload, timeout=120.0)
+    return [int(t) for t in reply["choices"][0]["token_ids"]]
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group (it was started in its own session), then KILL."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def generate_server(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    # The server's logs go to our stderr so that stdout ends with the result line.
+    proc = subprocess.Popen(server_command(args, port), stdout=sys.stderr, start_new_session=True)
+    try:
+        wait_healthy(base, proc, args.server_timeout)
+        return [complete(base, args.model, ids, args.max_tokens) for ids in prompts]
+    finally:
+        stop_server(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dump_dir:
+        os.environ[DUMP_DIR_ENV] = os.path.abspath(args.dump_dir)
+    prompts = [[int(t) for t in ids] for ids in json.loads(args.prompts_json)]
+    run = generate_server if args.server else generate_offline
+    tokens = run(args, prompts)
+    sys.stdout.flush()
+    print(json.dumps({RESULT_KEY: tokens}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
