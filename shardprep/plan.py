@@ -125,11 +125,15 @@ def make_plan(
         method = draft_method or archs.detect_draft_method(draft.config, names)
         context = {"target_config": target.config}
         jobs.append(("draft", method, method, archs.draft_family(method), draft, context))
+    layouts = []
     for role, arch_name, method, fam, source, context in jobs:
         layout, found = _checked_layout(role, fam, source, topology, context)
         problems += found
-        if layout is None:
-            continue
+        layouts.append((role, arch_name, method, source, layout))
+    if problems:
+        raise PlanError(_problem_summary(problems))
+    for role, arch_name, method, source, layout in layouts:
+        assert layout is not None
         folder = "" if role == "target" else DRAFT_DIR
         model_stages = stages if role == "target" else tuple(s for s in stages if s == pp - 1)
         models.append(
@@ -153,8 +157,6 @@ def make_plan(
                     if pp_rank in param.stages
                 ]
                 files += _split_parts(folder, role, pp_rank, tp_rank, tensors, max_part_bytes)
-    if problems:
-        raise PlanError(_problem_summary(problems))
     return Plan(topology, stages, tuple(models), tuple(files))
 
 

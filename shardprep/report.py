@@ -1,0 +1,136 @@
+"""Per-stage, per-rank summaries of a plan or an artifact, as rows and as text."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shardprep import manifest as mf
+from shardprep.plan import Plan
+
+
+@dataclass(frozen=True)
+class RankRow:
+    role: str
+    pp: int
+    tp: int
+    files: int
+    tensors: int
+    bytes: int
+
+
+def plan_rows(plan: Plan) -> list[RankRow]:
+    rows: dict[tuple[str, int, int], list[int]] = {}
+    for file in plan.files:
+        counts = rows.setdefault((file.role, file.pp, file.tp), [0, 0, 0])
+        counts[0] += 1
+        counts[1] += len(file.tensors)
+        counts[2] += file.nbytes
+    return [RankRow(*key, *counts) for key, counts in sorted(rows.items(), key=_order)]
+
+
+def manifest_rows(manifest: mf.Manifest) -> list[RankRow]:
+    rows: dict[tuple[str, int, int], list[int]] = {}
+    for file in manifest.files:
+        counts = rows.setdefault((file.role, file.pp, file.tp), [0, 0, 0])
+        counts[0] += 1
+        counts[2] += file.bytes
+    for model in manifest.models:
+        for key, params in model.ranks.items():
+            pp, tp = (int(part[2:]) for part in key.split("-"))
+            if (model.role, pp, tp) in rows:
+                rows[(model.role, pp, tp)][1] = len(params)
+    return [RankRow(*key, *counts) for key, counts in sorted(rows.items(), key=_order)]
+
+
+def _order(item: tuple[tuple[str, int, int], list[int]]) -> tuple[int, int, int]:
+    (role, pp, tp), _ = item
+    return (pp, role != "target", tp)
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(rows: list[RankRow]) -> str:
+    lines = [f"{'stage':>5}  {'role':<6}  {'tp':>3}  {'files':>5}  {'tensors':>7}  {'size':>10}"]
+    for row in rows:
+        lines.append(
+            f"{row.pp:>5}  {row.role:<6}  {row.tp:>3}  {row.files:>5}  {row.tensors:>7}  "
+            f"{format_bytes(row.bytes):>10}"
+        )
+    total = sum(r.bytes for r in rows)
+    lines.append(f"{'':>5}  {'total':<6}  {'':>3}  {sum(r.files for r in rows):>5}  "
+                 f"{sum(r.tensors for r in rows):>7}  {format_bytes(total):>10}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    return {
+        "topology": {
+            "tp": plan.topology.tp,
+            "pp": plan.topology.pp,
+            "partition": list(plan.topology.partition),
+        },
+        "stages": list(plan.stages),
+        "models": [
+            {"role": m.role, "architecture": m.architecture, "dtype": m.dtype,
+             "skipped": dict(m.skipped)}
+            for m in plan.models
+        ],  # fmt: skip
+        "ranks": [asdict(r) for r in plan_rows(plan)],
+        "files": [
+            {
+                "path": f.path,
+                "tensors": [
+                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in f.tensors
+                ],
+                "bytes": f.nbytes,
+            }
+            for f in plan.files
+        ],
+    }
+
+
+def artifact_summary(manifest: mf.Manifest) -> dict[str, Any]:
+    return {
+        "format": manifest.format,
+        "shardprep_version": manifest.shardprep_version,
+        "vllm_layout": manifest.vllm_layout,
+        "topology": {
+            "tp": manifest.topology.tp,
+            "pp": manifest.topology.pp,
+            "partition": list(manifest.topology.partition),
+        },
+        "stages": list(manifest.stages),
+        "models": [
+            {
+                "role": m.role,
+                "architecture": m.architecture,
+                "method": m.method,
+                "dtype": m.dtype,
+                "folder": m.folder,
+                "source": m.source.repo_id or m.source.model,
+                "revision": m.source.revision,
+            }
+            for m in manifest.models
+        ],
+        "ranks": [asdict(r) for r in manifest_rows(manifest)],
+    }
+
+
+def describe_models(summary: dict[str, Any]) -> str:
+    topo = summary["topology"]
+    lines = [
+        f"topology: tp={topo['tp']} pp={topo['pp']} layers per stage "
+        f"{','.join(map(str, topo['partition']))}"
+    ]
+    for model in summary["models"]:
+        source = model.get("source")
+        origin = f" from {source}" if source else ""
+        lines.append(f"{model['role']}: {model['architecture']} {model['dtype']}{origin}")
+    return "\n".join(lines)
