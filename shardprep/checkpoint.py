@@ -78,7 +78,9 @@ def open_checkpoint(model: str, revision: str | None = None) -> Checkpoint:
 def load_config(root: Path) -> dict[str, Any]:
     path = root / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{root} has no config.json; point shardprep at a Hugging Face model folder")
+        raise ConfigError(
+            f"{root} has no config.json; point shardprep at a Hugging Face model folder"
+        )
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -124,8 +126,11 @@ def _check_index(root: Path, tensors: dict[str, SourceTensor]) -> None:
     if not index.is_file():
         return
     weight_map = _read_index(index)
-    absent = [name for name, file in weight_map.items() if tensors.get(name, None) is None
-              or tensors[name].file != file]
+    absent = [
+        name
+        for name, file in weight_map.items()
+        if tensors.get(name) is None or tensors[name].file != file
+    ]
     if absent:
         raise CorruptFileError(
             f"{index} places {summarize(absent)} in files that do not hold them; "

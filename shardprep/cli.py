@@ -15,8 +15,18 @@ from shardprep import __version__, report
 from shardprep.constants import DEFAULT_MAX_PART_BYTES, debug_enabled
 from shardprep.errors import ConfigError, ShardprepError
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -80,7 +90,11 @@ def cmd_verify(args: argparse.Namespace) -> None:
     text = (
         f"ok: {result.checked_files} files ({report.format_bytes(result.checked_bytes)}) match "
         f"their sha256; {result.checked_params} rank parameters present exactly once"
-        + (f"; {result.round_trip_tensors} source tensors rebuilt byte for byte" if args.full else "")
+        + (
+            f"; {result.round_trip_tensors} source tensors rebuilt byte for byte"
+            if args.full
+            else ""
+        )
     )
     _emit(args, data, text)
 
@@ -107,9 +121,10 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", help="speculative draft: folder or Hugging Face repo id")
     parser.add_argument("--draft-method", choices=["eagle", "eagle3"], help="default: detected")
     parser.add_argument(
-        "--pp-partition", help="layers per stage, e.g. 31,30 (default: vLLM's split, or "
-        "VLLM_PP_LAYER_PARTITION when set)"
-    )  # fmt: skip
+        "--pp-partition",
+        help="layers per stage, e.g. 31,30 (default: vLLM's split, or "
+        "VLLM_PP_LAYER_PARTITION when set)",
+    )
     parser.add_argument("--stage", type=int, help="convert only this pipeline stage")
     parser.add_argument("--max-part-size", default=str(DEFAULT_MAX_PART_BYTES), help="e.g. 5GiB")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")

@@ -41,11 +41,19 @@ from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
 from shardprep.safetensors_io import DTYPE_SIZES, encode_header, numel, sha256_file
 
 TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -270,9 +278,10 @@ def _open_outputs(
                 rows = block.rows[1] - block.rows[0]
                 if block.source is not None:
                     writes[(file_plan.role, block.source)].append(
-                        Write(index, offset, dest_row, block.rows, block.cols, tensor.dtype,
-                              row_bytes)
-                    )  # fmt: skip
+                        Write(
+                            index, offset, dest_row, block.rows, block.cols, tensor.dtype, row_bytes
+                        )
+                    )
                     remaining += rows * row_bytes
                 dest_row += rows
             offset += tensor.spec.nbytes
@@ -434,11 +443,14 @@ def _manifest(
             repo_id=checkpoint.repo_id,
             revision=checkpoint.revision,
             files=tuple(
-                mf.SourceFile(f, (checkpoint.root / f).stat().st_size,
-                              source_hashes.get((model.role, f)) or _cached_hub_sha256(checkpoint, f))
+                mf.SourceFile(
+                    f,
+                    (checkpoint.root / f).stat().st_size,
+                    source_hashes.get((model.role, f)) or _cached_hub_sha256(checkpoint, f),
+                )
                 for f in checkpoint.files
             ),
-        )  # fmt: skip
+        )
         models.append(
             mf.ModelEntry(
                 role=model.role,
@@ -454,8 +466,7 @@ def _manifest(
             )
         )
     files = tuple(
-        mf.FileEntry(f.path, f.role, f.pp, f.tp, f.part, _size(f), done[f.path])
-        for f in plan.files
+        mf.FileEntry(f.path, f.role, f.pp, f.tp, f.part, _size(f), done[f.path]) for f in plan.files
     )
     topology = mf.Topology(plan.topology.tp, plan.topology.pp, plan.topology.partition)
     return mf.Manifest(

@@ -18,9 +18,7 @@ def run_demo(keep: bool = False) -> str:
         model = make_tiny_model(root / "model", vocab_size=1000, num_hidden_layers=5)
         draft = make_tiny_draft(root / "eagle3", model, method="eagle3")
         out = root / "model-tp2-pp2"
-        manifest = convert(
-            str(model), out, Options(tp=2, pp=2, draft=str(draft)), progress=False
-        )
+        manifest = convert(str(model), out, Options(tp=2, pp=2, draft=str(draft)), progress=False)
         result = verify(out, full=True)
         result.raise_if_failed(out)
         summary = report.artifact_summary(manifest)

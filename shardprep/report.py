@@ -64,8 +64,10 @@ def table(rows: list[RankRow]) -> str:
             f"{format_bytes(row.bytes):>10}"
         )
     total = sum(r.bytes for r in rows)
-    lines.append(f"{'':>5}  {'total':<6}  {'':>3}  {sum(r.files for r in rows):>5}  "
-                 f"{sum(r.tensors for r in rows):>7}  {format_bytes(total):>10}")  # fmt: skip
+    lines.append(
+        f"{'':>5}  {'total':<6}  {'':>3}  {sum(r.files for r in rows):>5}  "
+        f"{sum(r.tensors for r in rows):>7}  {format_bytes(total):>10}"
+    )
     return "\n".join(lines)
 
 
@@ -78,10 +80,14 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         },
         "stages": list(plan.stages),
         "models": [
-            {"role": m.role, "architecture": m.architecture, "dtype": m.dtype,
-             "skipped": dict(m.skipped)}
+            {
+                "role": m.role,
+                "architecture": m.architecture,
+                "dtype": m.dtype,
+                "skipped": dict(m.skipped),
+            }
             for m in plan.models
-        ],  # fmt: skip
+        ],
         "ranks": [asdict(r) for r in plan_rows(plan)],
         "files": [
             {

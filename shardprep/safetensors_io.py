@@ -19,9 +19,19 @@ from shardprep.constants import INCOMPLETE_SUFFIX, MAX_HEADER_BYTES
 from shardprep.errors import CorruptFileError
 
 DTYPE_SIZES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-}  # fmt: skip
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 @dataclass(frozen=True)

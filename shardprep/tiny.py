@@ -48,7 +48,11 @@ _MODEL_TYPES = {
 
 
 def make_tiny_model(
-    folder: Path, architecture: str = "LlamaForCausalLM", *, files: int = 1, seed: int = 0,
+    folder: Path,
+    architecture: str = "LlamaForCausalLM",
+    *,
+    files: int = 1,
+    seed: int = 0,
     **overrides: Any,
 ) -> Path:
     """Write config.json, generation_config.json and random safetensors weights (with an
@@ -69,11 +73,22 @@ def make_tiny_draft(
     target_config = json.loads((target / "config.json").read_text())
     config = {
         key: target_config[key]
-        for key in ("hidden_size", "intermediate_size", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-                    "rms_norm_eps", "rope_theta", "hidden_act", "torch_dtype", "bos_token_id",
-                    "eos_token_id")
-    }  # fmt: skip
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_theta",
+            "hidden_act",
+            "torch_dtype",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    }
     config.update(
         architectures=["LlamaForCausalLMEagle3" if method == "eagle3" else "LlamaForCausalLM"],
         model_type="llama",
@@ -119,6 +134,8 @@ def _write_model(
         chunk = names[i::files]
         save_file({n: tensors[n] for n in chunk}, folder / file, metadata={"format": "pt"})
         weight_map.update({n: file for n in chunk})
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-             "weight_map": dict(sorted(weight_map.items()))}  # fmt: skip
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

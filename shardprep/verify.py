@@ -146,7 +146,8 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
                         f"{path}: {tensor.name} differs from {block.source} rows {block.rows}"
                     )
                 mask = covered.setdefault(
-                    (file_plan.role, block.source), torch.zeros(_mask_shape(source), dtype=torch.bool)
+                    (file_plan.role, block.source),
+                    torch.zeros(_mask_shape(source), dtype=torch.bool),
                 )
                 _mark(mask, block.rows, block.cols)
     for (role, name), mask in covered.items():

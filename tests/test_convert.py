@@ -221,5 +221,7 @@ def test_manifest_records_sources_and_rank_parameters(tiny, tmp_path: Path) -> N
     assert manifest.model("draft").ranks.keys() == {"pp1-tp0", "pp1-tp1"}
     assert (tmp_path / "out/draft/config.json").is_file()
     assert [e.path for e in manifest.extra_files] == [
-        "config.json", "draft/config.json", "generation_config.json",
-    ]  # fmt: skip
+        "config.json",
+        "draft/config.json",
+        "generation_config.json",
+    ]

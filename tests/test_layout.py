@@ -31,8 +31,11 @@ def test_row_parallel_cuts_columns() -> None:
 def test_kv_heads_replicated_when_tp_exceeds_them() -> None:
     piece = Piece("k", Cut.KV_HEADS, heads=2)
     assert [piece_blocks(piece, (32, 64), 4, r)[0].rows for r in range(4)] == [
-        (0, 16), (0, 16), (16, 32), (16, 32),
-    ]  # fmt: skip
+        (0, 16),
+        (0, 16),
+        (16, 32),
+        (16, 32),
+    ]
 
 
 def test_divisibility_is_checked() -> None:

@@ -23,10 +23,15 @@ def source(config: dict[str, Any], dtype: str = "BF16", drop=(), extra=None) -> 
 
 def llama_405b() -> dict[str, Any]:
     return tiny_config(
-        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-        num_attention_heads=128, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
         torch_dtype="bfloat16",
-    )  # fmt: skip
+    )
 
 
 def test_a_405b_model_plans_without_reading_a_byte() -> None:
@@ -85,13 +90,16 @@ def test_draft_lives_on_the_last_stage_and_target_embedding_joins_it() -> None:
     draft_config = {**config, "num_hidden_layers": 1, "draft_vocab_size": 512}
     draft_family = archs.draft_family("eagle3")
     shapes = draft_family.expected_shapes(draft_config, target_config=config)
-    draft = SourceModel(draft_config, {n: ("F32", s) for n, s in shapes.items()} | {
-        "d2t": ("I64", (512,)), "t2d": ("BOOL", (1000,))})  # fmt: skip
+    draft = SourceModel(
+        draft_config,
+        {n: ("F32", s) for n, s in shapes.items()}
+        | {"d2t": ("I64", (512,)), "t2d": ("BOOL", (1000,))},
+    )
     plan = make_plan(source(config, "F32"), tp=2, pp=2, draft=draft)
     draft_files = [f for f in plan.files if f.role == "draft"]
     assert {(f.pp, f.tp) for f in draft_files} == {(1, 0), (1, 1)}
     assert all(f.path.startswith("draft/shards/model-pp-1-tp-") for f in draft_files)
-    last_target = [f for f in plan.files if f.role == "target" and f.pp == 1][0]
+    last_target = next(f for f in plan.files if f.role == "target" and f.pp == 1)
     assert "model.embed_tokens.weight" in {t.name for t in last_target.tensors}
     target = next(m for m in plan.models if m.role == "target")
     assert target.spec_decode_only == (("model.embed_tokens.weight", 1),)
@@ -116,8 +124,11 @@ def test_max_part_size_splits_between_tensors() -> None:
 
 def test_all_problems_are_reported_at_once() -> None:
     config = tiny_config(num_attention_heads=4, intermediate_size=130, vocab_size=1000)
-    model = source(config, drop={"model.layers.1.mlp.up_proj.weight"},
-                   extra={"model.layers.0.mlp.experts.0.w1": ("BF16", (4, 4))})  # fmt: skip
+    model = source(
+        config,
+        drop={"model.layers.1.mlp.up_proj.weight"},
+        extra={"model.layers.0.mlp.experts.0.w1": ("BF16", (4, 4))},
+    )
     with pytest.raises(PlanError) as info:
         make_plan(model, tp=3, pp=2)
     message = str(info.value)
@@ -130,22 +141,37 @@ def test_all_problems_are_reported_at_once() -> None:
 def test_shape_that_contradicts_config() -> None:
     config = tiny_config()
     model = source(config, extra={"model.layers.2.self_attn.q_proj.weight": ("BF16", (32, 64))})
-    with pytest.raises(PlanError, match=r"q_proj.weight has shape \[32, 64\] but config.json "
-                       r"implies \[64, 64\]"):  # fmt: skip
+    with pytest.raises(
+        PlanError,
+        match=r"q_proj.weight has shape \[32, 64\] but config.json "
+        r"implies \[64, 64\]",
+    ):
         make_plan(model, tp=1, pp=1)
 
 
 def test_padded_vocab_not_divisible() -> None:
-    with pytest.raises(PlanError, match=r"vocabulary padded to 64 \(1024\) is not divisible by tp=3"):
-        make_plan(source(tiny_config(num_attention_heads=3, num_key_value_heads=3, head_dim=16,
-                                     intermediate_size=129)), tp=3, pp=1)  # fmt: skip
+    with pytest.raises(
+        PlanError, match=r"vocabulary padded to 64 \(1024\) is not divisible by tp=3"
+    ):
+        make_plan(
+            source(
+                tiny_config(
+                    num_attention_heads=3, num_key_value_heads=3, head_dim=16, intermediate_size=129
+                )
+            ),
+            tp=3,
+            pp=1,
+        )
 
 
 def test_unsupported_architecture_names_the_supported_ones() -> None:
     config = tiny_config()
     config["architectures"] = ["GPT2LMHeadModel"]
-    with pytest.raises(ConfigError, match="GPT2LMHeadModel is not supported; shardprep supports "
-                       "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(
+        ConfigError,
+        match="GPT2LMHeadModel is not supported; shardprep supports "
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
         make_plan(SourceModel(config, {}), tp=1, pp=1)
 
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from shardprep.errors import PlanError
@@ -72,7 +74,7 @@ def test_rank_range_tiles_without_gap() -> None:
     for size, tp in [(12, 3), (32064, 2), (64, 8)]:
         ranges = [rank_range(size, tp, r) for r in range(tp)]
         assert ranges[0][0] == 0 and ranges[-1][1] == size
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
 @pytest.mark.parametrize(

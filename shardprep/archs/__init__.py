@@ -52,8 +52,9 @@ class Family(Protocol):
         """Problems that make the model unsplittable at this tp, each a full sentence."""
         ...
 
-    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        ...
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, **context: Any
+    ) -> Layout: ...
 
 
 _TARGETS: dict[str, Family] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 from shardprep.archs import Config, Layout, Param, Shapes, register_arch, register_draft
 from shardprep.layout import Cut, Piece
@@ -90,7 +90,9 @@ class Dims:
                 f"num_attention_heads ({self.heads}) is not divisible by tp={tp}; "
                 "choose a tp that divides it"
             )
-        if tp < self.kv_heads and self.kv_heads % tp or tp >= self.kv_heads and tp % self.kv_heads:
+        if (tp < self.kv_heads and self.kv_heads % tp) or (
+            tp >= self.kv_heads and tp % self.kv_heads
+        ):
             problems.append(
                 f"num_key_value_heads ({self.kv_heads}) and tp={tp} do not divide one another; "
                 "choose a tp that divides or is a multiple of the KV heads"
@@ -188,7 +190,9 @@ class LlamaFamily:
         embed_stages = sorted({0} | ({last} if dims.tied or draft_embed else set()))
         embed = Piece("model.embed_tokens.weight", Cut.VOCAB)
         params.append(Param("model.embed_tokens.weight", (embed,), tuple(embed_stages)))
-        params.append(Param("model.norm.weight", (Piece("model.norm.weight", Cut.REPLICATE),), (last,)))
+        params.append(
+            Param("model.norm.weight", (Piece("model.norm.weight", Cut.REPLICATE),), (last,))
+        )
         skipped = _skipped(shapes, TARGET_LAYER)
         if dims.tied:
             if "lm_head.weight" in shapes:
@@ -211,10 +215,10 @@ class _EagleBase:
     only the attention prefix after the target's layers), everything on the last stage,
     embedding and lm_head optional (vLLM shares the target's when absent)."""
 
-    layer_pattern: re.Pattern[str]
-    top_level: dict[str, tuple[str, Cut]]
-    skipped_names: dict[str, str] = {}
-    optional_sources: frozenset[str] = frozenset({"embed_tokens.weight"})
+    layer_pattern: ClassVar[re.Pattern[str]]
+    top_level: ClassVar[dict[str, tuple[str, Cut]]]
+    skipped_names: ClassVar[dict[str, str]] = {}
+    optional_sources: ClassVar[frozenset[str]] = frozenset({"embed_tokens.weight"})
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         return _draft_dims(config, context.get("target_config", {})).check(tp)
@@ -250,11 +254,13 @@ class EagleDraft(_EagleBase):
 
     name = "eagle"
     layer_pattern = re.compile(r"^layers\.(\d+)\.(.+)$")
-    top_level = {
+    top_level: ClassVar[dict[str, tuple[str, Cut]]] = {
         "embed_tokens.weight": ("model.embed_tokens.weight", Cut.VOCAB),
         "fc.weight": ("model.fc.weight", Cut.REPLICATE),
     }
-    skipped_names = {"layers.0.input_layernorm.weight": "vLLM's EAGLE layer 0 has no input norm"}
+    skipped_names: ClassVar[dict[str, str]] = {
+        "layers.0.input_layernorm.weight": "vLLM's EAGLE layer 0 has no input norm"
+    }
 
     def recognizes(self, config: Config, names: list[str]) -> bool:
         return "fc.weight" in names and any(n.startswith("layers.") for n in names)
@@ -283,15 +289,15 @@ class Eagle3Draft(_EagleBase):
 
     name = "eagle3"
     layer_pattern = re.compile(r"^(?:midlayer|layers\.(\d+))\.(.+)$")
-    top_level = {
+    top_level: ClassVar[dict[str, tuple[str, Cut]]] = {
         "embed_tokens.weight": ("model.embed_tokens.weight", Cut.VOCAB),
         "fc.weight": ("model.fc.weight", Cut.REPLICATE),
         "norm.weight": ("model.norm.weight", Cut.REPLICATE),
         "lm_head.weight": ("lm_head.weight", Cut.VOCAB),
         "d2t": ("draft_id_to_target_id", Cut.REPLICATE),
     }
-    skipped_names = {"t2d": "vLLM does not use the target-to-draft table"}
-    optional_sources = frozenset({"embed_tokens.weight", "t2d", "d2t"})
+    skipped_names: ClassVar[dict[str, str]] = {"t2d": "vLLM does not use the target-to-draft table"}
+    optional_sources: ClassVar[frozenset[str]] = frozenset({"embed_tokens.weight", "t2d", "d2t"})
 
     def recognizes(self, config: Config, names: list[str]) -> bool:
         return any(n.startswith("midlayer.") for n in names) or "d2t" in names
@@ -312,7 +318,9 @@ class Eagle3Draft(_EagleBase):
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         target = context.get("target_config", {})
         dims = _draft_dims(config, target)
-        target_hidden = int(config.get("target_hidden_size") or target.get("hidden_size") or dims.hidden)
+        target_hidden = int(
+            config.get("target_hidden_size") or target.get("hidden_size") or dims.hidden
+        )
         aux = int(config.get("num_aux_hidden_states") or 3)
         layer = dims.layer_shapes(False, False, 2 * dims.hidden)
         layer["hidden_norm.weight"] = (dims.hidden,)
@@ -340,4 +348,3 @@ class Eagle3Draft(_EagleBase):
 
     def _layer_prefix(self, name: str) -> str:
         return "midlayer." if name.startswith("midlayer.") else super()._layer_prefix(name)
-

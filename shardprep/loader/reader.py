@@ -1,0 +1,274 @@
+"""Rank-local reading of an artifact: only this rank's files, no collective of any kind.
+
+Each part file is checked first (present, the size the manifest records, a strict header
+that lists exactly the tensors the manifest gives this rank, and the sha256 when
+`verify`), then read with fastsafetensors on a `SingleGroup` (GDS when the device is
+CUDA and `/dev/nvidia-fs*` exists, else its no-GDS path), one part at a time, so the
+extra memory is one part. When fastsafetensors is missing or fails on a file, the rest
+of the process reads with safetensors' `safe_open`; which path was taken, and why, is
+logged once per process.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardprep.constants import MANIFEST_NAME
+from shardprep.errors import CorruptFileError, ShardprepError, TopologyMismatchError, summarize
+from shardprep.manifest import FileEntry, Manifest, ParamSpec, rank_key, read_manifest
+from shardprep.safetensors_io import Header, read_header, sha256_file
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("shardprep.loader")
+
+BACKENDS = ("auto", "fastsafetensors", "safetensors")
+GDS_DEVICES = "/dev/nvidia-fs*"
+
+
+class MissingRankFileError(ShardprepError, FileNotFoundError):
+    """A file that the manifest lists for this rank is not on disk."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """One checked part file of a rank: where it is, what the manifest says, its header."""
+
+    path: Path
+    entry: FileEntry
+    header: Header
+
+
+def read_rank(
+    artifact: Path,
+    role: str,
+    pp_rank: int,
+    tp_rank: int,
+    *,
+    manifest: Manifest | None = None,
+    device: str = "cpu",
+    verify: bool = False,
+    backend: str = "auto",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of rank (pp_rank, tp_rank) of `role`.
+
+    All of the rank's files are checked before the first tensor is yielded. Tensors are
+    on `device`; each part's memory is released once its tensors are dropped.
+    """
+    artifact = Path(artifact)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    manifest = manifest if manifest is not None else read_manifest(artifact)
+    for rank_file in check_rank_files(artifact, manifest, role, pp_rank, tp_rank, verify=verify):
+        yield from read_file(rank_file.path, rank_file.header, device=device, backend=backend)
+
+
+def check_rank_files(
+    artifact: Path, manifest: Manifest, role: str, pp_rank: int, tp_rank: int, *, verify: bool
+) -> list[RankFile]:
+    """The rank's part files, each present, of the recorded size, with a strict header
+    that matches the manifest (and the recorded sha256 when `verify`)."""
+    entries = manifest.rank_files(role, pp_rank, tp_rank)
+    if not entries:
+        raise _no_files(artifact, manifest, role, pp_rank, tp_rank)
+    missing = [e.path for e in entries if not (artifact / e.path).is_file()]
+    if missing:
+        raise MissingRankFileError(
+            f"{artifact} lacks {len(missing)} file(s) of {role} rank pp{pp_rank} tp{tp_rank} "
+            f"that {MANIFEST_NAME} lists ({summarize(missing)}); re-run `shardprep convert` "
+            f"into {artifact} (it resumes), or fetch stage {pp_rank} again",
+            path=str(artifact / missing[0]),
+        )
+    files = [_check_file(artifact, entry, verify) for entry in entries]
+    _check_against_manifest(artifact, manifest, role, pp_rank, tp_rank, files)
+    return files
+
+
+def _no_files(
+    artifact: Path, manifest: Manifest, role: str, pp_rank: int, tp_rank: int
+) -> ShardprepError:
+    topo = manifest.topology
+    if pp_rank not in manifest.stages:
+        stages = ", ".join(map(str, manifest.stages))
+        return TopologyMismatchError(
+            f"{artifact} holds only stage(s) {stages}, not stage {pp_rank}; convert it with "
+            f"`shardprep convert --tp {topo.tp} --pp {topo.pp} --stage {pp_rank}` "
+            f"or fetch stage {pp_rank}"
+        )
+    if role == "draft" and manifest.model("draft") is None:
+        return TopologyMismatchError(
+            f"{artifact} has no draft model; convert it with `shardprep convert ... --draft DRAFT`"
+        )
+    if role == "draft":
+        return TopologyMismatchError(
+            f"{artifact} holds draft files for the last stage ({topo.pp - 1}) only, "
+            f"not for stage {pp_rank}; vLLM builds drafts on the last stage"
+        )
+    return TopologyMismatchError(
+        f"{artifact} has no {role} files for rank pp{pp_rank} tp{tp_rank}; it is "
+        f"tp{topo.tp} x pp{topo.pp}: re-run `shardprep convert` for this topology"
+    )
+
+
+def _check_file(artifact: Path, entry: FileEntry, verify: bool) -> RankFile:
+    path = artifact / entry.path
+    size = path.stat().st_size
+    if size != entry.bytes:
+        raise CorruptFileError(
+            f"{path} has {size:,} bytes but {MANIFEST_NAME} records {entry.bytes:,}; "
+            f"it is truncated or was replaced: re-run `shardprep convert` into {artifact}",
+            path=str(path),
+        )
+    header = read_header(path)
+    if verify and sha256_file(path) != entry.sha256:
+        raise CorruptFileError(
+            f"{path} does not match the sha256 that {MANIFEST_NAME} records "
+            f"({entry.sha256[:12]}...); its bytes changed: re-run `shardprep convert` "
+            f"into {artifact} (it rewrites files that fail their hash) or fetch it again",
+            path=str(path),
+        )
+    return RankFile(path, entry, header)
+
+
+def _check_against_manifest(
+    artifact: Path,
+    manifest: Manifest,
+    role: str,
+    pp_rank: int,
+    tp_rank: int,
+    files: list[RankFile],
+) -> None:
+    """The headers together hold exactly the tensors the manifest gives this rank."""
+    model = manifest.model(role)
+    expected = model.ranks.get(rank_key(pp_rank, tp_rank)) if model is not None else None
+    if expected is None:
+        return
+    found: dict[str, ParamSpec] = {}
+    for rank_file in files:
+        for name, info in rank_file.header.tensors.items():
+            found[name] = ParamSpec(info.dtype, info.shape)
+    differ = sorted(n for n in set(found) | set(expected) if found.get(n) != expected.get(n))
+    if differ:
+        raise CorruptFileError(
+            f"the {role} files of rank pp{pp_rank} tp{tp_rank} in {artifact} do not hold "
+            f"what {MANIFEST_NAME} lists: {len(differ)} tensor(s) differ ({summarize(differ)}); "
+            "re-run `shardprep convert` into a new folder",
+            path=str(files[0].path),
+        )
+
+
+def read_file(
+    path: Path, header: Header, *, device: str = "cpu", backend: str = "auto"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the tensors of one checked file, in file order, with the chosen backend."""
+    names = [n for n, _ in sorted(header.tensors.items(), key=lambda item: item[1].offset)]
+    if backend == "safetensors" or (backend == "auto" and _state.fast_unusable):
+        _announce("safetensors", _state.fast_unusable or "the safetensors backend was requested")
+        yield from _read_safetensors(path, names, device)
+        return
+    try:
+        opened = _open_fast(path, device)
+    except Exception as exc:
+        if backend == "fastsafetensors":
+            raise
+        _state.fast_unusable = f"fastsafetensors failed on {path}: {type(exc).__name__}: {exc}"
+        _announce("safetensors", _state.fast_unusable)
+        yield from _read_safetensors(path, names, device)
+        return
+    _announce("fastsafetensors", opened.why)
+    yield from opened.tensors(names)
+
+
+@dataclass
+class _State:
+    """Process-wide: why fastsafetensors cannot be used here (None while it can), and
+    which paths were already announced."""
+
+    fast_unusable: str | None = None
+    announced: set[str] = field(default_factory=set)
+
+
+_state = _State()
+
+
+def _announce(path_key: str, why: str) -> None:
+    if path_key in _state.announced:
+        return
+    _state.announced.add(path_key)
+    if path_key == "fastsafetensors":
+        logger.info("shardprep reads rank files with fastsafetensors (%s)", why)
+    else:
+        logger.warning("shardprep reads rank files with safetensors safe_open (%s)", why)
+
+
+def backend_in_use() -> str:
+    """'fastsafetensors' until it proved unusable in this process, then 'safetensors'."""
+    return "safetensors" if _state.fast_unusable else "fastsafetensors"
+
+
+def use_gds(device: str) -> bool:
+    """GDS only for a CUDA device on a machine with the nvidia-fs driver loaded."""
+    return device.startswith("cuda") and bool(glob.glob(GDS_DEVICES))
+
+
+@dataclass
+class _FastFile:
+    loader: object
+    buffer: object
+    why: str
+
+    def tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors own a share of the file's buffer: it is freed when they are dropped."""
+        try:
+            for name in names:
+                yield name, self.buffer.get_tensor(name)  # type: ignore[attr-defined]
+        finally:
+            self.buffer.close()  # type: ignore[attr-defined]
+            self.loader.close()  # type: ignore[attr-defined]
+
+
+def _open_fast(path: Path, device: str) -> _FastFile:
+    """Stage one whole file on `device` with fastsafetensors on a single-process group."""
+    try:
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+    except ImportError as exc:
+        raise RuntimeError(f"fastsafetensors is not importable ({exc})") from exc
+    gds = use_gds(device)
+    loader = SafeTensorsFileLoader(SingleGroup(), device=device, nogds=not gds)
+    try:
+        loader.add_filenames({0: [str(path)]})
+        buffer = loader.copy_files_to_device()
+    except BaseException:
+        loader.close()
+        raise
+    why = "GDS" if gds else f"no GDS: device {device}, {_gds_absence(device)}"
+    return _FastFile(loader, buffer, why)
+
+
+def _gds_absence(device: str) -> str:
+    if not device.startswith("cuda"):
+        return "GDS needs a CUDA device"
+    return f"no {GDS_DEVICES} on this machine"
+
+
+def _read_safetensors(
+    path: Path, names: list[str], device: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=device) as handle:
+        for name in names:
+            yield name, handle.get_tensor(name)
