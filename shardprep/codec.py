@@ -58,23 +58,30 @@ zstd error, inconsistent tables or truncation.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
+import json
 import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar
 
 import numpy as np
+import zstandard
 
 from shardprep.constants import INCOMPLETE_SUFFIX, MAX_HEADER_BYTES
 from shardprep.errors import ConfigError, CorruptFileError
 
-DEFAULT_FRAME_SIZE = 16 * 1024**2
+DEFAULT_FRAME_SIZE = 4 * 1024**2
 MIN_FRAME_SIZE = 4096
 MAX_FRAME_SIZE = 256 * 1024**2
 MAX_DEFAULT_THREADS = 8
@@ -89,8 +96,8 @@ _STREAM = struct.Struct("<B3xII")
 _TRAILER_MAGIC = b"SPEND\0\0\0"
 _TRAILER = struct.Struct("<8sQQ32s")
 
-_PLAIN, _PLANES, _BF16, _F16, _F32 = range(5)
-_KIND_NAMES = {_PLAIN: "plain", _PLANES: "planes", _BF16: "bf16", _F16: "f16", _F32: "f32"}
+_PLAIN, _PLANES, _BF16, _F16, _F32 = range(5)  # segment kinds, as stored
+_LZ_BYTES = 5  # planned only: stored as PLANES(1), compressed with zstd level 3
 _RAW, _ZSTD = 0, 1
 
 _MIN_SEGMENT_BYTES = 4096  # below this the stream overheads outweigh the split
@@ -103,8 +110,14 @@ _SAMPLE_STEP = 16
 
 _IO_CHUNK = 16 * 1024**2
 
-# dtype -> (kind, item size). Anything else (F8_*, integers, bool, F64...) is PLANES(1).
-_DTYPE_KINDS = {"BF16": (_BF16, 2), "F16": (_F16, 2), "F32": (_F32, 4)}
+# dtype -> (kind, item size); any other dtype (integers, bool, F64...) is _LZ_BYTES.
+_DTYPE_KINDS = {
+    "BF16": (_BF16, 2),
+    "F16": (_F16, 2),
+    "F32": (_F32, 4),
+    "F8_E4M3": (_PLANES, 1),
+    "F8_E5M2": (_PLANES, 1),
+}
 
 
 @dataclass(frozen=True)
@@ -121,13 +134,15 @@ class CodecResult:
 
 
 class Codec(Protocol):
+    """A transport codec: `magic` opens every file it writes (b"" for the identity)."""
+
     name: str
     magic: bytes
 
     def compress(
-        self, src: BinaryIO, dst: _HashingWriter, *, threads: int, frame_size: int
+        self, src: _HashingReader, dst: _HashingWriter, *, threads: int, frame_size: int
     ) -> None:
-        """Write the stored form of `src` (already hashed by the caller) to `dst`."""
+        """Write the stored form of the safetensors bytes of `src` to `dst`."""
 
     def decompress(self, src: _HashingReader, dst: _HashingWriter, *, threads: int) -> bytes | None:
         """Write the raw bytes to `dst`; return the raw sha256 the file promises, if any."""
@@ -188,10 +203,14 @@ def compress_file(
             f"{MAX_FRAME_SIZE} bytes (the default is {DEFAULT_FRAME_SIZE})."
         )
     src, dst = Path(src), Path(dst)
-    with open(src, "rb") as raw_file, _atomic_output(dst, like=src) as out_file:
-        reader = _HashingReader(raw_file, str(src))
-        writer = _HashingWriter(out_file)
-        impl.compress(reader, writer, threads=n_threads, frame_size=frame_size)  # type: ignore[arg-type]
+    with (
+        open(src, "rb") as raw_file,
+        _atomic_output(dst, like=src) as out_file,
+        _sha256_pair(n_threads) as (raw_sha, stored_sha),
+    ):
+        reader = _HashingReader(raw_file, str(src), raw_sha)
+        writer = _HashingWriter(out_file, stored_sha)
+        impl.compress(reader, writer, threads=n_threads, frame_size=frame_size)
         return CodecResult(reader.count, writer.count, reader.hexdigest(), writer.hexdigest())
 
 
@@ -206,9 +225,12 @@ def decompress_file(src: Path, dst: Path, *, threads: int | None = None) -> Code
     with open(src, "rb") as stored_file:
         impl = _detect_codec(stored_file.read(8), src)
         stored_file.seek(0)
-        with _atomic_output(dst, like=src) as out_file:
-            reader = _HashingReader(stored_file, str(src))
-            writer = _HashingWriter(out_file)
+        with (
+            _atomic_output(dst, like=src) as out_file,
+            _sha256_pair(n_threads) as (raw_sha, stored_sha),
+        ):
+            reader = _HashingReader(stored_file, str(src), stored_sha)
+            writer = _HashingWriter(out_file, raw_sha)
             try:
                 expected = impl.decompress(reader, writer, threads=n_threads)
             except CorruptFileError as exc:
@@ -238,11 +260,8 @@ def _detect_codec(head: bytes, src: Path) -> Codec:
             return impl
     if len(head) == 8 and struct.unpack("<Q", head)[0] <= MAX_HEADER_BYTES:
         return get_codec("none")
-    raise CorruptFileError(
-        f"{src} is neither a shardprep-compressed file nor a safetensors file "
-        f"(first bytes {head!r}). Fetch it again.",
-        path=str(src),
-    )
+    reason = f"it is neither a shardprep container nor a safetensors file (starts {head!r})"
+    raise CorruptFileError(_corrupt_message(src, reason), path=str(src))
 
 
 @contextmanager
@@ -262,14 +281,22 @@ def _atomic_output(dst: Path, like: Path) -> Iterator[BinaryIO]:
         raise
 
 
-class _HashingReader:
-    """Reads a file, hashing and counting every byte handed out."""
+class _Hash(Protocol):
+    def update(self, data: bytes | memoryview | np.ndarray, /) -> None: ...
 
-    def __init__(self, handle: BinaryIO, name: str) -> None:
+    def digest(self) -> bytes: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class _HashingReader:
+    """Reads a binary stream, hashing (sha256 unless told) and counting what it hands out."""
+
+    def __init__(self, handle: BinaryIO, name: str, sha: _Hash | None = None) -> None:
         self._handle = handle
         self.name = name
         self.count = 0
-        self._sha = hashlib.sha256()
+        self._sha = hashlib.sha256() if sha is None else sha
 
     def read(self, size: int) -> bytes:
         data = self._handle.read(size)
@@ -283,8 +310,19 @@ class _HashingReader:
             raise CorruptFileError(f"truncated: {what} ends after {len(data)} of {size} bytes")
         return data
 
+    def read_at(self, size: int, offset: int) -> bytes:
+        """Bytes at `offset`, without moving the stream or hashing (header parsing)."""
+        position = self._handle.tell()
+        self._handle.seek(offset)
+        data = self._handle.read(size)
+        self._handle.seek(position)
+        return data
+
     def size(self) -> int:
-        return os.fstat(self._handle.fileno()).st_size
+        position = self._handle.tell()
+        size = self._handle.seek(0, os.SEEK_END)
+        self._handle.seek(position)
+        return size
 
     def digest(self) -> bytes:
         return self._sha.digest()
@@ -294,12 +332,12 @@ class _HashingReader:
 
 
 class _HashingWriter:
-    """Writes to a file, hashing and counting every byte."""
+    """Writes to a binary stream, hashing (sha256 unless told) and counting every byte."""
 
-    def __init__(self, handle: BinaryIO) -> None:
+    def __init__(self, handle: BinaryIO, sha: _Hash | None = None) -> None:
         self._handle = handle
         self.count = 0
-        self._sha = hashlib.sha256()
+        self._sha = hashlib.sha256() if sha is None else sha
 
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
         self._sha.update(data)
@@ -311,6 +349,57 @@ class _HashingWriter:
 
     def hexdigest(self) -> str:
         return self._sha.hexdigest()
+
+
+class _BackgroundSha256:
+    """sha256 fed in order on a thread of its own, overlapping reading, coding and writing.
+
+    At most a few updates (and the buffers they hold) wait at any time.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self._sha = hashlib.sha256()
+        self._pool = pool
+        self._pending: deque[Future[None]] = deque()
+
+    def update(self, data: bytes | memoryview | np.ndarray, /) -> None:
+        self._pending.append(self._pool.submit(self._sha.update, data))
+        while len(self._pending) > 4:
+            self._pending.popleft().result()
+
+    def digest(self) -> bytes:
+        while self._pending:
+            self._pending.popleft().result()
+        return self._sha.digest()
+
+    def hexdigest(self) -> str:
+        return self.digest().hex()
+
+
+@contextmanager
+def _sha256_pair(threads: int) -> Iterator[tuple[_Hash, _Hash]]:
+    """Two sha256 (raw and stored bytes): on two threads of their own unless threads == 1."""
+    if threads == 1:
+        yield hashlib.sha256(), hashlib.sha256()
+        return
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="shardprep-sha") as first,
+        ThreadPoolExecutor(1, thread_name_prefix="shardprep-sha") as second,
+    ):
+        yield _BackgroundSha256(first), _BackgroundSha256(second)
+
+
+class _NoHash:
+    """For benchmarks of the codec alone: hashes nothing, digests to 32 zero bytes."""
+
+    def update(self, data: object, /) -> None:
+        pass
+
+    def digest(self) -> bytes:
+        return bytes(32)
+
+    def hexdigest(self) -> str:
+        return "0" * 64
 
 
 # ---------------------------------------------------------------------------- codecs
@@ -336,3 +425,620 @@ class _IdentityCodec:
 def _copy(src: _HashingReader, dst: _HashingWriter) -> None:
     while data := src.read(_IO_CHUNK):
         dst.write(data)
+
+
+@register_codec("zstd")
+class _ZstdCodec:
+    """The framed, byte-grouped zstd container described in the module docstring."""
+
+    name = "zstd"
+    magic = MAGIC
+
+    def compress(
+        self, src: _HashingReader, dst: _HashingWriter, *, threads: int, frame_size: int
+    ) -> None:
+        raw_size = src.size()
+        regions = _regions(src, raw_size)
+        dst.write(_FILE_HEADER.pack(MAGIC, VERSION, 0, frame_size, raw_size))
+        starts = range(0, raw_size, frame_size)
+        frames = (
+            (src.read_exact(min(frame_size, raw_size - start), "the source"), start)
+            for start in starts
+        )
+
+        def encode(item: tuple[bytes, int]) -> list[_Plane]:
+            raw, start = item
+            return _encode_frame(raw, _plan_segments(regions, start, len(raw)))
+
+        for parts in _ordered_map(encode, frames, threads):
+            for part in parts:
+                dst.write(part)
+        if src.read(1):
+            raise CorruptFileError(f"{src.name} grew while it was being compressed")
+        dst.write(_TRAILER.pack(_TRAILER_MAGIC, len(starts), raw_size, src.digest()))
+
+    def decompress(self, src: _HashingReader, dst: _HashingWriter, *, threads: int) -> bytes | None:
+        header = src.read_exact(_FILE_HEADER.size, "the file header")
+        _magic, version, _flags, frame_size, raw_size = _FILE_HEADER.unpack(header)
+        if version != VERSION:
+            raise CorruptFileError(f"container version {version}, this shardprep reads {VERSION}")
+        if not MIN_FRAME_SIZE <= frame_size <= MAX_FRAME_SIZE:
+            raise CorruptFileError(f"frame size {frame_size} is out of range")
+        reader = _FrameReader(src, frame_size)
+        written = 0
+        for raw in _ordered_map(_decode_frame, reader, threads):
+            dst.write(raw)
+            written += raw.nbytes
+        n_frames, size, sha = reader.trailer
+        if n_frames != reader.count or size != raw_size or written != raw_size:
+            raise CorruptFileError(
+                f"the trailer promises {n_frames} frames and {size} bytes, the file header "
+                f"{raw_size} bytes; found {reader.count} frames holding {written} bytes"
+            )
+        if src.read(1):
+            raise CorruptFileError("there are bytes after the trailer")
+        return sha
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class _Region:
+    """File bytes [start, end) of one tensor, and how its dtype is coded."""
+
+    start: int
+    end: int
+    kind: int
+    item: int
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Bytes [start, start + length) of a frame, to be coded as `kind`."""
+
+    kind: int
+    item: int
+    start: int
+    length: int
+
+
+def _regions(src: _HashingReader, size: int) -> list[_Region]:
+    """The typed byte ranges of a safetensors file, from its header (read aside, unhashed)."""
+    header_len, header = _read_safetensors_header(src, size)
+    data_start = 8 + header_len
+    spans = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end, dtype = _entry_span(key, entry, size - data_start, src.name)
+        if end > begin:
+            kind, item = _DTYPE_KINDS.get(dtype, (_LZ_BYTES, 1))
+            spans.append(_Region(data_start + begin, data_start + end, kind, item))
+    # Tensors stay apart even when contiguous: each gets its own exponent window.
+    spans.sort(key=lambda r: r.start)
+    for before, after in itertools.pairwise(spans):
+        if after.start < before.end:
+            raise CorruptFileError(f"{src.name}: tensors overlap at byte {after.start}")
+    return spans
+
+
+def _read_safetensors_header(src: _HashingReader, size: int) -> tuple[int, dict]:
+    name = src.name
+    if size < 8:
+        raise CorruptFileError(f"{name} is not a safetensors file: it has only {size} bytes")
+    (header_len,) = struct.unpack("<Q", src.read_at(8, 0))
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        raise CorruptFileError(
+            f"{name} is not a safetensors file: its header length {header_len} is over "
+            f"the limit ({MAX_HEADER_BYTES}) or the file size ({size})"
+        )
+    raw = src.read_at(header_len, 8)
+    if len(raw) != header_len:
+        raise CorruptFileError(f"{name}: the safetensors header is truncated")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptFileError(f"{name}: the safetensors header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CorruptFileError(f"{name}: the safetensors header is not a JSON object")
+    return header_len, header
+
+
+def _entry_span(key: str, entry: object, data_len: int, name: str) -> tuple[int, int, str]:
+    try:
+        dtype = entry["dtype"]  # type: ignore[index]
+        begin, end = entry["data_offsets"]  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        raise CorruptFileError(f"{name}: tensor {key!r} has no dtype or data_offsets") from None
+    if not (isinstance(dtype, str) and isinstance(begin, int) and isinstance(end, int)):
+        raise CorruptFileError(f"{name}: tensor {key!r} has a malformed entry")
+    if not 0 <= begin <= end <= data_len:
+        raise CorruptFileError(
+            f"{name}: tensor {key!r} has data_offsets [{begin}, {end}] outside the "
+            f"{data_len} data bytes"
+        )
+    return begin, end, dtype
+
+
+def _plan_segments(regions: list[_Region], start: int, length: int) -> list[_Segment]:
+    """Cut file bytes [start, start + length) into segments (offsets relative to `start`)."""
+    segments: list[_Segment] = []
+    pos = 0
+    first = max(0, bisect.bisect_right(regions, start, key=lambda r: r.start) - 1)
+    for region in regions[first:]:
+        lo, hi = max(region.start, start) - start, min(region.end, start + length) - start
+        if lo >= length:
+            break
+        if lo >= hi:
+            continue
+        lo = min(hi, lo - (lo + start - region.start) % -region.item)  # skip a cut element
+        step = 32 * region.item  # see _pack6 and _lanes
+        body = max(0, (hi - lo) // step * step)
+        _add(segments, _Segment(_PLAIN, 1, pos, lo - pos))
+        kind = region.kind if body >= _MIN_SEGMENT_BYTES else _PLAIN
+        _add(segments, _Segment(kind, region.item, lo, body))
+        pos = lo + body
+    _add(segments, _Segment(_PLAIN, 1, pos, length - pos))
+    return segments
+
+
+def _add(segments: list[_Segment], segment: _Segment) -> None:
+    if segment.length <= 0:
+        return
+    last = segments[-1] if segments else None
+    if last and last.kind == _PLAIN and segment.kind == _PLAIN:
+        segments[-1] = _Segment(_PLAIN, 1, last.start, last.length + segment.length)
+    else:
+        segments.append(segment)
+
+
+# ---------------------------------------------------------------------------- frames
+
+_Plane = bytes | memoryview | np.ndarray
+
+
+def _encode_frame(raw: bytes, segments: list[_Segment]) -> list[_Plane]:
+    """One self-contained frame, in parts: header, segment and stream tables, streams."""
+    view = memoryview(raw)
+    plain: list[memoryview] = []
+    table: list[bytes] = []
+    streams: list[tuple[int, int, _Plane]] = []
+    for seg in segments:
+        data = view[seg.start : seg.start + seg.length]
+        if seg.kind == _PLAIN:
+            plain.append(data)
+            table.append(_SEGMENT.pack(_PLAIN, 0, 0, seg.length))
+            continue
+        kind, param, planes, lz = _ENCODERS[seg.kind](data, seg.item)
+        table.append(_SEGMENT.pack(kind, param, 0, seg.length))
+        streams.extend(_pack(plane, lz) for plane in planes)
+    streams.insert(0, _pack(b"".join(plain), lz=True))
+    parts: list[_Plane] = [_FRAME_HEADER.pack(_FRAME_MAGIC, len(raw), len(table), len(streams))]
+    parts += table
+    parts += [
+        _STREAM.pack(method, size, memoryview(stored).nbytes) for method, size, stored in streams
+    ]
+    parts += [stored for _, _, stored in streams]
+    return parts
+
+
+def _pack(plane: _Plane, lz: bool) -> tuple[int, int, _Plane]:
+    """(method, raw length, stored bytes): zstd where it pays, else the plane itself."""
+    size = memoryview(plane).nbytes
+    if size == 0:
+        return _RAW, 0, b""
+    packed = _zstd_compressor(lz).compress(plane)
+    if len(packed) <= size * _PAYS:
+        return _ZSTD, size, packed
+    return _RAW, size, plane
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """A frame as read from the file: its tables, checked, and its stream bytes."""
+
+    index: int
+    raw_len: int
+    segments: list[tuple[int, int, int]]  # (kind, param, raw_len)
+    streams: list[tuple[int, int, int]]  # (method, raw_len, stored_len)
+    payload: bytes
+
+
+class _FrameReader:
+    """Iterates over the frames of a container; afterwards `trailer` holds the trailer."""
+
+    def __init__(self, src: _HashingReader, frame_size: int) -> None:
+        self._src = src
+        self._frame_size = frame_size
+        self.count = 0
+        self.trailer: tuple[int, int, bytes] = (0, 0, b"")
+
+    def __iter__(self) -> Iterator[_Frame]:
+        while True:
+            head = self._src.read_exact(_FRAME_HEADER.size, f"frame {self.count}")
+            if head[:8] == _TRAILER_MAGIC:
+                rest = self._src.read_exact(_TRAILER.size - len(head), "the trailer")
+                self.trailer = _TRAILER.unpack(head + rest)[1:]
+                return
+            yield self._read_frame(head)
+            self.count += 1
+
+    def _read_frame(self, head: bytes) -> _Frame:
+        where = f"frame {self.count}"
+        magic, raw_len, n_segments, n_streams = _FRAME_HEADER.unpack(head)
+        if magic != _FRAME_MAGIC or not 0 < raw_len <= self._frame_size:
+            raise CorruptFileError(f"{where} has a damaged header")
+        if n_segments > raw_len // 1024 + 16 or n_streams > 5 * n_segments + 1:
+            raise CorruptFileError(f"{where} claims {n_segments} segments, {n_streams} streams")
+        tables = self._src.read_exact(n_segments * _SEGMENT.size + n_streams * _STREAM.size, where)
+        cut = n_segments * _SEGMENT.size
+        segments = [(k, p, n) for k, p, _, n in _SEGMENT.iter_unpack(tables[:cut])]
+        streams = list(_STREAM.iter_unpack(tables[cut:]))
+        _check_tables(where, raw_len, segments, streams)
+        payload = self._src.read_exact(sum(stored for _, _, stored in streams), where)
+        return _Frame(self.count, raw_len, segments, streams, payload)
+
+
+def _check_tables(
+    where: str,
+    raw_len: int,
+    segments: list[tuple[int, int, int]],
+    streams: list[tuple[int, int, int]],
+) -> None:
+    """Every size a decoder will trust, checked before anything is allocated."""
+    if sum(n for _, _, n in segments) != raw_len:
+        raise CorruptFileError(f"{where}: its segments do not add up to its {raw_len} bytes")
+    expected = [sum(n for kind, _, n in segments if kind == _PLAIN)]
+    for kind, param, n in segments:
+        if kind != _PLAIN:
+            expected += _plane_sizes(where, kind, param, n)
+    if len(expected) != len(streams):
+        raise CorruptFileError(f"{where}: {len(streams)} streams, {len(expected)} expected")
+    for i, ((method, size, stored), want) in enumerate(zip(streams, expected, strict=True)):
+        bad_size = size != want if want >= 0 else size > -want or size % 5
+        bad_stored = stored > size or (method == _RAW and stored != size) or method > _ZSTD
+        if bad_size or bad_stored:
+            raise CorruptFileError(f"{where}: stream {i} has inconsistent sizes")
+
+
+def _plane_sizes(where: str, kind: int, param: int, n: int) -> list[int]:
+    """Expected raw size of each stream of a segment; -k means 'escapes, at most k bytes'."""
+    item = {_BF16: 2, _F16: 2, _F32: 4, _PLANES: param}.get(kind, 0)
+    windowed = kind in (_BF16, _F32)
+    if item == 0 or item > 8 or n % (32 * item) or (windowed and param > 192):
+        raise CorruptFileError(f"{where}: a segment of kind {kind} is malformed")
+    count = n // item
+    escapes = -5 * count
+    return {
+        _BF16: [count, count // 4 * 3, escapes],
+        _F16: [count, count],
+        _F32: [count, count // 4 * 3, escapes, count, count],
+        _PLANES: [count] * item,
+    }[kind]
+
+
+def _decode_frame(frame: _Frame) -> np.ndarray:
+    """The raw bytes of one frame."""
+    out = np.empty(frame.raw_len, np.uint8)
+    streams = _unpack_streams(frame)
+    plain, plain_pos, next_stream, pos = streams[0], 0, 1, 0
+    for kind, param, n in frame.segments:
+        dest = out[pos : pos + n]
+        if kind == _PLAIN:
+            dest[:] = plain[plain_pos : plain_pos + n]
+            plain_pos += n
+        else:
+            count = len(_plane_sizes("", kind, param, n))
+            _DECODERS[kind](dest, param, streams[next_stream : next_stream + count])
+            next_stream += count
+        pos += n
+    return out
+
+
+def _unpack_streams(frame: _Frame) -> list[np.ndarray]:
+    view = memoryview(frame.payload)
+    planes, pos = [], 0
+    for i, (method, size, stored) in enumerate(frame.streams):
+        data = view[pos : pos + stored]
+        pos += stored
+        if method == _ZSTD:
+            try:
+                # Checked first, so a damaged size field cannot make zstd allocate it.
+                if zstandard.frame_content_size(data) != size:
+                    raise zstandard.ZstdError("the zstd frame header gives another size")
+                data = _zstd_decompressor().decompress(data)
+            except zstandard.ZstdError as exc:
+                raise CorruptFileError(f"frame {frame.index}, stream {i}: {exc}") from None
+            if len(data) != size:
+                raise CorruptFileError(f"frame {frame.index}, stream {i} decompresses short")
+        planes.append(np.frombuffer(data, np.uint8))
+    return planes
+
+
+# ---------------------------------------------------------------------------- zstd
+
+_local = threading.local()
+
+
+def _zstd_compressor(lz: bool) -> zstandard.ZstdCompressor:
+    """Per thread: level 3 (`lz`) or the Huffman-only setting for float-derived planes."""
+    cache = _local.__dict__.setdefault("compressors", {})
+    if lz not in cache:
+        common = {"write_content_size": True, "write_checksum": False, "write_dict_id": False}
+        if lz:
+            params = zstandard.ZstdCompressionParameters.from_level(3, **common)
+        else:
+            params = zstandard.ZstdCompressionParameters(
+                strategy=zstandard.STRATEGY_FAST,
+                window_log=17,  # blocks are min(window, 128 KiB): one Huffman table each
+                hash_log=6,
+                chain_log=6,
+                search_log=1,
+                min_match=7,
+                target_length=0,  # a positive target length turns Huffman off
+                **common,
+            )
+        cache[lz] = zstandard.ZstdCompressor(compression_params=params)
+    return cache[lz]
+
+
+def _zstd_decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+# ---------------------------------------------------------------------------- transforms
+#
+# Encoders take a segment's bytes and its item size and return
+# (kind, param, planes, lz); decoders fill a segment's bytes from its planes.
+
+_Encoded = tuple[int, int, list[_Plane], bool]
+
+
+def _encode_planes(data: memoryview, item: int, lz: bool = False) -> _Encoded:
+    if item == 1:
+        return _PLANES, 1, [data], lz
+    grid = np.frombuffer(data, np.uint8).reshape(-1, item)
+    return _PLANES, item, [np.ascontiguousarray(grid[:, j]) for j in range(item)], lz
+
+
+def _encode_lz_bytes(data: memoryview, item: int) -> _Encoded:
+    return _encode_planes(data, 1, lz=True)
+
+
+def _decode_planes(dest: np.ndarray, param: int, planes: list[np.ndarray]) -> None:
+    grid = dest.reshape(-1, param)
+    for j, plane in enumerate(planes):
+        grid[:, j] = plane
+
+
+def _encode_bf16(data: memoryview, item: int) -> _Encoded:
+    words = np.frombuffer(data, "<u2")
+    base = _pick_base(words)
+    if base is None:
+        return _encode_planes(data, 2, lz=True)  # runs of zeros: LZ beats Huffman
+    return _BF16, base, list(_split_bf16(words, base)), False
+
+
+def _decode_bf16(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:
+    words = dest.view("<u2")
+    _join_bf16(words, planes[0], planes[1], base)
+    _patch_escapes(words, planes[2])
+
+
+def _encode_f16(data: memoryview, item: int) -> _Encoded:
+    words = np.frombuffer(data, "<u2")
+    sym = np.empty(words.size, np.uint8)
+    rem = np.empty(words.size, np.uint8)
+    for i in range(0, words.size, _CHUNK):
+        chunk = words[i : i + _CHUNK]
+        np.copyto(sym[i : i + chunk.size], _lanes(chunk, 7, 0xFF), casting="unsafe")
+        _remainder(chunk, 7, rem[i : i + chunk.size])
+    return _F16, 0, [sym, rem], False
+
+
+def _decode_f16(dest: np.ndarray, param: int, planes: list[np.ndarray]) -> None:
+    out, sym, rem = dest.view("<u2"), planes[0], planes[1]
+    wide = np.empty(min(_CHUNK, out.size), np.int16)
+    for i in range(0, out.size, _CHUNK):
+        part = out[i : i + _CHUNK]
+        np.copyto(part, sym[i : i + part.size])
+        part *= np.uint16(1 << 7)
+        _or_remainder(part, rem[i : i + part.size], 0x7F, wide)
+
+
+def _encode_f32(data: memoryview, item: int) -> _Encoded:
+    high = np.frombuffer(data, "<u2")[1::2].copy()
+    base = _pick_base(high)
+    if base is None:
+        return _encode_planes(data, 4, lz=True)
+    grid = np.frombuffer(data, np.uint8).reshape(-1, 4)
+    low = [np.ascontiguousarray(grid[:, 1]), np.ascontiguousarray(grid[:, 0])]
+    return _F32, base, [*_split_bf16(high, base), *low], False
+
+
+def _decode_f32(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:
+    high = np.empty(dest.size // 4, "<u2")
+    _join_bf16(high, planes[0], planes[1], base)
+    _patch_escapes(high, planes[2])
+    dest.view("<u2")[1::2] = high
+    grid = dest.reshape(-1, 4)
+    grid[:, 1] = planes[3]
+    grid[:, 0] = planes[4]
+
+
+def _pick_base(words: np.ndarray) -> int | None:
+    """Lowest exponent of the 63-binade window holding most of a sample of bf16 words.
+
+    None when more than 1/32 of the sample falls outside every window (say, many zeros).
+    """
+    sample = (words[::_SAMPLE_STEP] >> 7) & 0xFF
+    counts = np.cumsum(np.bincount(sample, minlength=256), dtype=np.int64)
+    window = counts[_WINDOW - 1 :] - np.concatenate(([0], counts[: 256 - _WINDOW]))
+    base = int(np.argmax(window[: 256 - _WINDOW]))  # base + 63 must stay below 256
+    if window[base] < sample.size * (1 - _MAX_ESCAPE_SHARE):
+        return None
+    return base
+
+
+def _split_bf16(words: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Symbol, packed remainder and escape planes of bf16 words (a multiple of 32).
+
+    symbol = (exponent - base) << 2 | top 2 mantissa bits, or 252 | those bits (escape);
+    remainder = sign and the low 5 mantissa bits, packed by `_pack6`;
+    escapes = u32 positions, then u8 exponents, of the elements outside the window.
+    """
+    n = words.size
+    sym = np.empty(n, np.uint8)
+    rem = np.empty(n, np.uint8)
+    offset = np.uint16(base << 2)
+    escapes = []
+    for i in range(0, n, _CHUNK):
+        chunk = words[i : i + _CHUNK]
+        field = _lanes(chunk, 5, 0x3FF)
+        field -= offset  # wraps below the window, so one comparison finds both ends
+        hit = np.flatnonzero(field >= _ESCAPE)
+        if hit.size:
+            field[hit] = _ESCAPE | (field[hit] & 3)
+            escapes.append(hit + i)
+        np.copyto(sym[i : i + chunk.size], field, casting="unsafe")
+        _remainder(chunk, 5, rem[i : i + chunk.size])
+    where = np.concatenate(escapes) if escapes else np.empty(0, np.int64)
+    exponents = ((words[where] >> 7) & 0xFF).astype(np.uint8)
+    return sym, _pack6(rem), np.concatenate([where.astype("<u4").view(np.uint8), exponents])
+
+
+# numpy shifts 8- and 16-bit integers one at a time but 64-bit lanes in bulk, so bit
+# fields are cut from whole u64 words, four u16 or eight u8 at a time, and masked per lane.
+def _spread(byte_mask: int, width: int) -> np.uint64:
+    return np.uint64(int.from_bytes(byte_mask.to_bytes(width, "little") * (8 // width), "little"))
+
+
+def _lanes(words: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """(words >> shift) & mask for u16 words (a multiple of 4), as a new u16 array."""
+    lanes = words.view(np.uint64) >> np.uint64(shift)
+    lanes &= _spread(mask, 2)
+    return lanes.view(np.uint16)
+
+
+def _remainder(words: np.ndarray, shift: int, out: np.ndarray) -> None:
+    """Sign in bit 7 and the low `shift` bits of each u16 word, as bytes."""
+    lanes = words.view(np.uint64)
+    low = lanes & _spread((1 << shift) - 1, 2)
+    sign = lanes >> np.uint64(8)
+    sign &= _spread(0x80, 2)
+    low |= sign
+    np.copyto(out, low.view(np.uint16), casting="unsafe")
+
+
+def _pack6(rem: np.ndarray) -> np.ndarray:
+    """Remainders 's00mmmmm' of n elements (n % 32 == 0) into 3n/4 bytes.
+
+    The first 3n/4 bytes keep their own remainder; bits 5-6 of bytes j, j + n/4 and
+    j + n/2 carry the 6 bits of element 3n/4 + j, two at a time (m1 m0, m3 m2, s m4).
+    Undoing this takes a few numpy passes where entropy-coding 6-bit values would take a
+    Huffman decode as long as the symbols'.
+    """
+    quarter = rem.size // 4
+    tail = rem[3 * quarter :].view(np.uint64)
+    heads = [rem[k * quarter : (k + 1) * quarter].view(np.uint64) for k in range(3)]
+    heads[0] |= (tail << np.uint64(5)) & _spread(0x60, 1)
+    heads[1] |= (tail << np.uint64(3)) & _spread(0x60, 1)
+    heads[2] |= (tail << np.uint64(1)) & _spread(0x20, 1)
+    heads[2] |= (tail >> np.uint64(1)) & _spread(0x40, 1)
+    return rem[: 3 * quarter]
+
+
+def _unpack6_tail(packed: np.ndarray, quarter: int, lo: int, hi: int, out: np.ndarray) -> None:
+    """Remainder bytes 's00mmmmm' of tail elements lo..hi (multiples of 8), into `out`."""
+    heads = [packed[k * quarter + lo : k * quarter + hi].view(np.uint64) for k in range(3)]
+    lanes = out.view(np.uint64)
+    np.right_shift(heads[0], np.uint64(5), out=lanes)
+    lanes &= _spread(0x03, 1)
+    lanes |= (heads[1] >> np.uint64(3)) & _spread(0x0C, 1)
+    lanes |= (heads[2] >> np.uint64(1)) & _spread(0x10, 1)
+    lanes |= (heads[2] << np.uint64(1)) & _spread(0x80, 1)
+
+
+def _join_bf16(out: np.ndarray, sym: np.ndarray, packed: np.ndarray, base: int) -> None:
+    """Inverse of `_split_bf16` without the escapes, in cache-sized chunks."""
+    quarter = out.size // 4
+    head = 3 * quarter
+    offset = np.uint16(base << 7)
+    wide = np.empty(min(_CHUNK, out.size), np.int16)
+    tail = np.empty(min(_CHUNK, quarter), np.uint8)
+    for i in range(0, out.size, _CHUNK):
+        part = out[i : i + _CHUNK]
+        end = i + part.size
+        np.copyto(part, sym[i:end])
+        part *= np.uint16(1 << 5)  # numpy multiplies u16 in SIMD but shifts them one by one
+        part += offset
+        if i < head:
+            _or_remainder(part, packed[i : min(end, head)], 0x1F, wide)
+        if end > head:
+            lo, hi = max(i, head) - head, end - head
+            _unpack6_tail(packed, quarter, lo, hi, tail[: hi - lo])
+            _or_remainder(out[head + lo : head + hi], tail[: hi - lo], 0x1F, wide)
+
+
+def _or_remainder(out: np.ndarray, rem: np.ndarray, low_mask: int, wide: np.ndarray) -> None:
+    """out[:len(rem)] |= sign << 15 | (rem & low_mask), for bytes with the sign in bit 7."""
+    tmp = wide[: rem.size]
+    np.copyto(tmp, rem.view(np.int8))  # widening an int8 copies the sign into bits 8..15
+    tmp &= np.int16(-0x8000 | low_mask)
+    out[: rem.size] |= tmp.view(np.uint16)
+
+
+def _patch_escapes(words: np.ndarray, escapes: np.ndarray) -> None:
+    count = escapes.size // 5
+    if not count:
+        return
+    where = escapes[: 4 * count].view("<u4")
+    if int(where.max()) >= words.size:
+        raise CorruptFileError("an escape points outside its segment")
+    words[where] = (words[where] & 0x807F) | (escapes[4 * count :].astype(np.uint16) << 7)
+
+
+_ENCODERS: dict[int, Callable[[memoryview, int], _Encoded]] = {
+    _PLANES: _encode_planes,
+    _LZ_BYTES: _encode_lz_bytes,
+    _BF16: _encode_bf16,
+    _F16: _encode_f16,
+    _F32: _encode_f32,
+}
+_DECODERS: dict[int, Callable[[np.ndarray, int, list[np.ndarray]], None]] = {
+    _PLANES: _decode_planes,
+    _BF16: _decode_bf16,
+    _F16: _decode_f16,
+    _F32: _decode_f32,
+}
+
+
+# ---------------------------------------------------------------------------- threads
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int) -> Iterator[_R]:
+    """map(fn, items) over `threads` workers, in order, with at most threads + 1 in flight.
+
+    `items` is consumed lazily in the calling thread, so reading stays sequential.
+    """
+    if threads == 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="shardprep-codec") as pool:
+        pending: deque[Future[_R]] = deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) > threads:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()

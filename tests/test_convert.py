@@ -57,7 +57,7 @@ def test_vocab_32001_is_padded_with_zero_rows(tiny, tmp_path: Path) -> None:
     embed = load_file(model / "model.safetensors")["model.embed_tokens.weight"]
     last = load_file(tmp_path / "out/shards/model-pp-1-tp-1-part-0.safetensors")
     rank1 = last["model.embed_tokens.weight"]  # tied: the last stage holds it too
-    assert rank1.shape == (16032, 64)
+    assert rank1.shape == (16032, 128)
     assert torch.equal(rank1[: 32001 - 16032], embed[16032:])
     assert not rank1[32001 - 16032 :].any()
     assert "lm_head.weight" not in last

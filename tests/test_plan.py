@@ -68,7 +68,7 @@ def test_fused_qkv_with_replicated_kv_heads() -> None:
         for f in plan.files
     }
     for rank, tensor in qkv.items():
-        assert tensor.shape == (16 + 16 + 16, 64)
+        assert tensor.shape == (16 + 16 + 16, 128)
         q, k, v = tensor.blocks
         assert q.rows == (16 * rank, 16 * (rank + 1))
         assert k.rows == v.rows == (0, 16)
@@ -140,11 +140,11 @@ def test_all_problems_are_reported_at_once() -> None:
 
 def test_shape_that_contradicts_config() -> None:
     config = tiny_config()
-    model = source(config, extra={"model.layers.2.self_attn.q_proj.weight": ("BF16", (32, 64))})
+    model = source(config, extra={"model.layers.2.self_attn.q_proj.weight": ("BF16", (32, 128))})
     with pytest.raises(
         PlanError,
-        match=r"q_proj.weight has shape \[32, 64\] but config.json "
-        r"implies \[64, 64\]",
+        match=r"q_proj.weight has shape \[32, 128\] but config.json "
+        r"implies \[128, 128\]",
     ):
         make_plan(model, tp=1, pp=1)
 

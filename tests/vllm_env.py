@@ -3,7 +3,7 @@
     generate(model_dir, tp, pp, load_format="auto", **kw) -> list[list[int]]
     dump_state(model_dir, tp, pp, dump_dir, **kw) -> {(role, pp_rank, tp_rank): Path}
     serve_and_complete(model_dir, tp, pp, load_format, prompt_ids, **kw) -> list[int]
-    dump_draft(target_dir, draft_dir, method, dump_dir, tp=1) -> {("draft", pp, tp): Path}
+    dump_draft(target_dir, draft_dir, method, dump_dir, tp=1, pp=1) -> {("draft", pp, tp): Path}
 
 Keyword arguments of the first three: prompts (list of token-id lists), max_tokens,
 dtype, speculative_config (dict), model_loader_extra_config (dict), env (extra
@@ -35,9 +35,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 RUNNER = TESTS / "vllm_runner.py"
-DRAFT_DUMPER = TESTS / "vllm_dump_plugin" / "shardprep_test_dump" / "draft.py"
 PYTHON_ENV = "SHARDPREP_VLLM_PYTHON"
 DUMP_DIR_ENV = "SHARDPREP_DUMP_DIR"
+DUMP_FORMAT = "dump-default"
+DUMP_PLUGIN = "shardprep_test_dump"
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_PROMPTS: list[list[int]] = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
 LOCK_FILE = Path(tempfile.gettempdir()) / "shardprep-vllm-harness.lock"
@@ -68,6 +69,23 @@ def require_python() -> str:
     if python is None:
         raise VllmRunError(f"no vLLM python: set {PYTHON_ENV} or create {REPO}/.venv-vllm")
     return python
+
+
+@functools.cache
+def require_dump_plugin() -> None:
+    """Fail clearly if the test-only plugin (load format dump-default) is not installed."""
+    probe = (
+        "import importlib.metadata as m;"
+        "print(' '.join(e.name for e in m.entry_points(group='vllm.general_plugins')))"
+    )
+    out = subprocess.run(
+        [require_python(), "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    if DUMP_PLUGIN not in out.split():
+        raise VllmRunError(
+            f"the {DUMP_FORMAT} plugin is not installed in the vLLM environment: run "
+            f"{require_python()} -m pip install -e {TESTS / 'vllm_dump_plugin'}"
+        )
 
 
 def thread_binding(world_size: int) -> str | None:
@@ -145,7 +163,9 @@ def run_python(
         except subprocess.TimeoutExpired:
             kill_group(proc)
             stdout, stderr = proc.communicate()
-            raise VllmRunError(failure(cmd, f"timed out after {timeout:.0f} s", stdout, stderr))
+            raise VllmRunError(
+                failure(cmd, f"timed out after {timeout:.0f} s", stdout, stderr)
+            ) from None
         finally:
             kill_group(proc)  # stray workers, if the runner left any
             remove_dist_files(tmpdir)
@@ -185,6 +205,7 @@ def runner_args(
     speculative_config: Mapping[str, Any] | None = None,
     model_loader_extra_config: Mapping[str, Any] | None = None,
     dump_dir: Path | str | None = None,
+    enforce_eager: bool = False,
     server: bool = False,
 ) -> list[str]:
     args = [str(RUNNER), "--model", str(model_dir), "--tp", str(tp), "--pp", str(pp)]
@@ -196,6 +217,8 @@ def runner_args(
         args += ["--model-loader-extra-config", json.dumps(dict(model_loader_extra_config))]
     if dump_dir is not None:
         args += ["--dump-dir", str(dump_dir)]
+    if enforce_eager:
+        args.append("--enforce-eager")
     if server:
         args.append("--server")
     return args
@@ -212,6 +235,8 @@ def generate(
     **kw: Any,
 ) -> list[list[int]]:
     """Greedy token ids (``max_tokens`` each, EOS ignored) from an offline ``vllm.LLM``."""
+    if load_format == DUMP_FORMAT:
+        require_dump_plugin()
     args = runner_args(model_dir, tp, pp, load_format, **kw)
     return parse_tokens(run_python(args, tp * pp, env, timeout))
 
@@ -223,11 +248,71 @@ def dump_state(
     dump_dir: Path | str,
     *,
     max_tokens: int = 1,
+    allow_engine_failure: bool = False,
     **kw: Any,
 ) -> DumpFiles:
-    """Run vLLM with ``--load-format dump-default``; the rank files it wrote."""
-    generate(model_dir, tp, pp, "dump-default", dump_dir=dump_dir, max_tokens=max_tokens, **kw)
+    """Run vLLM with ``--load-format dump-default``; the rank files it wrote.
+
+    With a ``speculative_config`` the draft is dumped too (role ``draft``, last stage).
+    ``allow_engine_failure``: accept a run that fails after loading (speculative
+    decoding with pp > 1 loads, then crashes on the CPU), provided that every expected
+    rank file was written; the failure is saved to ``dump_dir/engine-error.txt``.
+    """
+    clear_dumps(dump_dir)
+    try:
+        generate(model_dir, tp, pp, DUMP_FORMAT, dump_dir=dump_dir, max_tokens=max_tokens, **kw)
+    except VllmRunError as error:
+        missing = (
+            expected_dumps(tp, pp, kw.get("speculative_config") is not None)
+            - dump_files(dump_dir).keys()
+        )
+        if not allow_engine_failure or missing:
+            raise
+        (Path(dump_dir) / "engine-error.txt").write_text(str(error))
     return dump_files(dump_dir)
+
+
+def expected_dumps(tp: int, pp: int, with_draft: bool) -> set[tuple[str, int, int]]:
+    """The rank files that a complete load writes: every target rank, the draft's last stage."""
+    keys = {("target", p, t) for p in range(pp) for t in range(tp)}
+    if with_draft:
+        keys |= {("draft", pp - 1, t) for t in range(tp)}
+    return keys
+
+
+def clear_dumps(dump_dir: Path | str) -> None:
+    """Remove earlier dump files from ``dump_dir`` (and create it)."""
+    Path(dump_dir).mkdir(parents=True, exist_ok=True)
+    for path in dump_files(dump_dir).values():
+        path.unlink()
+    (Path(dump_dir) / "engine-error.txt").unlink(missing_ok=True)
+
+
+def dump_draft(
+    target_dir: Path | str,
+    draft_dir: Path | str,
+    method: str,
+    dump_dir: Path | str,
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    num_speculative_tokens: int = 2,
+    **kw: Any,
+) -> DumpFiles:
+    """vLLM's own draft parameters on each TP rank of the last stage, from a real engine.
+
+    The draft is loaded (and dumped) by every last-stage worker; with pp > 1 the CPU
+    engine then fails before serving, which is accepted here (see docs/vllm-notes.md).
+    """
+    spec = {
+        "method": method,
+        "model": str(draft_dir),
+        "num_speculative_tokens": num_speculative_tokens,
+    }
+    files = dump_state(
+        target_dir, tp, pp, dump_dir, speculative_config=spec, allow_engine_failure=pp > 1, **kw
+    )
+    return {key: path for key, path in files.items() if key[0] == "draft"}
 
 
 def dump_files(dump_dir: Path | str) -> DumpFiles:

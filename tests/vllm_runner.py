@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speculative-config", default=None, help="JSON object")
     parser.add_argument("--model-loader-extra-config", default=None, help="JSON object")
     parser.add_argument("--dump-dir", default=None, help=f"sets ${DUMP_DIR_ENV}")
+    parser.add_argument("--enforce-eager", action="store_true", help="also at pp > 1")
     parser.add_argument("--server", action="store_true", help="use the OpenAI server")
     parser.add_argument("--server-timeout", type=float, default=300.0)
     return parser.parse_args(argv)
@@ -57,7 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "load_format": args.load_format,
         "seed": 0,
     }
-    if args.pp > 1:
+    if args.pp > 1 and not args.enforce_eager:
         kwargs["compilation_config"] = {"mode": 2, "backend": "eager"}
     else:
         kwargs["enforce_eager"] = True
@@ -142,22 +143,23 @@ def complete(base: str, model: str, prompt: list[int], max_tokens: int) -> list[
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group (it was started in its own session), then KILL."""
+    """Stop the server by its PID: SIGTERM (it shuts its engine down), then SIGKILL."""
     if proc.poll() is not None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.wait(timeout=30)
 
 
 def generate_server(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    # The server's logs go to our stderr so that stdout ends with the result line.
-    proc = subprocess.Popen(server_command(args, port), stdout=sys.stderr, start_new_session=True)
+    # The server's logs go to our stderr so that stdout ends with the result line. It stays
+    # in our process group, which tests/vllm_env.py kills as a whole if the run times out.
+    proc = subprocess.Popen(server_command(args, port), stdout=sys.stderr)
     try:
         wait_healthy(base, proc, args.server_timeout)
         return [complete(base, args.model, ids, args.max_tokens) for ids in prompts]

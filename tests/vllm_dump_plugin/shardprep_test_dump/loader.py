@@ -43,8 +43,10 @@ def dump_path(role: str) -> Path:
 def rank_metadata(model: nn.Module, model_config: ModelConfig, role: str) -> dict[str, object]:
     """What the dump records besides the tensors (all JSON values)."""
     pp = get_pp_group()
+    current = get_current_vllm_config_or_none()
     return {
         "role": role,
+        "is_current_model_config": current is not None and model_config is current.model_config,
         "pp_rank": pp.rank_in_group,
         "pp_size": pp.world_size,
         "tp_rank": get_tensor_model_parallel_rank(),

