@@ -8,6 +8,7 @@ written last. A journal lets a rerun skip files already complete and verified.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ from shardprep.constants import (
 )
 from shardprep.errors import OutputExistsError
 from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
-from shardprep.safetensors_io import DTYPE_SIZES, encode_header, numel, sha256_file
+from shardprep.safetensors_io import DTYPE_SIZES, TensorInfo, encode_header, numel, sha256_file
 
 TORCH_DTYPES = {
     "F64": torch.float64,
@@ -228,10 +229,11 @@ def _write_rank_files(
     total = sum(_bytes_to_read(cp, role, writes, full) for role, cp in checkpoints.items())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
     pending: list[Future[None]] = []
-    with ThreadPoolExecutor(max_workers=1) as hasher:
+    with ThreadPoolExecutor(max_workers=1) as hasher, ThreadPoolExecutor(2) as committer:
+        reader = SourceReader(hasher)
 
         def finish(index: int) -> None:
-            pending.append(hasher.submit(_commit, files[index], journal))
+            pending.append(committer.submit(_commit, files[index], journal))
 
         try:
             for index, handle in enumerate(files):
@@ -239,7 +241,9 @@ def _write_rank_files(
                     finish(index)
             for role, checkpoint in checkpoints.items():
                 for file in checkpoint.files:
-                    digest = _scatter_file(checkpoint, role, file, writes, files, full, bar, finish)
+                    digest = _scatter_file(
+                        reader, checkpoint, role, file, writes, files, full, bar, finish
+                    )
                     if digest:
                         hashes[(role, file)] = digest
             for future in pending:
@@ -268,7 +272,7 @@ def _open_outputs(
         tmp = path.with_name(path.name + INCOMPLETE_SUFFIX)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(fd, header, 0)
-        os.ftruncate(fd, len(header) + file_plan.nbytes)
+        _preallocate(fd, len(header) + file_plan.nbytes)
         offset = len(header)
         remaining = 0
         for tensor in file_plan.tensors:
@@ -289,6 +293,14 @@ def _open_outputs(
     return files, writes
 
 
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the blocks up front (the scattered writes then fill them in place); where
+    the file system cannot, a sparse file of the right size does the same job."""
+    os.ftruncate(fd, size)
+    with contextlib.suppress(OSError):
+        os.posix_fallocate(fd, 0, size)
+
+
 def _bytes_to_read(
     checkpoint: Checkpoint, role: str, writes: dict[tuple[str, str], list[Write]], full: bool
 ) -> int:
@@ -297,7 +309,56 @@ def _bytes_to_read(
     return sum(t.info.nbytes for n, t in checkpoint.tensors.items() if (role, n) in writes)
 
 
+class SourceReader:
+    """Reads source files in order into two reused buffers, so that hashing a chunk (on
+    a worker thread: hashlib releases the GIL) overlaps scattering the next one, and
+    fresh memory is not touched over and over."""
+
+    def __init__(self, hasher: ThreadPoolExecutor) -> None:
+        self.hasher = hasher
+        self.buffers = [memoryview(bytearray(CHUNK_BYTES)) for _ in range(2)]
+        self.pending: list[Future[None] | None] = [None, None]
+        self.turn = 0
+
+    def _buffer(self, nbytes: int) -> tuple[int, memoryview]:
+        slot, self.turn = self.turn, self.turn ^ 1
+        if self.pending[slot] is not None:
+            self.pending[slot].result()  # type: ignore[union-attr]
+            self.pending[slot] = None
+        if nbytes > len(self.buffers[slot]):
+            self.buffers[slot] = memoryview(bytearray(nbytes))
+        return slot, self.buffers[slot][:nbytes]
+
+    def chunks(
+        self, fd: int, info: TensorInfo, digest: hashlib._Hash | None
+    ) -> Iterator[tuple[int, memoryview]]:
+        """(first row, bytes) of consecutive row ranges of at most CHUNK_BYTES (one row
+        at least); each chunk is hashed into `digest` in order, in the background."""
+        rows_total = info.shape[0] if info.shape else 1
+        rows_per_chunk = max(1, CHUNK_BYTES // max(info.row_bytes, 1))
+        for start in range(0, rows_total, rows_per_chunk):
+            end = min(rows_total, start + rows_per_chunk)
+            slot, view = self._buffer((end - start) * info.row_bytes)
+            _pread_all(fd, view, info.offset + start * info.row_bytes)
+            if digest is not None:
+                self.pending[slot] = self.hasher.submit(digest.update, view)
+            yield start, view
+
+    def hexdigest(self, digest: hashlib._Hash) -> str:
+        return self.hasher.submit(digest.hexdigest).result()
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"source file ended early at byte {offset + done:,}")
+        done += n
+
+
 def _scatter_file(
+    reader: SourceReader,
     checkpoint: Checkpoint,
     role: str,
     file: str,
@@ -319,15 +380,13 @@ def _scatter_file(
         if digest is not None:
             header_size = tensors[0].info.offset if tensors else path.stat().st_size
             header = os.pread(fd, header_size, 0)
-            digest.update(header)
+            reader.hasher.submit(digest.update, header)
             bar.update(len(header))
         for tensor in tensors:
             targets = writes.get((role, tensor.name), [])
             if not targets and digest is None:
                 continue
-            for start, chunk in _read_chunks(fd, tensor.info):
-                if digest is not None:
-                    digest.update(chunk)
+            for start, chunk in reader.chunks(fd, tensor.info, digest):
                 _scatter_chunk(tensor.info.dtype, tensor.info.shape, start, chunk, targets, files)
                 bar.update(len(chunk))
             for target in targets:
@@ -335,27 +394,7 @@ def _scatter_file(
                     finish(target.file)
     finally:
         os.close(fd)
-    return digest.hexdigest() if digest is not None else None
-
-
-def _read_chunks(fd: int, info: object) -> Iterator[tuple[int, memoryview]]:
-    """(first row, bytes) for consecutive row ranges of at most CHUNK_BYTES (one row at
-    least), read into one reused buffer."""
-    row_bytes = info.row_bytes  # type: ignore[attr-defined]
-    rows_total = info.shape[0] if info.shape else 1  # type: ignore[attr-defined]
-    rows_per_chunk = max(1, CHUNK_BYTES // max(row_bytes, 1))
-    buffer = memoryview(bytearray(min(info.nbytes, rows_per_chunk * row_bytes) or 1))  # type: ignore[attr-defined]
-    for start in range(0, rows_total, rows_per_chunk):
-        end = min(rows_total, start + rows_per_chunk)
-        count = (end - start) * row_bytes
-        offset = info.offset + start * row_bytes  # type: ignore[attr-defined]
-        done = 0
-        while done < count:
-            n = os.preadv(fd, [buffer[done:count]], offset + done)
-            if n == 0:
-                raise OSError(f"source file ended early at byte {offset + done:,}")
-            done += n
-        yield start, buffer[:count]
+    return reader.hexdigest(digest) if digest is not None else None
 
 
 def _scatter_chunk(
