@@ -23,6 +23,7 @@ is PyPI `zipnn` (skipped with a note if it is not installed).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -318,7 +319,29 @@ def format_row(row: Row) -> str:
     )
 
 
-def print_table(rows: list[Row]) -> None:
+def settings(args: argparse.Namespace) -> dict[str, object]:
+    """What the numbers depend on, printed with them."""
+    versions = {}
+    for package in ("zstandard", "zipnn", "numpy", "torch"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "threads": args.threads,
+        "frame_size": args.frame_size,
+        "repeat": args.repeat,
+        "synthetic_mib": args.size_mib,
+        "versions": versions,
+    }
+
+
+def print_table(rows: list[Row], config: dict[str, object]) -> None:
+    described = ", ".join(f"{k}={v}" for k, v in config.items() if k != "versions")
+    packages = config["versions"]
+    assert isinstance(packages, dict)
+    versions = ", ".join(f"{k} {v}" for k, v in packages.items())
+    print(f"# {described}; {versions}")
     print(f"{'':<15} {'':<15} {'':>7} {'':>7} {'GB/s (wall)':>13} {'GB/CPU-s':>13}")
     print(
         f"{'dataset':<15} {'method':<15} {'raw MB':>7} {'ratio':>7} "
@@ -333,15 +356,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=1024, help="synthetic bf16 size")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--frame-size", type=int, default=codec.DEFAULT_FRAME_SIZE)
-    parser.add_argument("--repeat", type=int, default=2, help="best of N timings")
+    parser.add_argument("--repeat", type=int, default=3, help="best of N timings")
     parser.add_argument("--workdir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     parser.add_argument("--json", action="store_true", help="print JSON rows instead")
     args = parser.parse_args(argv)
     rows = run(args)
+    config = settings(args)
     if args.json:
-        print(json.dumps([asdict(r) for r in rows], indent=2))
+        print(json.dumps({"settings": config, "rows": [asdict(r) for r in rows]}, indent=2))
     else:
-        print_table(rows)
+        print_table(rows, config)
     return 0 if all(r.round_trip for r in rows) else 1
 
 

@@ -137,17 +137,3 @@ def _check_index(root: Path, tensors: dict[str, SourceTensor]) -> None:
             "the checkpoint is inconsistent: download it again",
             path=str(index),
         )
-
-
-def read_into(fd: int, info: TensorInfo, row_start: int, row_end: int, out: memoryview) -> int:
-    """Read rows [row_start, row_end) of a tensor into `out`; returns the byte count."""
-    offset = info.offset + row_start * info.row_bytes
-    count = (row_end - row_start) * info.row_bytes
-    view = out[:count]
-    done = 0
-    while done < count:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise CorruptFileError(f"unexpected end of file at byte {offset + done:,}")
-        done += n
-    return count

@@ -108,6 +108,63 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     _emit(args, summary, text)
 
 
+def cmd_publish(args: argparse.Namespace) -> None:
+    from shardprep.hub import publish
+
+    commit = publish(
+        Path(args.artifact), args.repo_id, private=args.private, revision=args.revision,
+        compress=args.compress, endpoint=args.endpoint, progress=not args.quiet,
+    )  # fmt: skip
+    data = {
+        "repo_id": args.repo_id,
+        "revision": args.revision,
+        "commit": commit,
+        "compress": args.compress or "none",
+    }
+    _emit(args, data, f"published {args.artifact} to {args.repo_id}@{args.revision}: {commit}")
+
+
+def cmd_fetch(args: argparse.Namespace) -> None:
+    from shardprep.cache import fetch
+
+    folder = fetch(
+        args.repo_id, stage=args.stage, rank=args.rank, all_stages=args.all,
+        revision=args.revision, cache_dir=args.cache_dir, endpoint=args.endpoint,
+        progress=not args.quiet,
+    )  # fmt: skip
+    data = {
+        "repo_id": args.repo_id,
+        "commit": folder.name,
+        "path": str(folder),
+        "stage": args.stage,
+        "rank": args.rank,
+        "all": args.all,
+    }
+    _emit(args, data, str(folder))
+
+
+def _add_hub_flags(parser: argparse.ArgumentParser, name: str) -> None:
+    if name == "publish":
+        parser.add_argument("artifact", help="artifact folder (it must pass `shardprep verify`)")
+    parser.add_argument("repo_id", help="Hub repo id, e.g. org/Model-TP8-PP2")
+    parser.add_argument(
+        "--endpoint", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co)"
+    )
+    if name == "publish":
+        parser.add_argument("--private", action="store_true", help="create the repo private")
+        parser.add_argument("--revision", default="main", help="branch to commit to")
+        parser.add_argument("--compress", help="transport compression of the rank files: zstd")
+        return
+    parser.add_argument("--stage", type=int, help="the pipeline stage this node serves")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--rank", type=int, help="only this tensor parallel rank of the stage")
+    only.add_argument("--all", action="store_true", help="every stage")
+    parser.add_argument("--revision", help="branch, tag or commit (default: main)")
+    parser.add_argument(
+        "--cache-dir", help="cache folder (default: SHARDPREP_CACHE, else HF_HOME/shardprep)"
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from shardprep.demo import run_demo
 
@@ -143,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("plan", "dry run: validate and show the per-rank table, write nothing", cmd_plan),
         ("verify", "check hashes and coverage of an artifact", cmd_verify),
         ("inspect", "show what an artifact holds, per stage and rank", cmd_inspect),
+        ("publish", "upload a verified artifact to the Hugging Face Hub", cmd_publish),
+        ("fetch", "download one stage of a published artifact into the cache", cmd_fetch),
         ("demo", "convert a tiny built-in model at tp2 x pp2 and show the result", cmd_demo),
     ]
     for name, help_text, func in commands:
@@ -160,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--full", action="store_true", help="also rebuild every source tensor and compare"
             )
+        if name in ("publish", "fetch"):
+            _add_hub_flags(command, name)
         if name == "demo":
             command.add_argument("--keep", action="store_true", help="keep the temporary folder")
     return parser

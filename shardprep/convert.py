@@ -213,6 +213,7 @@ class OpenFile:
     tmp: Path
     fd: int
     remaining: int
+    finished: bool = False
 
 
 def _write_rank_files(
@@ -233,7 +234,9 @@ def _write_rank_files(
         reader = SourceReader(hasher)
 
         def finish(index: int) -> None:
-            pending.append(committer.submit(_commit, files[index], journal))
+            if not files[index].finished:
+                files[index].finished = True
+                pending.append(committer.submit(_commit, files[index], journal))
 
         try:
             for index, handle in enumerate(files):
@@ -250,7 +253,8 @@ def _write_rank_files(
                 future.result()
         except BaseException:
             for handle in files:
-                os.close(handle.fd) if handle.fd >= 0 else None
+                if handle.fd >= 0:
+                    os.close(handle.fd)
                 handle.tmp.unlink(missing_ok=True)
             raise
         finally:

@@ -1,0 +1,465 @@
+"""The stage-sharded cache: a node holds only the stages it serves, verified, plain.
+
+    $SHARDPREP_CACHE/models--{org}--{name}/        (default: $HF_HOME/shardprep/...)
+      refs/{revision}                              the commit a branch or tag named when fetched
+      {commit}/                                    the folder vLLM is pointed at
+        shardprep.json                             the published manifest (codec info included),
+                                                   written once a first stage is complete
+        config.json, tokenizer*, ...               every extra file of the manifest
+        shards/..., draft/...                      plain safetensors of the fetched stages only
+        .shardprep/manifest.json                   the manifest as fetched, before any stage
+        .shardprep/done/stage-{P}[-rank-{R}].json  completion markers: files and sizes
+        .shardprep/locks/                          one file lock per stage, one for the manifest
+        .shardprep/staging/                        downloads in progress (huggingface_hub's
+                                                   local_dir), never read by anyone else
+
+A stage is fetched under its lock: the first process downloads it, the others wait and then
+find its marker. Each file is downloaded into staging, its size and sha256 checked against
+the manifest (the stored form for a compressed file, then the raw form after decompressing),
+and only then renamed to its final path; a file that fails is downloaded once more, then the
+fetch fails naming it. Files already at their final path were verified before they got there,
+so a rerun after an interruption downloads only what is missing. With HF_HUB_OFFLINE=1, or
+when the Hub cannot be reached, a revision resolves through `refs/` and a stage whose marker
+exists is served without any request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from filelock import FileLock, Timeout
+from huggingface_hub import constants as hf_constants
+
+from shardprep import hub
+from shardprep.constants import INCOMPLETE_SUFFIX, MANIFEST_NAME, cache_root
+from shardprep.errors import ConfigError, CorruptFileError, HubError
+from shardprep.manifest import Manifest
+from shardprep.safetensors_io import sha256_file
+
+STATE_DIR = ".shardprep"
+REFS_DIR = "refs"
+DOWNLOAD_WORKERS = 8
+
+logger = logging.getLogger("shardprep.cache")
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one fetch asks for: a stage, or one tensor parallel rank of it."""
+
+    stage: int
+    rank: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"stage-{self.stage}" + ("" if self.rank is None else f"-rank-{self.rank}")
+
+    def __str__(self) -> str:
+        return f"stage {self.stage}" + ("" if self.rank is None else f" rank {self.rank}")
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One file of a part: where its plain bytes go, and what the repo stores."""
+
+    path: str
+    bytes: int
+    sha256: str
+    stored: str
+    stored_bytes: int
+    stored_sha256: str
+    codec: str
+
+
+def repo_folder(repo_id: str, cache_dir: Path | str | None = None) -> Path:
+    """`models--{org}--{name}` under the cache root (SHARDPREP_CACHE or the HF home)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    return root / ("models--" + repo_id.replace("/", "--"))
+
+
+def fetch(
+    repo_id: str,
+    *,
+    stage: int | None = None,
+    rank: int | None = None,
+    all_stages: bool = False,
+    revision: str | None = None,
+    cache_dir: Path | str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    progress: bool = True,
+) -> Path:
+    """Make the cache hold `stage` of `repo_id` (or its `rank` only, or `all_stages`) and
+    return the folder to point vLLM at. Only the manifest, the extra files and that part's
+    rank files are downloaded; a part fetched before needs no network."""
+    hub.check_repo_id(repo_id)
+    _check_request(stage, rank, all_stages)
+    repo_dir = repo_folder(repo_id, cache_dir)
+    revision = revision or hf_constants.DEFAULT_REVISION
+    remote = None if hub.is_offline() else hub.Remote(repo_id, endpoint, token, progress)
+    commit, remote = _resolve(repo_dir, repo_id, revision, remote)
+    folder = repo_dir / commit
+    manifest = _manifest(folder, repo_id, commit, remote)
+    for part in _parts(manifest, repo_id, stage, rank, all_stages):
+        _fetch_part(folder, repo_id, manifest, part, remote, progress)
+    if not hub.is_commit(revision):
+        _write_ref(repo_dir, revision, commit)
+    return folder
+
+
+def ensure_stage(
+    repo_id_or_path: str, stage: int, *, revision: str | None = None, progress: bool = False
+) -> Path:
+    """For the loader: a local artifact folder that holds `stage`. A folder is returned as it
+    is; a Hub repo id is fetched into the cache (only that stage), or found there."""
+    local = Path(repo_id_or_path).expanduser()
+    if local.is_dir():
+        return local
+    text = str(repo_id_or_path)
+    if text.startswith(("/", ".", "~")) or text.count("/") > 1 or os.sep in text.replace("/", ""):
+        raise ConfigError(
+            f"{text} is neither a folder nor a Hub repo id: convert a model into it "
+            "(`shardprep convert`) or name a repo like org/Model-TP8-PP2"
+        )
+    return fetch(text, stage=stage, revision=revision, progress=progress)
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def _check_request(stage: int | None, rank: int | None, all_stages: bool) -> None:
+    if all_stages and (stage is not None or rank is not None):
+        raise ConfigError("--all fetches every stage and rank: drop --stage and --rank")
+    if rank is not None and stage is None:
+        raise ConfigError(f"--rank {rank} needs --stage: say which stage's rank to fetch")
+    for name, value in (("stage", stage), ("rank", rank)):
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name} {value} is negative; stages and ranks count from 0")
+
+
+def _parts(
+    manifest: Manifest, repo_id: str, stage: int | None, rank: int | None, all_stages: bool
+) -> list[Part]:
+    stages, topo = list(manifest.stages), manifest.topology
+    if all_stages:
+        return [Part(p) for p in stages]
+    if stage is None:
+        if topo.pp == 1 and stages == [0]:
+            return [Part(0)]
+        raise ConfigError(
+            f"{repo_id} is split into {topo.pp} pipeline stages: pass --stage P (the stage this "
+            f"node serves, one of {', '.join(map(str, stages))}) or --all"
+        )
+    if stage not in stages:
+        raise ConfigError(
+            f"{repo_id} holds stage(s) {', '.join(map(str, stages))} of pp={topo.pp}, not "
+            f"stage {stage}; pass one of those to --stage"
+        )
+    if rank is not None and rank >= topo.tp:
+        raise ConfigError(
+            f"{repo_id} was built for tp={topo.tp}: --rank takes 0 to {topo.tp - 1}, not {rank}"
+        )
+    return [Part(stage, rank)]
+
+
+def _wanted(manifest: Manifest, part: Part) -> list[Wanted]:
+    """The part's rank files (every role: the draft lives on the last stage) and the extras."""
+    items = []
+    for f in manifest.files:
+        if f.pp != part.stage or (part.rank is not None and f.tp != part.rank):
+            continue
+        stored = hub.stored_path(f)
+        packed = f.codec != "none"
+        items.append(
+            Wanted(
+                path=f.path,
+                bytes=f.bytes,
+                sha256=f.sha256,
+                stored=stored,
+                stored_bytes=f.stored_bytes if packed and f.stored_bytes is not None else f.bytes,
+                stored_sha256=f.stored_sha256 if packed and f.stored_sha256 else f.sha256,
+                codec=f.codec,
+            )
+        )
+    for e in manifest.extra_files:
+        items.append(Wanted(e.path, e.bytes, e.sha256, e.path, e.bytes, e.sha256, "none"))
+    return items
+
+
+# ---------------------------------------------------------------------------- revisions
+
+
+def _resolve(
+    repo_dir: Path, repo_id: str, revision: str, remote: hub.Remote | None
+) -> tuple[str, hub.Remote | None]:
+    """The commit `revision` names, and the remote to use (None: work from the cache only)."""
+    if hub.is_commit(revision):
+        return revision, remote
+    if remote is not None:
+        try:
+            return remote.resolve(revision), remote
+        except HubError as exc:
+            cached = _read_ref(repo_dir, revision)
+            if cached is None or not hub.is_connection_error(exc.__cause__ or exc):
+                raise
+            logger.warning("%s; using %s@%s from the cache", exc, repo_id, cached[:12])
+            return cached, None
+    cached = _read_ref(repo_dir, revision)
+    if cached is None:
+        raise HubError(
+            f"HF_HUB_OFFLINE is set and the cache ({repo_dir}) has never fetched {repo_id}@"
+            f"{revision}. Fetch it once with network access: `shardprep fetch {repo_id} "
+            "--stage P`"
+        )
+    return cached, None
+
+
+def _ref_path(repo_dir: Path, revision: str) -> Path:
+    parts = PurePosixPath(revision).parts
+    if not parts or ".." in parts or revision.startswith("/"):
+        raise ConfigError(f"revision {revision!r} is not a branch, tag or commit name")
+    return repo_dir.joinpath(REFS_DIR, *parts)
+
+
+def _read_ref(repo_dir: Path, revision: str) -> str | None:
+    path = _ref_path(repo_dir, revision)
+    commit = path.read_text().strip() if path.is_file() else ""
+    return commit if hub.is_commit(commit) else None
+
+
+def _write_ref(repo_dir: Path, revision: str, commit: str) -> None:
+    if _read_ref(repo_dir, revision) != commit:
+        _write_atomic(_ref_path(repo_dir, revision), commit)
+
+
+# ---------------------------------------------------------------------------- the manifest
+
+
+def _manifest(folder: Path, repo_id: str, commit: str, remote: hub.Remote | None) -> Manifest:
+    """The commit's manifest: from the cache, else downloaded once (under a lock) and checked
+    against the id the Hub gives the file."""
+    path = folder / STATE_DIR / "manifest.json"
+    where = f"{repo_id}@{commit[:12]}/{MANIFEST_NAME}"
+    if not path.is_file():
+        if remote is None:
+            raise HubError(
+                f"HF_HUB_OFFLINE is set and the cache holds nothing of {repo_id}@{commit[:12]} "
+                f"({folder}). Fetch it once with network access: `shardprep fetch {repo_id} "
+                "--stage P`"
+            )
+        with _lock(folder, "manifest", f"the manifest of {repo_id}", remote.progress):
+            if not path.is_file():
+                _download_manifest(folder, path, commit, remote)
+    return Manifest.from_json(path.read_text(), where=where)
+
+
+def _download_manifest(folder: Path, path: Path, commit: str, remote: hub.Remote) -> None:
+    staging = folder / STATE_DIR / "staging" / "manifest"
+    file_id = remote.file_id(commit, MANIFEST_NAME)
+    for again in (False, True):
+        staged = remote.download(commit, MANIFEST_NAME, staging, again=again)
+        if hub.matches_file_id(staged, file_id):
+            os.replace(staged, path)
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        staged.unlink()
+    raise CorruptFileError(
+        f"{remote.repo_id}@{commit[:12]}: {MANIFEST_NAME} does not match the {file_id[0]} the "
+        f"Hub lists for it ({file_id[1][:12]}...), on two downloads in a row. Nothing was "
+        "placed in the cache; try again later, or publish the artifact again",
+        path=MANIFEST_NAME,
+    )
+
+
+def _place_manifest(folder: Path) -> None:
+    """`shardprep.json` appears in the folder once a first part of it is complete."""
+    final = folder / MANIFEST_NAME
+    if not final.is_file():
+        tmp = folder / (MANIFEST_NAME + INCOMPLETE_SUFFIX)
+        shutil.copyfile(folder / STATE_DIR / "manifest.json", tmp)
+        os.replace(tmp, final)
+
+
+# ---------------------------------------------------------------------------- one part
+
+
+def _fetch_part(
+    folder: Path,
+    repo_id: str,
+    manifest: Manifest,
+    part: Part,
+    remote: hub.Remote | None,
+    progress: bool,
+) -> None:
+    if _complete(folder, part):
+        return
+    if remote is None:
+        raise HubError(
+            f"{part} of {repo_id}@{folder.name[:12]} is not in the cache ({folder}) and the "
+            "Hub is not used (HF_HUB_OFFLINE is set, or it could not be reached). Fetch it "
+            f"once with network access: `shardprep fetch {repo_id} --stage {part.stage}`"
+        )
+    with _lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
+        if _complete(folder, part):
+            return
+        wanted = _wanted(manifest, part)
+        staging = folder / STATE_DIR / "staging" / f"stage-{part.stage}"
+        _download_and_place(folder, staging, wanted, remote)
+        _place_manifest(folder)
+        _write_marker(folder, part, wanted)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _download_and_place(
+    folder: Path, staging: Path, wanted: list[Wanted], remote: hub.Remote
+) -> None:
+    """Download what is not in place yet, verify each file as it arrives, rename it into
+    place; one more download for a file that fails, then a CorruptFileError naming it."""
+    commit = folder.name
+    todo = [w for w in wanted if not _in_place(folder, w)]
+    if not todo:
+        return
+    with ThreadPoolExecutor(max_workers=DOWNLOAD_WORKERS, thread_name_prefix="fetch") as pool:
+        pending: dict[Future[Path], tuple[Wanted, bool]] = {
+            pool.submit(remote.download, commit, w.stored, staging): (w, False) for w in todo
+        }
+        try:
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    item, again = pending.pop(future)
+                    problem = _place(folder, staging, item, future.result())
+                    if problem is None:
+                        continue
+                    if again:
+                        raise _corrupt(remote.repo_id, folder, item, problem)
+                    logger.warning("%s %s; downloading it again", item.stored, problem)
+                    retry = pool.submit(remote.download, commit, item.stored, staging, again=True)
+                    pending[retry] = (item, True)
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _in_place(folder: Path, item: Wanted) -> bool:
+    """Only verified files are ever renamed to a final path: there, the size suffices."""
+    final = folder / item.path
+    return final.is_file() and final.stat().st_size == item.bytes
+
+
+def _place(folder: Path, staging: Path, item: Wanted, staged: Path) -> str | None:
+    """Check the staged file and rename its plain form into place; else say what is wrong
+    (the staged file is then deleted, so a download starts from scratch)."""
+    problem = _check(staged, item.stored_bytes, item.stored_sha256)
+    if problem is None and item.codec != "none":
+        problem = _decompress(staged, staging / item.path, item)
+        staged.unlink(missing_ok=True)
+        staged = staging / item.path
+    if problem is not None:
+        staged.unlink(missing_ok=True)
+        return problem
+    final = folder / item.path
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staged, final)
+    return None
+
+
+def _check(path: Path, size: int, sha256: str) -> str | None:
+    found = path.stat().st_size
+    if found != size:
+        return f"has {found:,} bytes where {MANIFEST_NAME} says {size:,}"
+    digest = sha256_file(path)
+    if digest != sha256:
+        return f"has sha256 {digest[:12]}... where {MANIFEST_NAME} says {sha256[:12]}..."
+    return None
+
+
+def _decompress(stored: Path, plain: Path, item: Wanted) -> str | None:
+    from shardprep.codec import decompress_file
+
+    try:
+        result = decompress_file(stored, plain)
+    except CorruptFileError as exc:
+        return f"does not decompress ({exc})"
+    if (result.raw_bytes, result.raw_sha256) != (item.bytes, item.sha256):
+        plain.unlink(missing_ok=True)
+        return (
+            f"decompresses to {result.raw_bytes:,} bytes of sha256 {result.raw_sha256[:12]}... "
+            f"where {MANIFEST_NAME} says {item.bytes:,} and {item.sha256[:12]}..."
+        )
+    return None
+
+
+def _corrupt(repo_id: str, folder: Path, item: Wanted, problem: str) -> CorruptFileError:
+    return CorruptFileError(
+        f"{repo_id}@{folder.name[:12]}: {item.stored} {problem}, on two downloads in a row. "
+        f"The copy on the Hub is damaged: nothing of it was placed in {folder}. Publish the "
+        f"artifact again (`shardprep publish OUT {repo_id}`) or tell the repo's owner",
+        path=item.stored,
+    )
+
+
+# ---------------------------------------------------------------------------- markers, locks
+
+
+def _marker(folder: Path, part: Part) -> Path:
+    return folder / STATE_DIR / "done" / f"{part.key}.json"
+
+
+def _complete(folder: Path, part: Part) -> bool:
+    """The part's marker (or its whole stage's) exists and its files are all in place."""
+    candidates = [part] if part.rank is None else [Part(part.stage), part]
+    if not (folder / MANIFEST_NAME).is_file():
+        return False
+    for candidate in candidates:
+        marker = _marker(folder, candidate)
+        if marker.is_file():
+            files = json.loads(marker.read_text())["files"]
+            if all(
+                (folder / p).is_file() and (folder / p).stat().st_size == n
+                for p, n in files.items()
+            ):
+                return True
+    return False
+
+
+def _write_marker(folder: Path, part: Part, wanted: list[Wanted]) -> None:
+    files = {w.path: w.bytes for w in wanted}
+    record = {"stage": part.stage, "rank": part.rank, "commit": folder.name, "files": files}
+    _write_atomic(_marker(folder, part), json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+@contextmanager
+def _lock(folder: Path, name: str, what: str, progress: bool) -> Iterator[None]:
+    """One process of a node fetches `what`; the others wait here, then find it complete."""
+    path = folder / STATE_DIR / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        message = f"another process is fetching {what} into {folder}; waiting for it"
+        logger.info(message)
+        if progress:
+            print(f"shardprep: {message}", file=sys.stderr)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{INCOMPLETE_SUFFIX}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

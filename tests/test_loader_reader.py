@@ -1,0 +1,233 @@
+"""The rank-local reader: the bytes of every rank, with fastsafetensors and with the
+fallback, and every way an artifact can be broken. No vLLM here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardprep.constants import MANIFEST_NAME
+from shardprep.convert import Options, convert
+from shardprep.errors import CorruptFileError, ManifestError, TopologyMismatchError
+from shardprep.loader import reader
+from shardprep.loader.reader import MissingRankFileError, read_rank
+from shardprep.manifest import Manifest, read_manifest
+
+TP, PP = 2, 2
+RANKS = [("target", pp, tp) for pp in range(PP) for tp in range(TP)]
+RANKS += [("draft", PP - 1, tp) for tp in range(TP)]
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tp2 x pp2 with an EAGLE3 draft, in parts of at most 64 KiB (several per rank)."""
+    model = tiny.model("reader-llama")
+    draft = tiny.draft("reader-eagle3", model)
+    out = tmp_path_factory.mktemp("reader") / "out"
+    options = Options(tp=TP, pp=PP, draft=str(draft), max_part_bytes=64 * 1024)
+    convert(str(model), out, options, progress=False)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts as a new process would: nothing announced, nothing failed."""
+    monkeypatch.setattr(reader, "_state", reader._State())
+
+
+def expected_tensors(root: Path, manifest: Manifest, role: str, pp: int, tp: int) -> dict:
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in manifest.rank_files(role, pp, tp):
+        tensors.update(load_file(root / entry.path))
+    return tensors
+
+
+def assert_same_bytes(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def copy_of(artifact: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(artifact, tmp_path / "copy"))
+
+
+@pytest.mark.parametrize("backend", ["fastsafetensors", "safetensors", "auto"])
+def test_every_rank_reads_the_bytes_of_its_files(artifact: Path, backend: str) -> None:
+    manifest = read_manifest(artifact)
+    assert len(manifest.rank_files("target", 1, 0)) > 1, "the fixture should give several parts"
+    for role, pp, tp in RANKS:
+        got = dict(read_rank(artifact, role, pp, tp, backend=backend, verify=True))
+        assert_same_bytes(got, expected_tensors(artifact, manifest, role, pp, tp))
+
+
+def test_bfloat16_reads_exactly(tiny, tmp_path: Path) -> None:
+    model = tiny.model("reader-llama-bf16", torch_dtype="bfloat16")
+    convert(str(model), tmp_path / "out", Options(tp=2, pp=1), progress=False)
+    manifest = read_manifest(tmp_path / "out")
+    got = dict(read_rank(tmp_path / "out", "target", 0, 1))
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    assert_same_bytes(got, expected_tensors(tmp_path / "out", manifest, "target", 0, 1))
+
+
+def test_one_part_is_staged_at_a_time(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    real_open = reader._open_fast
+
+    def recording_open(path: Path, device: str) -> reader._FastFile:
+        opened = real_open(path, device)
+        events.append(f"open {path.name}")
+        real_close = opened.buffer.close
+        opened.buffer.close = lambda: (events.append(f"close {path.name}"), real_close())
+        return opened
+
+    monkeypatch.setattr(reader, "_open_fast", recording_open)
+    for _ in read_rank(artifact, "target", 1, 1):
+        pass
+    names = [f.path.rsplit("/", 1)[-1] for f in read_manifest(artifact).rank_files("target", 1, 1)]
+    assert events == [e for name in names for e in (f"open {name}", f"close {name}")]
+
+
+def test_falls_back_when_fastsafetensors_is_missing(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "fastsafetensors", None)  # import raises ImportError
+    manifest = read_manifest(artifact)
+    with caplog.at_level(logging.INFO, logger="shardprep.loader"):
+        for role, pp, tp in RANKS:
+            got = dict(read_rank(artifact, role, pp, tp))
+            assert_same_bytes(got, expected_tensors(artifact, manifest, role, pp, tp))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "safetensors safe_open" in lines[0]
+    assert "fastsafetensors is not importable" in lines[0]
+    assert reader.backend_in_use() == "safetensors"
+
+
+def test_falls_back_once_when_fastsafetensors_fails_on_the_file_system(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import fastsafetensors
+
+    calls = []
+
+    def refuse(self: object, *args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise OSError(22, "O_DIRECT is not supported here")
+
+    monkeypatch.setattr(fastsafetensors.SafeTensorsFileLoader, "copy_files_to_device", refuse)
+    manifest = read_manifest(artifact)
+    with caplog.at_level(logging.INFO, logger="shardprep.loader"):
+        for role, pp, tp in RANKS:
+            got = dict(read_rank(artifact, role, pp, tp))
+            assert_same_bytes(got, expected_tensors(artifact, manifest, role, pp, tp))
+    assert len(calls) == 1, "after one failure the process stays on the fallback"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "O_DIRECT is not supported here" in lines[0]
+    with pytest.raises(OSError, match="O_DIRECT"):
+        list(read_rank(artifact, "target", 0, 0, backend="fastsafetensors"))
+
+
+def test_logs_the_fastsafetensors_path_once(
+    artifact: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="shardprep.loader"):
+        for role, pp, tp in RANKS:
+            list(read_rank(artifact, role, pp, tp))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "shardprep reads rank files with fastsafetensors (no GDS: device cpu, "
+        "GDS needs a CUDA device)"
+    ]
+
+
+def test_gds_only_for_cuda_with_nvidia_fs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reader.glob, "glob", lambda pattern: ["/dev/nvidia-fs0"])
+    assert reader.use_gds("cuda:0") and not reader.use_gds("cpu")
+    monkeypatch.setattr(reader.glob, "glob", lambda pattern: [])
+    assert not reader.use_gds("cuda:0")
+
+
+def test_corrupt_header_is_caught(artifact: Path, tmp_path: Path) -> None:
+    root = copy_of(artifact, tmp_path)
+    path = root / read_manifest(root).rank_files("target", 0, 1)[0].path
+    data = bytearray(path.read_bytes())
+    data[8] = ord("[")  # the JSON object now opens as a list: same size, broken header
+    path.write_bytes(bytes(data))
+    for backend in ("fastsafetensors", "safetensors"):
+        with pytest.raises(CorruptFileError, match="not a valid safetensors file") as info:
+            list(read_rank(root, "target", 0, 1, backend=backend))
+        assert info.value.path == str(path)
+
+
+def test_verify_catches_a_flipped_byte(artifact: Path, tmp_path: Path) -> None:
+    root = copy_of(artifact, tmp_path)
+    path = root / read_manifest(root).rank_files("draft", 1, 0)[-1].path
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert dict(read_rank(root, "draft", 1, 0)), "without verify the bytes are not hashed"
+    with pytest.raises(CorruptFileError) as info:
+        list(read_rank(root, "draft", 1, 0, verify=True))
+    assert str(info.value).startswith(f"{path} does not match the sha256 that {MANIFEST_NAME}")
+    assert "re-run `shardprep convert`" in str(info.value)
+
+
+def test_a_truncated_file_is_caught_without_verify(artifact: Path, tmp_path: Path) -> None:
+    root = copy_of(artifact, tmp_path)
+    path = root / read_manifest(root).rank_files("target", 1, 0)[0].path
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(CorruptFileError, match="truncated or was replaced"):
+        list(read_rank(root, "target", 1, 0))
+
+
+def test_missing_rank_file_says_what_to_do(artifact: Path, tmp_path: Path) -> None:
+    root = copy_of(artifact, tmp_path)
+    entry = read_manifest(root).rank_files("target", 1, 1)[1]
+    (root / entry.path).unlink()
+    with pytest.raises(MissingRankFileError) as info:
+        list(read_rank(root, "target", 1, 1))
+    assert isinstance(info.value, FileNotFoundError)
+    assert str(info.value) == (
+        f"{root} lacks 1 file(s) of target rank pp1 tp1 that {MANIFEST_NAME} lists "
+        f"({entry.path}); re-run `shardprep convert` into {root} (it resumes), "
+        "or fetch stage 1 again"
+    )
+
+
+def test_headers_must_match_the_manifest(artifact: Path, tmp_path: Path) -> None:
+    root = copy_of(artifact, tmp_path)
+    data = json.loads((root / MANIFEST_NAME).read_text())
+    target = next(m for m in data["models"] if m["role"] == "target")
+    target["ranks"]["pp0-tp0"]["model.layers.0.input_layernorm.weight"]["shape"] = [3]
+    (root / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(CorruptFileError, match=r"1 tensor\(s\) differ"):
+        list(read_rank(root, "target", 0, 0))
+
+
+def test_a_stage_that_was_not_converted(tiny, tmp_path: Path) -> None:
+    model = tiny.model("reader-llama")
+    convert(str(model), tmp_path / "out", Options(tp=1, pp=2, stage=1), progress=False)
+    assert dict(read_rank(tmp_path / "out", "target", 1, 0))
+    with pytest.raises(TopologyMismatchError, match="--stage 0"):
+        list(read_rank(tmp_path / "out", "target", 0, 0))
+
+
+def test_no_manifest_suggests_convert(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="shardprep convert"):
+        list(read_rank(tmp_path, "target", 0, 0))
+
+
+def test_unknown_backend(artifact: Path) -> None:
+    with pytest.raises(ValueError, match="auto, fastsafetensors, safetensors"):
+        list(read_rank(artifact, "target", 0, 0, backend="mmap"))
