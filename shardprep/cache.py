@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -125,7 +126,7 @@ def ensure_stage(
     if local.is_dir():
         return local
     text = str(repo_id_or_path)
-    if text.startswith(("/", ".", "~")) or text.count("/") > 1 or os.sep in text.replace("/", ""):
+    if text.startswith(("/", ".", "~")) or text.count("/") > 1:
         raise ConfigError(
             f"{text} is neither a folder nor a Hub repo id: convert a model into it "
             "(`shardprep convert`) or name a repo like org/Model-TP8-PP2"
@@ -284,9 +285,7 @@ def _place_manifest(folder: Path) -> None:
     """`shardprep.json` appears in the folder once a first part of it is complete."""
     final = folder / MANIFEST_NAME
     if not final.is_file():
-        tmp = folder / (MANIFEST_NAME + INCOMPLETE_SUFFIX)
-        shutil.copyfile(folder / STATE_DIR / "manifest.json", tmp)
-        os.replace(tmp, final)
+        _write_atomic(final, (folder / STATE_DIR / "manifest.json").read_text())
 
 
 # ---------------------------------------------------------------------------- one part
@@ -459,7 +458,9 @@ def _lock(folder: Path, name: str, what: str, progress: bool) -> Iterator[None]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """A unique temporary name, then a rename: concurrent writers never mix their bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{INCOMPLETE_SUFFIX}")
-    tmp.write_text(text)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=INCOMPLETE_SUFFIX)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
     os.replace(tmp, path)

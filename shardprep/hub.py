@@ -18,12 +18,12 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-import httpx2
 from huggingface_hub import HfApi, ModelCardData, constants, hf_hub_download
 from huggingface_hub.errors import (
     HfHubHTTPError,
@@ -34,7 +34,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.utils import disable_progress_bars, validate_repo_id
 from tqdm import tqdm
 
 from shardprep import __version__, report
@@ -50,6 +50,7 @@ CODEC_SUFFIXES = {"zstd": ".zst"}
 # Weight files of an earlier publish that this commit does not carry are deleted with it.
 STALE_PATTERNS = ["shards/*", "draft/shards/*"]
 _JOURNAL = ".compressed.json"
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def publish(
@@ -72,8 +73,7 @@ def publish(
     check_repo_id(repo_id)
     codec = codec_for(compress)
     manifest = _verified_manifest(artifact, progress)
-    staging = artifact / PUBLISH_STAGING
-    staging.mkdir(exist_ok=True)
+    staging = _staging_folder(artifact)
     files = _stage_rank_files(artifact, staging, manifest, codec, progress)
     for extra in manifest.extra_files:
         _link(artifact / extra.path, staging / extra.path)
@@ -83,7 +83,8 @@ def publish(
     names = [MANIFEST_NAME, CARD_NAME, *(e.path for e in manifest.extra_files)]
     names += [stored_path(f) for f in files]
     api = HfApi(endpoint=endpoint, token=token)
-    with hub_errors(f"Publishing {artifact} to {repo_id}", repo_id, endpoint, write=True):
+    quiet = nullcontext() if progress else disable_progress_bars()
+    with quiet, hub_errors(f"Publishing {artifact} to {repo_id}", repo_id, endpoint, write=True):
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision != constants.DEFAULT_REVISION:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
@@ -146,6 +147,18 @@ def _verified_manifest(artifact: Path, progress: bool) -> mf.Manifest:
             path=str(artifact),
         )
     return manifest
+
+
+def _staging_folder(artifact: Path) -> Path:
+    staging = artifact / PUBLISH_STAGING
+    try:
+        staging.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise HubError(
+            f"Cannot create {staging} ({exc.strerror}): publishing stages the upload inside the "
+            "artifact. Make the folder writable, or copy the artifact somewhere writable"
+        ) from exc
+    return staging
 
 
 def _stage_rank_files(
@@ -279,8 +292,8 @@ def _source_lines(manifest: mf.Manifest) -> str:
         )
         revision = f" at revision `{source.revision}`" if source.revision else ""
         lines.append(
-            f"- {model.role}: {origin}{revision}, {model.architecture}, {model.dtype}, "
-            f"{model.num_layers} layers"
+            f"- {model.role}: {origin}{revision}; {model.architecture}, {model.dtype}, "
+            f"layers: {model.num_layers}"
         )
     return "\n".join(lines)
 
@@ -297,27 +310,27 @@ def _topology_lines(manifest: mf.Manifest) -> str:
 
 
 def _size_table(manifest: mf.Manifest) -> str:
+    """One row per (stage, role, rank), then the stage's total: what one node downloads."""
     stored: dict[tuple[str, int, int], int] = {}
     for f in manifest.files:
         key = (f.role, f.pp, f.tp)
-        stored[key] = stored.get(key, 0) + (
-            f.stored_bytes if f.stored_bytes is not None else f.bytes
-        )
+        stored[key] = stored.get(key, 0) + (f.bytes if f.stored_bytes is None else f.stored_bytes)
     lines = [
         "| stage | role | tp rank | files | tensors | size | download |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for row in report.manifest_rows(manifest):
-        download = report.format_bytes(stored[(row.role, row.pp, row.tp)])
-        lines.append(
-            f"| {row.pp} | {row.role} | {row.tp} | {row.files} | {row.tensors} | "
-            f"{report.format_bytes(row.bytes)} | {download} |"
-        )
+    rows = report.manifest_rows(manifest)
     for stage in manifest.stages:
-        raw = sum(f.bytes for f in manifest.files if f.pp == stage)
-        packed = sum(v for (_, pp, _), v in stored.items() if pp == stage)
+        raw = packed = 0
+        for row in (r for r in rows if r.pp == stage):
+            download = stored[(row.role, row.pp, row.tp)]
+            raw, packed = raw + row.bytes, packed + download
+            lines.append(
+                f"| {row.pp} | {row.role} | {row.tp} | {row.files} | {row.tensors} | "
+                f"{report.format_bytes(row.bytes)} | {report.format_bytes(download)} |"
+            )
         lines.append(
-            f"| {stage} | **stage total** | | | | **{report.format_bytes(raw)}** | "
+            f"| **{stage}** | **all** | | | | **{report.format_bytes(raw)}** | "
             f"**{report.format_bytes(packed)}** |"
         )
     return "\n".join(lines)
@@ -330,8 +343,8 @@ def _draft_lines(manifest: mf.Manifest) -> str:
     origin = draft.source.repo_id or draft.source.model
     last = manifest.topology.pp - 1
     return (
-        f"{(draft.method or 'draft').upper()} draft from `{origin}` ({draft.architecture}, "
-        f"{draft.dtype}), in `draft/`, split over the tensor parallel ranks of the last stage "
+        f"{(draft.method or 'speculative').upper()} draft from `{origin}` ({draft.dtype}), "
+        f"in `draft/`, split over the tensor parallel ranks of the last stage "
         f"({last}) only: the nodes of the other stages never download it."
     )
 
@@ -353,7 +366,7 @@ def _compression_lines(manifest: mf.Manifest) -> str:
 
 def _usage(manifest: mf.Manifest, repo_id: str) -> str:
     topo = manifest.topology
-    stages = "0" if topo.pp == 1 else f"0 to {topo.pp - 1}"
+    stages = " or ".join(map(str, range(topo.pp))) if topo.pp <= 2 else f"0 to {topo.pp - 1}"
     serve = (
         f'vllm serve "$MODEL" --tensor-parallel-size {topo.tp} '
         f"--pipeline-parallel-size {topo.pp} --load-format sharded-fast"
@@ -387,11 +400,13 @@ def is_offline() -> bool:
 
 
 def is_commit(revision: str | None) -> bool:
-    return revision is not None and constants.REGEX_COMMIT_HASH.fullmatch(revision) is not None
+    return revision is not None and _COMMIT.fullmatch(revision) is not None
 
 
 def is_connection_error(exc: BaseException) -> bool:
-    return isinstance(exc, (httpx2.TransportError, OfflineModeIsEnabled, ConnectionError))
+    # Matched by name: huggingface_hub's HTTP client (httpx, httpx2) differs by version.
+    transport = any(cls.__name__ == "TransportError" for cls in type(exc).__mro__)
+    return transport or isinstance(exc, (OfflineModeIsEnabled, ConnectionError))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,392 @@
+"""Publish and fetch through the test Hub (tests/hub_server.py) with the real huggingface_hub
+client: one stage per node, a lock per stage, verified bytes, zstd transport, offline use.
+
+huggingface_hub reads HF_HUB_DISABLE_XET, HF_HUB_OFFLINE and HF_HOME at import, so the
+autouse fixture patches `huggingface_hub.constants` for this process and the environment for
+subprocesses; the endpoint goes through `endpoint=` (see tests/test_hub_server.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+from hub_server import HubServer
+from huggingface_hub import HfApi, ModelCard, constants, hf_hub_download
+
+from shardprep import cli
+from shardprep.cache import STATE_DIR, ensure_stage, fetch, repo_folder
+from shardprep.constants import MANIFEST_NAME
+from shardprep.convert import Options, convert
+from shardprep.errors import ConfigError, CorruptFileError, HubError
+from shardprep.hub import model_card, publish
+from shardprep.manifest import Manifest, Source, read_manifest
+from shardprep.verify import verify
+
+# The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
+
+REPO = "shardprep-test/Tiny-TP2-PP2"
+
+
+@pytest.fixture(autouse=True)
+def hf_client_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Caches and token under tmp_path, no Xet, online, no telemetry (for subprocesses too)."""
+    home = tmp_path / "hf_home"
+    frozen_at_import = {
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_TOKEN_PATH": str(home / "token"),
+        "HF_HUB_DISABLE_XET": True,
+        "HF_HUB_DISABLE_TELEMETRY": True,
+        "HF_HUB_OFFLINE": False,
+    }
+    for name, value in frozen_at_import.items():
+        monkeypatch.setattr(constants, name, value)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token_accepted_by_any_server")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    return home
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama and its EAGLE3 draft at tp2 x pp2 (the draft on stage 1 only)."""
+    model = tiny.model("llama")
+    draft = tiny.draft("eagle3", model)
+    out = tmp_path_factory.mktemp("hub") / "tiny-tp2-pp2"
+    convert(str(model), out, Options(tp=2, pp=2, draft=str(draft)), progress=False)
+    return out
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[HubServer]:
+    with HubServer(tmp_path / "hub_storage") as server:
+        yield server
+
+
+@pytest.fixture
+def published(hub: HubServer, artifact: Path) -> str:
+    return publish(artifact, REPO, endpoint=hub.endpoint, progress=False)
+
+
+def _manifest(artifact: Path) -> Manifest:
+    return read_manifest(artifact)
+
+
+def _stage_paths(artifact: Path, stage: int) -> list[str]:
+    return [f.path for f in _manifest(artifact).files if f.pp == stage]
+
+
+def _wanted_paths(artifact: Path, stage: int) -> list[str]:
+    extras = [e.path for e in _manifest(artifact).extra_files]
+    return _stage_paths(artifact, stage) + extras
+
+
+def _requested(hub: HubServer) -> list[str]:
+    """Repo paths of every HEAD or GET of /resolve/ so far."""
+    return [
+        path.split("/resolve/", 1)[1].split("/", 1)[1]
+        for method, path in hub.requests
+        if "/resolve/" in path
+    ]
+
+
+def _files_under(*roots: Path) -> list[Path]:
+    return [p for root in roots if root.exists() for p in root.rglob("*") if p.is_file()]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_fetch_one_stage_holds_no_byte_of_the_other(
+    hub: HubServer, artifact: Path, published: str, hf_client_env: Path
+) -> None:
+    folder = fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False)
+
+    assert folder == repo_folder(REPO) / published
+    for path in _wanted_paths(artifact, 1):
+        assert (folder / path).read_bytes() == (artifact / path).read_bytes(), path
+    assert (folder / MANIFEST_NAME).read_bytes() == (artifact / MANIFEST_NAME).read_bytes()
+    assert (folder / "draft/config.json").is_file()  # the draft lives on the last stage
+
+    stage0 = _stage_paths(artifact, 0)
+    stage0_hashes = {_sha256(artifact / path) for path in stage0}
+    cached = _files_under(repo_folder(REPO), hf_client_env)
+    assert not any("model-pp-0-" in str(path) for path in cached)
+    assert not stage0_hashes & {_sha256(path) for path in cached}
+    assert not set(stage0) & set(_requested(hub))  # not even a HEAD
+    assert {Path(p).name for p in _requested(hub)} >= {MANIFEST_NAME}
+    assert not (folder / STATE_DIR / "staging" / "stage-1").exists()
+
+    before = len(hub.requests)
+    assert fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False) == folder
+    assert [path for _, path in hub.requests[before:]] == [f"/api/models/{REPO}/revision/main"]
+
+
+def test_fetch_one_rank_only(hub: HubServer, artifact: Path, published: str) -> None:
+    folder = fetch(REPO, stage=1, rank=0, endpoint=hub.endpoint, progress=False)
+    rank_files = [f.path for f in _manifest(artifact).files if (f.pp, f.tp) == (1, 0)]
+    other = [f.path for f in _manifest(artifact).files if (f.pp, f.tp) != (1, 0)]
+    assert all((folder / path).is_file() for path in rank_files)
+    assert not any((folder / path).exists() for path in other)
+    assert not set(other) & set(_requested(hub))
+
+    fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False)  # the rest of the stage
+    assert all(hub.downloads(REPO, path) == 1 for path in _wanted_paths(artifact, 1))
+
+
+_FETCH_AND_CHECK = """
+import hashlib, json, sys
+from shardprep.cache import fetch
+from shardprep.manifest import read_manifest
+folder = fetch(sys.argv[1], stage=1, endpoint=sys.argv[2])
+manifest = read_manifest(folder)
+bad = [
+    f.path for f in manifest.files
+    if f.pp == 1 and hashlib.sha256((folder / f.path).read_bytes()).hexdigest() != f.sha256
+]
+print(json.dumps({"folder": str(folder), "bad": bad}))
+"""
+
+
+def test_four_processes_download_a_stage_once(
+    hub: HubServer, artifact: Path, published: str, tmp_path: Path
+) -> None:
+    """The test holds the stage lock until all four are waiting on it, then lets them go."""
+    lock_path = repo_folder(REPO) / published / STATE_DIR / "locks" / "stage-1.lock"
+    lock_path.parent.mkdir(parents=True)
+    lock = FileLock(lock_path)
+    command = [sys.executable, "-c", _FETCH_AND_CHECK, REPO, hub.endpoint]
+    logs = [tmp_path / f"stderr-{i}.txt" for i in range(4)]
+    with lock:
+        procs = [
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+            for log in logs
+        ]
+        deadline = time.monotonic() + 60
+        while not all("fetching stage 1" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline, [log.read_text() for log in logs]
+            assert all(proc.poll() is None for proc in procs), [log.read_text() for log in logs]
+            time.sleep(0.05)
+    results = []
+    for proc, log in zip(procs, logs, strict=True):
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, log.read_text()
+        results.append(json.loads(out.strip().splitlines()[-1]))
+
+    assert {r["folder"] for r in results} == {str(repo_folder(REPO) / published)}
+    assert all(r["bad"] == [] for r in results)
+    for path in [MANIFEST_NAME, *_wanted_paths(artifact, 1)]:
+        assert hub.downloads(REPO, path) == 1, path
+
+
+def test_a_corrupt_blob_fails_loudly_and_places_nothing(
+    hub: HubServer, artifact: Path, published: str
+) -> None:
+    bad = "shards/model-pp-1-tp-0-part-0.safetensors"
+    hub.corrupt_blob(REPO, bad)
+    with pytest.raises(CorruptFileError) as err:
+        fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False)
+
+    message = str(err.value)
+    assert f"{bad} has sha256 " in message
+    assert "on two downloads in a row" in message
+    assert f"shardprep publish OUT {REPO}" in message
+    assert err.value.path == bad
+    assert hub.downloads(REPO, bad) == 2  # fetched again once, then given up
+    folder = repo_folder(REPO) / published
+    assert not (folder / bad).exists()
+    assert not (folder / MANIFEST_NAME).exists()  # no stage is complete
+    staged = _files_under(folder / STATE_DIR / "staging")
+    assert not any(path.name == Path(bad).name for path in staged)
+
+    # repaired on the Hub (the flip undone): a rerun downloads only the missing file
+    hub.corrupt_blob(REPO, bad)
+    fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False)
+    assert (folder / bad).read_bytes() == (artifact / bad).read_bytes()
+    assert hub.downloads(REPO, bad) == 3
+    others = [p for p in _wanted_paths(artifact, 1) if p != bad]
+    assert all(hub.downloads(REPO, path) == 1 for path in others)
+
+
+def test_a_cut_download_completes_with_the_right_bytes(
+    hub: HubServer, artifact: Path, published: str
+) -> None:
+    path = "shards/model-pp-1-tp-1-part-0.safetensors"
+    hub.cut_next_download(REPO, path, after_bytes=(artifact / path).stat().st_size // 2)
+    folder = fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False)
+    assert (folder / path).read_bytes() == (artifact / path).read_bytes()
+    assert hub.downloads(REPO, path) == 2
+
+
+def test_compressed_round_trip_is_byte_identical(
+    hub: HubServer, artifact: Path, published: str
+) -> None:
+    """Published plain first, then compressed: the second commit drops the plain shards."""
+    commit = publish(artifact, REPO, compress="zstd", endpoint=hub.endpoint, progress=False)
+    assert commit != published
+    remote = set(HfApi(endpoint=hub.endpoint).list_repo_files(REPO, revision=commit))
+    shards = [f.path for f in _manifest(artifact).files]
+    assert {p + ".zst" for p in shards} <= remote
+    assert not set(shards) & remote
+    assert not (artifact / ".shardprep-publish").exists()
+
+    folder = fetch(REPO, all_stages=True, endpoint=hub.endpoint, progress=False)
+    for path in shards + [e.path for e in _manifest(artifact).extra_files]:
+        assert (folder / path).read_bytes() == (artifact / path).read_bytes(), path
+    assert not any(p.suffix == ".zst" for p in _files_under(folder))
+    manifest = read_manifest(folder)
+    assert {f.codec for f in manifest.files} == {"zstd"}
+    assert all(f.stored_bytes and f.stored_sha256 for f in manifest.files)
+    assert verify(folder).ok
+
+
+def test_offline_fetch_of_a_cached_stage_sends_no_request(
+    hub: HubServer, artifact: Path, published: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False)
+    before = len(hub.requests)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    assert fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False) == folder
+    assert fetch(REPO, stage=1, revision=published, progress=False) == folder
+    assert ensure_stage(REPO, 1) == folder
+    assert len(hub.requests) == before
+    with pytest.raises(HubError, match="stage 0 of .* is not in the cache .*HF_HUB_OFFLINE"):
+        fetch(REPO, stage=0, endpoint=hub.endpoint, progress=False)
+    with pytest.raises(HubError, match="has never fetched .*@v2"):
+        fetch(REPO, stage=1, revision="v2", progress=False)
+    assert len(hub.requests) == before
+
+
+def test_an_unreachable_hub_falls_back_to_the_cached_stage(
+    hub: HubServer, artifact: Path, published: str
+) -> None:
+    endpoint = hub.endpoint
+    folder = fetch(REPO, stage=1, endpoint=endpoint, progress=False)
+    hub.stop()
+    assert fetch(REPO, stage=1, endpoint=endpoint, progress=False) == folder
+    with pytest.raises(HubError, match="Fetch it once with network access"):
+        fetch(REPO, stage=0, endpoint=endpoint, progress=False)
+
+
+def test_publish_refuses_a_damaged_artifact(hub: HubServer, artifact: Path, tmp_path: Path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(artifact, damaged)
+    shard = damaged / "shards/model-pp-0-tp-1-part-0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    with pytest.raises(CorruptFileError) as err:
+        publish(damaged, REPO, endpoint=hub.endpoint, progress=False)
+    message = str(err.value)
+    assert message.startswith(f"Refusing to publish {damaged}: it fails verification (")
+    assert "shards/model-pp-0-tp-1-part-0.safetensors does not match its sha256" in message
+    assert "`shardprep verify" in message
+    assert hub.requests == []
+
+
+def test_the_model_card_has_metadata_and_commands(
+    hub: HubServer, artifact: Path, published: str, tmp_path: Path
+) -> None:
+    readme = hf_hub_download(
+        REPO, "README.md", revision=published, endpoint=hub.endpoint, local_dir=tmp_path / "c"
+    )
+    card = ModelCard.load(readme)
+    assert card.data.library_name == "vllm"
+    assert card.data.tags == ["shardprep", "vllm", "tp2", "pp2"]
+    text = card.text
+    assert f"MODEL=$(shardprep fetch {REPO} --stage $STAGE --quiet)" in text
+    assert (
+        'vllm serve "$MODEL" --tensor-parallel-size 2 --pipeline-parallel-size 2 '
+        "--load-format sharded-fast" in text
+    )
+    assert '\\"model\\": \\"$MODEL/draft\\"' in text
+    assert "| 1 | draft | 0 | 1 |" in text  # the size table has the draft's ranks on stage 1
+    assert "stage 1: layers 2-3" in text
+    assert "EAGLE3 draft" in text
+
+    manifest = _manifest(artifact)
+    source = Source(
+        model="meta-llama/Llama-3.1-8B",
+        repo_id="meta-llama/Llama-3.1-8B",
+        revision="0e9e39f249a16976918f6564b8830bc894c89659",
+        files=(),
+    )
+    models = tuple(replace(m, source=source) if m.role == "target" else m for m in manifest.models)
+    renamed = replace(manifest, models=models)
+    card = ModelCard(model_card(renamed, REPO))
+    assert card.data.base_model == "meta-llama/Llama-3.1-8B"
+    assert "at revision `0e9e39f249a16976918f6564b8830bc894c89659`" in card.text
+
+
+def test_cli_publish_and_fetch(
+    hub: HubServer, artifact: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["publish", str(artifact), REPO, "--compress", "zstd", "--endpoint", hub.endpoint]
+    assert cli.main([*argv, "--json", "-q"]) == 0
+    published = json.loads(capsys.readouterr().out)
+    assert published["commit"] == hub.head(REPO)
+    assert published["compress"] == "zstd"
+
+    cache = tmp_path / "elsewhere"
+    argv = ["fetch", REPO, "--stage", "0", "--cache-dir", str(cache), "--endpoint", hub.endpoint]
+    assert cli.main([*argv, "-q"]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert folder == cache / "models--shardprep-test--Tiny-TP2-PP2" / published["commit"]
+    assert all((folder / p).is_file() for p in _wanted_paths(artifact, 0))
+
+    assert cli.main(["fetch", REPO, "--endpoint", hub.endpoint, "-q"]) == 1
+    assert "pass --stage P (the stage this node serves, one of 0, 1) or --all" in (
+        capsys.readouterr().err
+    )
+
+
+def test_bad_requests_say_what_to_do(hub: HubServer, published: str) -> None:
+    with pytest.raises(ConfigError, match="--rank 1 needs --stage"):
+        fetch(REPO, rank=1, endpoint=hub.endpoint)
+    with pytest.raises(ConfigError, match="holds stage\\(s\\) 0, 1 of pp=2, not stage 2"):
+        fetch(REPO, stage=2, endpoint=hub.endpoint)
+    with pytest.raises(ConfigError, match="tp=2: --rank takes 0 to 1, not 2"):
+        fetch(REPO, stage=0, rank=2, endpoint=hub.endpoint)
+    with pytest.raises(HubError, match="shardprep-test/missing is not on"):
+        fetch("shardprep-test/missing", stage=0, endpoint=hub.endpoint)
+    with pytest.raises(ConfigError, match="choose zstd"):
+        publish(Path("."), REPO, compress="gzip", endpoint=hub.endpoint)
+
+
+def test_ensure_stage_returns_a_local_folder_as_it_is(artifact: Path) -> None:
+    assert ensure_stage(str(artifact), 0) == artifact
+    with pytest.raises(ConfigError, match="neither a folder nor a Hub repo id"):
+        ensure_stage("./no/such/folder", 0)
+
+
+def test_a_corrupt_compressed_file_or_manifest_is_named(
+    hub: HubServer, artifact: Path, tmp_path: Path
+) -> None:
+    publish(artifact, REPO, compress="zstd", endpoint=hub.endpoint, progress=False)
+    bad = "draft/shards/model-pp-1-tp-1-part-0.safetensors.zst"
+    hub.corrupt_blob(REPO, bad)
+    with pytest.raises(CorruptFileError, match=f"{bad} has sha256 .* on two downloads"):
+        fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False)
+    assert hub.downloads(REPO, bad) == 2
+
+    hub.corrupt_blob(REPO, MANIFEST_NAME)
+    with pytest.raises(CorruptFileError, match=f"{MANIFEST_NAME} does not match the git-sha1"):
+        fetch(REPO, stage=0, cache_dir=tmp_path / "fresh", endpoint=hub.endpoint, progress=False)
+    assert hub.downloads(REPO, MANIFEST_NAME) == 3  # once above, twice here
