@@ -96,7 +96,10 @@ def make_tiny_draft(
         tie_word_embeddings=False,
     )
     if method == "eagle3":
+        layers = target_config["num_hidden_layers"]
         config["draft_vocab_size"] = min(512, target_config["vocab_size"])
+        # vLLM's default (2, L // 2, L - 3) collapses for tiny targets; name three layers.
+        config["eagle_aux_hidden_state_layer_ids"] = [max(0, layers - 3 + i) for i in range(3)]
     config.update(overrides)
     family = archs.draft_family(method)
     shapes = family.expected_shapes(config, target_config=target_config)

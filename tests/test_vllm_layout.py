@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from shardprep.convert import Options, convert
 from shardprep.manifest import read_manifest
-from shardprep.tiny import make_tiny_model
+from shardprep.tiny import make_tiny_draft, make_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,9 +56,54 @@ def test_rank_files_equal_vllm_default_loader_state(case: str, tmp_path: Path) -
     model = make_tiny_model(tmp_path / "model", arch, **overrides)
     partition = env.get("VLLM_PP_LAYER_PARTITION")
     artifact = tmp_path / "artifact"
-    convert(str(model), artifact, Options(tp=tp, pp=pp, partition=partition), progress=False)
+    options = Options(tp=tp, pp=pp, partition=partition, dtype="float32")
+    convert(str(model), artifact, options, progress=False)
     dumps = vllm_env.dump_state(model, tp, pp, tmp_path / "dump", env=env)
     assert sorted(dumps) == [("target", p, t) for p in range(pp) for t in range(tp)]
     for (role, p, t), path in dumps.items():
         vllm_state, _ = vllm_env.read_dump(path)
         assert_same_state(vllm_state, rank_tensors(artifact, role, p, t))
+
+
+DRAFT_CASES = {
+    # name: (method, tp, pp, target layers, draft config overrides)
+    # Six layers put the EAGLE3 auxiliary layers 4, 5, 6 on the last stage (the CPU engine
+    # passes no auxiliary states between stages); EAGLE-1 needs an odd layer count at
+    # pp2, or vLLM itself fails with "Duplicate layer name" (docs/vllm-notes.md).
+    "eagle3-tp2-pp2": ("eagle3", 2, 2, 6, {"eagle_aux_hidden_state_layer_ids": [4, 5, 6]}),
+    "eagle-tp2-pp2": ("eagle", 2, 2, 5, {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DRAFT_CASES))
+def test_draft_rank_files_equal_vllm_draft_state(case: str, tmp_path: Path) -> None:
+    """With pp > 1 the CPU engine loads every rank (draft included) and then fails before
+    serving; the dumps are taken right after loading, so they are complete."""
+    method, tp, pp, layers, overrides = DRAFT_CASES[case]
+    model = make_tiny_model(tmp_path / "model", num_hidden_layers=layers)
+    draft = make_tiny_draft(tmp_path / "draft", model, method, **overrides)
+    artifact = tmp_path / "artifact"
+    options = Options(tp=tp, pp=pp, draft=str(draft), dtype="float32")
+    convert(str(model), artifact, options, progress=False)
+    spec = {"method": method, "model": str(draft), "num_speculative_tokens": 2}
+    dumps = vllm_env.dump_state(
+        model, tp, pp, tmp_path / "dump", speculative_config=spec, allow_engine_failure=True
+    )
+    shared = set(read_manifest(artifact).model("draft").shared_with_target)
+    assert {key for key in dumps if key[0] == "draft"} == {("draft", pp - 1, t) for t in range(tp)}
+    for (role, p, t), path in dumps.items():
+        vllm_state, meta = vllm_env.read_dump(path)
+        ours = rank_tensors(artifact, role, p, t)
+        if role == "draft":
+            # A parameter the draft checkpoint lacks is left unloaded by vLLM, which then
+            # shares the target's; shardprep writes none for it.
+            unloaded = {n for n in shared if n in vllm_state and n not in ours}
+            assert not any(meta[_OWN_FLAG[n]] for n in unloaded)
+            vllm_state = {n: v for n, v in vllm_state.items() if n not in unloaded}
+        assert_same_state(vllm_state, ours)
+
+
+_OWN_FLAG = {
+    "model.embed_tokens.weight": "has_own_embed_tokens",
+    "lm_head.weight": "has_own_lm_head",
+}

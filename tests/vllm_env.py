@@ -6,8 +6,10 @@
     dump_draft(target_dir, draft_dir, method, dump_dir, tp=1, pp=1) -> {("draft", pp, tp): Path}
 
 Keyword arguments of the first three: prompts (list of token-id lists), max_tokens,
-dtype, speculative_config (dict), model_loader_extra_config (dict), env (extra
-environment, e.g. VLLM_PP_LAYER_PARTITION), timeout (seconds).
+dtype ("float32" unless given), speculative_config (dict), model_loader_extra_config
+(dict), enforce_eager (also at pp > 1), env (extra environment, e.g.
+VLLM_PP_LAYER_PARTITION), timeout (seconds); generate also takes dump_dir, dump_state
+also allow_engine_failure. read_dump(path) -> (tensors, metadata) reads one dump file.
 
 The vLLM python is ``$SHARDPREP_VLLM_PYTHON``, else this interpreter if it has vLLM,
 else ``<repo>/.venv-vllm/bin/python``. One vLLM runs at a time (a file lock), and the
@@ -21,6 +23,7 @@ import fcntl
 import functools
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,8 @@ DUMP_PLUGIN = "shardprep_test_dump"
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_PROMPTS: list[list[int]] = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]]
 LOCK_FILE = Path(tempfile.gettempdir()) / "shardprep-vllm-harness.lock"
+DIST_IDENT = re.compile(r"vllm_dist_[0-9a-f]{32}")
+LOG = logging.getLogger("vllm_env")
 DUMP_NAME = re.compile(r"(target|draft)-pp(\d+)-tp(\d+)\.safetensors")
 STDERR_TAIL = 6000
 
@@ -125,14 +131,19 @@ def one_vllm_at_a_time() -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def remove_dist_files(tmpdir: Path) -> None:
-    """Remove the run's file store (in its TMPDIR) and the /dev/shm files named after it."""
-    idents = [path.name for path in tmpdir.glob("vllm_dist_*")]
+def remove_dist_files(tmpdir: Path, output: str) -> None:
+    """Remove the run's TMPDIR and the /dev/shm and /tmp files named after its dist idents.
+
+    The ident (``vllm_dist_<hex>``) is the file store's name in TMPDIR, which vLLM deletes
+    itself; the workers log it (``distributed_init_method=file://...``), so take it from the
+    run's output too. The CPU shared-memory groups ``/dev/shm/<ident>-tp:0-[0-1]-cpushm_0``
+    and the like outlive even a successful run.
+    """
+    idents = set(DIST_IDENT.findall(output)) | {p.name for p in tmpdir.glob("vllm_dist_*")}
     for ident in idents:
-        for path in Path("/dev/shm").glob(f"{ident}*"):
-            path.unlink(missing_ok=True)
-        for path in Path("/tmp").glob(f"{ident}*"):
-            path.unlink(missing_ok=True)
+        for root in (Path("/dev/shm"), Path("/tmp")):
+            for path in root.glob(f"{ident}*"):
+                path.unlink(missing_ok=True)
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
@@ -148,7 +159,9 @@ def run_python(
     """Run ``vllm-python ARGS`` in its own session; return stdout, raise with the tail."""
     tmpdir = Path(tempfile.mkdtemp(prefix="shardprep-vllm-"))
     cmd = [require_python(), *args]
+    asked = time.monotonic()
     with one_vllm_at_a_time():
+        started = time.monotonic()
         proc = subprocess.Popen(
             cmd,
             cwd=REPO,
@@ -158,17 +171,24 @@ def run_python(
             text=True,
             start_new_session=True,
         )
+        stdout, stderr, timed_out = "", "", False
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            timed_out = True
             kill_group(proc)
             stdout, stderr = proc.communicate()
-            raise VllmRunError(
-                failure(cmd, f"timed out after {timeout:.0f} s", stdout, stderr)
-            ) from None
         finally:
             kill_group(proc)  # stray workers, if the runner left any
-            remove_dist_files(tmpdir)
+            remove_dist_files(tmpdir, stdout + stderr)
+    LOG.info(
+        "vLLM run took %.0f s (after %.0f s waiting for the lock): %s",
+        time.monotonic() - started,
+        started - asked,
+        " ".join(cmd),
+    )
+    if timed_out:
+        raise VllmRunError(failure(cmd, f"timed out after {timeout:.0f} s", stdout, stderr))
     if proc.returncode != 0:
         raise VllmRunError(failure(cmd, f"exit code {proc.returncode}", stdout, stderr))
     return stdout

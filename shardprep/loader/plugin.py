@@ -319,33 +319,24 @@ def fill_parameters(
 ) -> list[str]:
     """Copy each tensor into the parameter of the same name (tied aliases count as the
     parameter they alias); every parameter must be filled exactly once with the exact
-    shape and dtype, except those in `may_lack`. Tensors in `ignorable` that the model
+    shape and dtype, except those in `may_lack`. A tensor may also fill a buffer (e.g.
+    attention scales), which is never required. Tensors in `ignorable` that the model
     lacks are skipped. Returns the names filled; raises one error listing every problem."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    canonical: dict[str, str] = {}
-    first: dict[int, str] = {}
-    for name, param in params.items():
-        canonical[name] = first.setdefault(id(param), name)
-    problems, filled = Problems(), {}
+    params, canonical = _parameters(model)
+    required = {name for name, _ in model.named_parameters()}
+    problems, filled, seen = Problems(), {}, set()
     for name, tensor in tensors:
-        param = params.get(name)
-        if param is None:
-            if name not in ignorable:
-                problems.extra.append(name)
-        elif canonical[name] in filled:
-            problems.twice.append(name)
-        elif tuple(tensor.shape) != tuple(param.shape):
-            problems.shape.append(f"{name}: file {tuple(tensor.shape)}, model {tuple(param.shape)}")
-        elif tensor.dtype != param.dtype:
-            problems.dtype.append(f"{name}: file {tensor.dtype}, model {param.dtype}")
-        else:
-            param.data.copy_(tensor)
-            filled[canonical[name]] = name
-    aliases: dict[str, set[str]] = {}
-    for name, key in canonical.items():
-        aliases.setdefault(key, set()).add(name)
+        if name in params:
+            if _fill_one(name, tensor, params[name], canonical[name] in seen, problems):
+                filled[canonical[name]] = name
+            seen.add(canonical[name])
+        elif name not in ignorable:
+            problems.extra.append(name)
+        del tensor  # let the reader free a part before it stages the next one
     problems.missing = [
-        key for key, names in aliases.items() if key not in filled and not names & may_lack
+        key
+        for key, names in _aliases(canonical).items()
+        if key in required and key not in seen and not names & may_lack
     ]
     if any(vars(problems).values()):
         raise WeightMismatchError(
@@ -354,6 +345,41 @@ def fill_parameters(
             "that matches this vLLM, or load the original model with --load-format auto"
         )
     return list(filled.values())
+
+
+def _fill_one(
+    name: str, tensor: torch.Tensor, target: torch.Tensor, seen: bool, problems: Problems
+) -> bool:
+    """Copy one tensor if it fits; else record why not."""
+    if seen:
+        problems.twice.append(name)
+    elif tuple(tensor.shape) != tuple(target.shape):
+        problems.shape.append(f"{name}: file {tuple(tensor.shape)}, model {tuple(target.shape)}")
+    elif tensor.dtype != target.dtype:
+        problems.dtype.append(f"{name}: file {tensor.dtype}, model {target.dtype}")
+    else:
+        target.data.copy_(tensor)
+        return True
+    return False
+
+
+def _parameters(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every parameter name (tied aliases included), and the first name of each; then the
+    buffers, likewise (they may be filled, they are not required)."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    canonical = {name: first.setdefault(id(p), name) for name, p in tensors.items()}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        tensors[name] = buffer
+        canonical[name] = first.setdefault(id(buffer), name)
+    return tensors, canonical
+
+
+def _aliases(canonical: dict[str, str]) -> dict[str, set[str]]:
+    names: dict[str, set[str]] = {}
+    for name, key in canonical.items():
+        names.setdefault(key, set()).add(name)
+    return names
 
 
 def mark_eagle_weights(model: nn.Module, names: Iterable[str]) -> None:
