@@ -165,9 +165,8 @@ def main() -> None:
     print(f"source {total / gb:.2f} GB, largest tensor {largest / gb:.2f} GB, "
           f"tp{args.tp} x pp{args.pp}, cold cache: {cold}")  # fmt: skip
     print(f"  cp                        {cp_seconds:8.2f} s  {total / cp_seconds / gb:6.2f} GB/s")
-    print(
-        f"  shardprep convert         {run['seconds']:8.2f} s  {figures['convert_gb_per_s']:6.2f} GB/s"
-    )
+    speed = figures["convert_gb_per_s"]
+    print(f"  shardprep convert         {run['seconds']:8.2f} s  {speed:6.2f} GB/s")
     print(f"  throughput / cp           {figures['throughput_vs_cp']:8.2f}   (target >= 0.8)")
     print(f"  read_bytes / source       {figures['read_bytes_over_source']:8.2f}   (target 1.00)")
     print(f"  peak RSS / largest tensor {figures['peak_rss_over_largest_tensor']:8.2f}   "

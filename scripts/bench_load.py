@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_convert import drop_caches, write_checkpoint  # noqa: E402
+from bench_convert import drop_caches, write_checkpoint
 
-from shardprep.cli import parse_size  # noqa: E402
-from shardprep.convert import Options, convert  # noqa: E402
+from shardprep.cli import parse_size
+from shardprep.convert import Options, convert
 
 METHODS = ("sharded-fast", "default", "fastsafetensors", "raw")
 
