@@ -240,6 +240,7 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
     return condition()
 
 
+@pytest.mark.slow
 def test_rank_local_loads_issue_no_collective(artifact: Path, tmp_path: Path) -> None:
     procs = start_ranks("shardprep", artifact, tmp_path, [])
     try:
@@ -253,6 +254,7 @@ def test_rank_local_loads_issue_no_collective(artifact: Path, tmp_path: Path) ->
         assert "with fastsafetensors; calls=[]" in log_of(tmp_path, rank), logs
 
 
+@pytest.mark.slow
 def test_seed_scenario_parallel_loader_on_world_group_hangs(
     artifact: Path, tiny, tmp_path: Path
 ) -> None:
@@ -283,6 +285,7 @@ def test_seed_scenario_parallel_loader_on_world_group_hangs(
     )
 
 
+@pytest.mark.slow
 def test_control_parallel_loader_completes_when_every_rank_joins(
     artifact: Path, tiny, tmp_path: Path
 ) -> None:

@@ -103,10 +103,12 @@ def _no_files(
     topo = manifest.topology
     if pp_rank not in manifest.stages:
         stages = ", ".join(map(str, manifest.stages))
+        target = manifest.model("target")
+        source = target.source.model if target is not None and target.source.model else "MODEL"
         return TopologyMismatchError(
-            f"{artifact} holds only stage(s) {stages}, not stage {pp_rank}; convert it with "
-            f"`shardprep convert --tp {topo.tp} --pp {topo.pp} --stage {pp_rank}` "
-            f"or fetch stage {pp_rank}"
+            f"{artifact} holds only stage(s) {stages}, not stage {pp_rank}; for this node, "
+            f"convert that stage (`shardprep convert {source} --tp {topo.tp} --pp {topo.pp} "
+            f"--stage {pp_rank} -o OUT`) or fetch it (`shardprep fetch REPO --stage {pp_rank}`)"
         )
     if role == "draft" and manifest.model("draft") is None:
         return TopologyMismatchError(
