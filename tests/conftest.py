@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hub_server import HubServer
 
 from shardprep.tiny import make_tiny_draft, make_tiny_model
 
@@ -38,3 +40,37 @@ class TinyModels:
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     return TinyModels(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture
+def hf_client_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Point the real huggingface_hub client at a test Hub: caches and token under
+    tmp_path, no Xet, online, no telemetry. It reads these at import, so its constants are
+    patched for this process and the environment is set for subprocesses."""
+    from huggingface_hub import constants
+
+    home = tmp_path / "hf_home"
+    frozen_at_import = {
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_TOKEN_PATH": str(home / "token"),
+        "HF_HUB_DISABLE_XET": True,
+        "HF_HUB_DISABLE_TELEMETRY": True,
+        "HF_HUB_OFFLINE": False,
+    }
+    for name, value in frozen_at_import.items():
+        monkeypatch.setattr(constants, name, value)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token_accepted_by_any_server")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    return home
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[HubServer]:
+    """A Hub-protocol server on 127.0.0.1 (tests/hub_server.py)."""
+    with HubServer(tmp_path / "hub_storage") as server:
+        yield server

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,32 +32,12 @@ from shardprep.manifest import Manifest, Source, read_manifest
 from shardprep.verify import verify
 
 # The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
-pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
+pytestmark = [
+    pytest.mark.usefixtures("hf_client_env"),
+    pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning"),
+]
 
 REPO = "shardprep-test/Tiny-TP2-PP2"
-
-
-@pytest.fixture(autouse=True)
-def hf_client_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """Caches and token under tmp_path, no Xet, online, no telemetry (for subprocesses too)."""
-    home = tmp_path / "hf_home"
-    frozen_at_import = {
-        "HF_HOME": str(home),
-        "HF_HUB_CACHE": str(home / "hub"),
-        "HF_TOKEN_PATH": str(home / "token"),
-        "HF_HUB_DISABLE_XET": True,
-        "HF_HUB_DISABLE_TELEMETRY": True,
-        "HF_HUB_OFFLINE": False,
-    }
-    for name, value in frozen_at_import.items():
-        monkeypatch.setattr(constants, name, value)
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    monkeypatch.setenv("HF_TOKEN", "hf_test_token_accepted_by_any_server")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    return home
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +48,6 @@ def artifact(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hub") / "tiny-tp2-pp2"
     convert(str(model), out, Options(tp=2, pp=2, draft=str(draft)), progress=False)
     return out
-
-
-@pytest.fixture
-def hub(tmp_path: Path) -> Iterator[HubServer]:
-    with HubServer(tmp_path / "hub_storage") as server:
-        yield server
 
 
 @pytest.fixture
@@ -211,8 +184,8 @@ def test_a_corrupt_blob_fails_loudly_and_places_nothing(
     folder = repo_folder(REPO) / published
     assert not (folder / bad).exists()
     assert not (folder / MANIFEST_NAME).exists()  # no stage is complete
-    staged = _files_under(folder / STATE_DIR / "staging")
-    assert not any(path.name == Path(bad).name for path in staged)
+    staging = folder / STATE_DIR / "staging" / "stage-1"
+    assert Path(bad) not in {path.relative_to(staging) for path in _files_under(staging)}
 
     # repaired on the Hub (the flip undone): a rerun downloads only the missing file
     hub.corrupt_blob(REPO, bad)

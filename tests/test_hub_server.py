@@ -13,7 +13,6 @@ import json
 import random
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,40 +31,14 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils._runtime import is_xet_available
 
 # The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
-pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
+pytestmark = [
+    pytest.mark.usefixtures("hf_client_env"),
+    pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning"),
+]
 
 REPO = "shardprep-test/tiny"
 WEIGHTS = ("rank0/model-00001-of-00002.safetensors", "rank1/model-00002-of-00002.safetensors")
 WEIGHT_BYTES = 3 * 1024 * 1024
-
-
-@pytest.fixture(autouse=True)
-def hf_client_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """Isolate the client: caches and token under tmp_path, no Xet, online, no telemetry."""
-    home = tmp_path / "hf_home"
-    frozen_at_import = {
-        "HF_HOME": str(home),
-        "HF_HUB_CACHE": str(home / "hub"),
-        "HF_TOKEN_PATH": str(home / "token"),
-        "HF_HUB_DISABLE_XET": True,
-        "HF_HUB_DISABLE_TELEMETRY": True,
-        "HF_HUB_OFFLINE": False,
-    }
-    for name, value in frozen_at_import.items():
-        monkeypatch.setattr(constants, name, value)
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    monkeypatch.setenv("HF_TOKEN", "hf_test_token_accepted_by_any_server")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    return home
-
-
-@pytest.fixture
-def hub(tmp_path: Path) -> Iterator[HubServer]:
-    with HubServer(tmp_path / "hub_storage") as server:
-        yield server
 
 
 @pytest.fixture

@@ -142,21 +142,6 @@ def _save_draft(path: Path, tensors: dict[str, Any], config: dict[str, Any]) -> 
     return path
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy continuation with Hugging Face transformers (full forward each step)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    outputs = []
-    for ids in prompts:
-        seq = torch.tensor([ids])
-        with torch.no_grad():
-            for _ in range(max_tokens):
-                next_id = model(seq).logits[0, -1].argmax().view(1, 1)
-                seq = torch.cat([seq, next_id], dim=1)
-        outputs.append(seq[0, len(ids) :].tolist())
-    return outputs
-
-
 def layer_indices(names: list[str]) -> list[int]:
     return sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.")})
 
@@ -168,7 +153,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_tokens(llama: Path) -> list[list[int]]:
-    return hf_greedy(llama, PROMPTS, MAX_TOKENS)
+    return vllm_env.transformers_greedy(llama, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

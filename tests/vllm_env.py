@@ -370,3 +370,24 @@ def read_dump(path: Path | str) -> tuple[dict[str, Any], dict[str, Any]]:
         header = json.loads(handle.read(header_len))
     raw = header.get("__metadata__", {})
     return load_file(str(path)), {key: json.loads(value) for key, value in raw.items()}
+
+
+def transformers_greedy(
+    model_dir: Path, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    """Greedy continuation with Hugging Face transformers (full forward each step, EOS
+    ignored as the runner does), in float32: the reference every layout must equal."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    outputs = []
+    for ids in prompts:
+        seq = torch.tensor([ids])
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                next_id = model(seq).logits[0, -1].argmax().view(1, 1)
+                seq = torch.cat([seq, next_id], dim=1)
+        outputs.append(seq[0, len(ids) :].tolist())
+    return outputs

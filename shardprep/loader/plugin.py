@@ -11,6 +11,7 @@ its exact shape and dtype. vLLM then runs `process_weights_after_loading` as usu
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -35,6 +36,7 @@ from shardprep.loader.reader import read_rank
 from shardprep.manifest import Manifest, ModelEntry, read_manifest
 
 LOAD_FORMAT = "sharded-fast"
+REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 logger = logging.getLogger("shardprep.loader")
 
 
@@ -131,10 +133,10 @@ class ShardedFastLoader(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         started = time.perf_counter()
         role = model_role(model_config)
-        artifact = find_artifact(model_path(model_config), role)
+        place = RankPlace.current()
+        artifact = resolve_artifact(model_config, role, place.pp_rank)
         manifest = read_manifest(artifact)
         entry = model_entry(manifest, role, artifact)
-        place = RankPlace.current()
         check_topology(artifact, manifest, place)
         if role == "target":
             check_layers(artifact, manifest, place, *vllm_layers(model, model_config, place))
@@ -181,6 +183,17 @@ def model_path(model_config: ModelConfig) -> Path:
     return Path(getattr(model_config, "model_weights", "") or model_config.model)
 
 
+def resolve_artifact(model_config: ModelConfig, role: str, pp_rank: int) -> Path:
+    """The local artifact: the model path itself, or, for a Hub repo id, this rank's stage
+    fetched into the stage-sharded cache (once per node, under a lock)."""
+    path = model_path(model_config)
+    if role == "target" and not path.exists() and REPO_ID.fullmatch(str(path)):
+        from shardprep.cache import ensure_stage
+
+        return ensure_stage(str(path), pp_rank, revision=model_config.revision)
+    return find_artifact(path, role)
+
+
 def find_artifact(path: Path, role: str) -> Path:
     """A target's model path is the artifact; a draft's is `ARTIFACT/draft` (or the
     artifact itself, for drafts that share the target's folder)."""
@@ -194,8 +207,8 @@ def find_artifact(path: Path, role: str) -> Path:
 def _not_an_artifact(path: Path, role: str = "target") -> ManifestError:
     if not path.is_dir():
         return ManifestError(
-            f"--load-format {LOAD_FORMAT} reads a local shardprep artifact, but {path} is not "
-            f"a local folder; download it first (`shardprep fetch REPO`) and pass its path"
+            f"--load-format {LOAD_FORMAT} reads a shardprep artifact, but {path} is neither a "
+            "local folder nor a Hugging Face repo id; pass the artifact folder or its repo id"
         )
     where = f"{path} or its parent" if role == "draft" else str(path)
     return ManifestError(
