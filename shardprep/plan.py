@@ -77,14 +77,18 @@ class Plan:
 
 
 def resolve_dtype(requested: str, config: Mapping[str, Any], source: SourceModel) -> str:
-    """The safetensors dtype vLLM's parameters will have: --dtype, else config.json's
-    torch_dtype, else the most common floating dtype of the checkpoint."""
+    """The safetensors dtype of vLLM's parameters: --dtype, else what vLLM's `auto` picks:
+    config.json's torch_dtype, with float32 served as bfloat16 (vLLM downcasts float32
+    checkpoints), else the most common floating dtype of the checkpoint."""
     name = requested
     if requested == "auto":
         name = str(config.get("torch_dtype") or config.get("dtype") or "")
         if not name:
             floats = [d for d, _ in source.tensors.values() if d in FLOAT_DTYPES]
-            return max(set(floats), key=floats.count) if floats else "F32"
+            name = max(set(floats), key=floats.count) if floats else "F32"
+            name = {v: k for k, v in DTYPE_NAMES.items()}.get(name, "float32")
+        if name == "float32":
+            name = "bfloat16"
     if name not in DTYPE_NAMES:
         raise ConfigError(
             f"dtype {name!r} is not supported; choose one of auto, {', '.join(DTYPE_NAMES)}"

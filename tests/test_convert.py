@@ -36,7 +36,7 @@ def test_every_arch_and_topology_round_trips(tiny, tmp_path: Path, arch: str, tp
 
 def test_fused_qkv_bytes_equal_an_independent_cut(tiny, tmp_path: Path) -> None:
     model = tiny.model("qwen2-kv1", "Qwen2ForCausalLM", num_key_value_heads=1)
-    convert(str(model), tmp_path / "out", Options(tp=4, pp=1), progress=False)
+    convert(str(model), tmp_path / "out", Options(tp=4, pp=1, dtype="float32"), progress=False)
     source = load_file(model / "model.safetensors")
     prefix = "model.layers.1.self_attn."
     for rank in range(4):
@@ -53,7 +53,7 @@ def test_fused_qkv_bytes_equal_an_independent_cut(tiny, tmp_path: Path) -> None:
 
 def test_vocab_32001_is_padded_with_zero_rows(tiny, tmp_path: Path) -> None:
     model = tiny.model("vocab-32001", vocab_size=32001, tie_word_embeddings=True)
-    convert(str(model), tmp_path / "out", Options(tp=2, pp=2), progress=False)
+    convert(str(model), tmp_path / "out", Options(tp=2, pp=2, dtype="float32"), progress=False)
     embed = load_file(model / "model.safetensors")["model.embed_tokens.weight"]
     last = load_file(tmp_path / "out/shards/model-pp-1-tp-1-part-0.safetensors")
     rank1 = last["model.embed_tokens.weight"]  # tied: the last stage holds it too

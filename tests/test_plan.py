@@ -186,5 +186,7 @@ def test_dtype_resolution() -> None:
     assert {t.dtype for f in plan.files for t in f.tensors} == {"BF16"}
     plan = make_plan(source(config), tp=1, pp=1, dtype="float32")
     assert {t.dtype for f in plan.files for t in f.tensors} == {"F32"}
+    float32 = tiny_config(torch_dtype="float32")  # vLLM's auto serves float32 as bfloat16
+    assert make_plan(source(float32, "F32"), tp=1, pp=1).models[0].dtype == "BF16"
     with pytest.raises(ConfigError, match="dtype 'int4' is not supported"):
         make_plan(source(config), tp=1, pp=1, dtype="int4")

@@ -56,7 +56,9 @@ class Artifacts:
         key = (tp, pp, draft)
         if key not in self._done:
             out = self.root / f"tp{tp}-pp{pp}{'-draft' if draft else ''}"
-            options = Options(tp=tp, pp=pp, draft=str(self.draft) if draft else None)
+            options = Options(
+                tp=tp, pp=pp, draft=str(self.draft) if draft else None, dtype="float32"
+            )
             convert(str(self.model), out, options, progress=False)
             self._done[key] = out
         return self._done[key]
