@@ -1,8 +1,9 @@
 """The `sharded-fast` vLLM loader: its checks without an engine, then a real vLLM (CPU).
 
-Greedy tokens through `--load-format sharded-fast` equal those of vLLM's default loader
-on the original model at tp1, tp2, pp2 and tp2 x pp2 (float32: token for token), with an
-EAGLE3 draft too; a topology mismatch fails with one clear line. vLLM's stock
+Greedy tokens through `--load-format sharded-fast` equal those of Hugging Face
+transformers (and so of vLLM's default loader) on the original model at tp1, tp2, pp2 and
+tp2 x pp2 (float32: token for token), for every family at tp2 x pp2, with an EAGLE3 draft
+too; a topology mismatch fails with one clear line. vLLM's stock
 `sharded_state` loader reads the same rank files once the attention scale buffers are
 added (why it needs them, and why it cannot take every artifact, is tested here too).
 Converted artifacts and the baseline are shared by the whole module, to keep the
@@ -71,8 +72,9 @@ def artifacts(tiny, tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
 
 @pytest.fixture(scope="module")
 def baseline(artifacts: Artifacts) -> list[list[int]]:
-    """vLLM's default loader on the original checkpoint, tp1."""
-    return vllm_env.generate(artifacts.model, 1, 1, "auto")
+    """Hugging Face transformers on the original checkpoint (float32), which vLLM's default
+    loader equals token for token (tests/test_vllm_harness.py)."""
+    return vllm_env.transformers_greedy(artifacts.model, vllm_env.DEFAULT_PROMPTS, 8)
 
 
 # --- without an engine ------------------------------------------------------------------
@@ -259,6 +261,18 @@ def test_sharded_fast_generates_what_the_default_loader_does(
     extra = {"verify": True} if (tp, pp) == (2, 2) else None
     tokens = vllm_env.generate(out, tp, pp, "sharded-fast", model_loader_extra_config=extra)
     assert tokens == baseline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_every_family_generates_through_sharded_fast_at_tp2_pp2(
+    tiny, arch: str, tmp_path: Path
+) -> None:
+    model = tiny.model(f"vllm-{arch}", arch, **MODEL_CONFIG)
+    out = tmp_path / "artifact"
+    convert(str(model), out, Options(tp=2, pp=2, dtype="float32"), progress=False)
+    tokens = vllm_env.generate(out, 2, 2, "sharded-fast")
+    assert tokens == vllm_env.transformers_greedy(model, vllm_env.DEFAULT_PROMPTS, 8)
 
 
 @pytest.mark.slow
