@@ -3,7 +3,6 @@
     generate(model_dir, tp, pp, load_format="auto", **kw) -> list[list[int]]
     dump_state(model_dir, tp, pp, dump_dir, **kw) -> {(role, pp_rank, tp_rank): Path}
     serve_and_complete(model_dir, tp, pp, load_format, prompt_ids, **kw) -> list[int]
-    dump_draft(target_dir, draft_dir, method, dump_dir, tp=1, pp=1) -> {("draft", pp, tp): Path}
 
 Keyword arguments of the first three: prompts (list of token-id lists), max_tokens,
 dtype ("float32" unless given), speculative_config (dict), model_loader_extra_config
@@ -306,33 +305,6 @@ def clear_dumps(dump_dir: Path | str) -> None:
     for path in dump_files(dump_dir).values():
         path.unlink()
     (Path(dump_dir) / "engine-error.txt").unlink(missing_ok=True)
-
-
-def dump_draft(
-    target_dir: Path | str,
-    draft_dir: Path | str,
-    method: str,
-    dump_dir: Path | str,
-    tp: int = 1,
-    pp: int = 1,
-    *,
-    num_speculative_tokens: int = 2,
-    **kw: Any,
-) -> DumpFiles:
-    """vLLM's own draft parameters on each TP rank of the last stage, from a real engine.
-
-    The draft is loaded (and dumped) by every last-stage worker; with pp > 1 the CPU
-    engine then fails before serving, which is accepted here (see docs/vllm-notes.md).
-    """
-    spec = {
-        "method": method,
-        "model": str(draft_dir),
-        "num_speculative_tokens": num_speculative_tokens,
-    }
-    files = dump_state(
-        target_dir, tp, pp, dump_dir, speculative_config=spec, allow_engine_failure=pp > 1, **kw
-    )
-    return {key: path for key, path in files.items() if key[0] == "draft"}
 
 
 def dump_files(dump_dir: Path | str) -> DumpFiles:
