@@ -25,8 +25,8 @@ class OutputExistsError(ShardprepError, FileExistsError):
     """The output folder holds something that is not this artifact."""
 
 
-class CorruptFileError(ShardprepError, OSError):
-    """A file's bytes are not what its header or the manifest promise."""
+class _FileError(ShardprepError, OSError):
+    """An error about one file, which it keeps in `path`."""
 
     def __init__(self, message: str, path: str | None = None) -> None:
         super().__init__(message)
@@ -34,6 +34,18 @@ class CorruptFileError(ShardprepError, OSError):
 
     def __str__(self) -> str:
         return self.args[0]
+
+
+class CorruptFileError(_FileError):
+    """A file's bytes are not what its header or the manifest promise."""
+
+
+class MissingRankFileError(_FileError, FileNotFoundError):
+    """A file that the manifest lists for this rank is not on disk."""
+
+
+class WeightMismatchError(ShardprepError, ValueError):
+    """The rank files do not fit the parameters vLLM built on this rank."""
 
 
 class TopologyMismatchError(ShardprepError, RuntimeError):

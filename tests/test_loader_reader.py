@@ -15,9 +15,14 @@ from safetensors.torch import load_file
 
 from shardprep.constants import MANIFEST_NAME
 from shardprep.convert import Options, convert
-from shardprep.errors import CorruptFileError, ManifestError, TopologyMismatchError
+from shardprep.errors import (
+    CorruptFileError,
+    ManifestError,
+    MissingRankFileError,
+    TopologyMismatchError,
+)
 from shardprep.loader import reader
-from shardprep.loader.reader import MissingRankFileError, read_rank
+from shardprep.loader.reader import read_rank
 from shardprep.manifest import Manifest, read_manifest
 
 TP, PP = 2, 2

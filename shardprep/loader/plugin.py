@@ -28,8 +28,8 @@ from shardprep.constants import DRAFT_DIR, MANIFEST_NAME
 from shardprep.errors import (
     ConfigError,
     ManifestError,
-    ShardprepError,
     TopologyMismatchError,
+    WeightMismatchError,
     summarize,
 )
 from shardprep.loader.reader import read_rank
@@ -38,10 +38,6 @@ from shardprep.manifest import Manifest, ModelEntry, read_manifest
 LOAD_FORMAT = "sharded-fast"
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 logger = logging.getLogger("shardprep.loader")
-
-
-class WeightMismatchError(ShardprepError, ValueError):
-    """The rank files do not fit the parameters vLLM built on this rank."""
 
 
 def register() -> None:

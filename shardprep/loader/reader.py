@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardprep.constants import MANIFEST_NAME
-from shardprep.errors import CorruptFileError, ShardprepError, TopologyMismatchError, summarize
+from shardprep.errors import (
+    CorruptFileError,
+    MissingRankFileError,
+    ShardprepError,
+    TopologyMismatchError,
+    summarize,
+)
 from shardprep.manifest import FileEntry, Manifest, ParamSpec, rank_key, read_manifest
 from shardprep.safetensors_io import Header, read_header, sha256_file
 
@@ -30,17 +36,6 @@ logger = logging.getLogger("shardprep.loader")
 
 BACKENDS = ("auto", "fastsafetensors", "safetensors")
 GDS_DEVICES = "/dev/nvidia-fs*"
-
-
-class MissingRankFileError(ShardprepError, FileNotFoundError):
-    """A file that the manifest lists for this rank is not on disk."""
-
-    def __init__(self, message: str, path: str | None = None) -> None:
-        super().__init__(message)
-        self.path = path
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 @dataclass(frozen=True)
