@@ -118,17 +118,14 @@ def make_plan(
     stages = tuple(range(pp)) if stage is None else (stage,)
     model_dtype = resolve_dtype(dtype, target.config, target)
 
-    models: list[ModelPlan] = []
-    files: list[FilePlan] = []
-    problems: list[str] = []
     jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
         ("target", architecture, None, family, target, {"with_draft": draft is not None})
     ]
     if draft is not None:
-        names = sorted(draft.tensors)
-        method = draft_method or archs.detect_draft_method(draft.config, names)
+        method = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
         context = {"target_config": target.config}
         jobs.append(("draft", method, method, archs.draft_family(method), draft, context))
+    problems: list[str] = []
     layouts = []
     for role, arch_name, method, fam, source, context in jobs:
         layout, found = _checked_layout(role, fam, source, topology, context)
@@ -136,10 +133,11 @@ def make_plan(
         layouts.append((role, arch_name, method, source, layout))
     if problems:
         raise PlanError(_problem_summary(problems))
+    models: list[ModelPlan] = []
+    files: list[FilePlan] = []
     for role, arch_name, method, source, layout in layouts:
         assert layout is not None
         folder = "" if role == "target" else DRAFT_DIR
-        model_stages = stages if role == "target" else tuple(s for s in stages if s == pp - 1)
         models.append(
             ModelPlan(
                 role=role,
@@ -153,15 +151,32 @@ def make_plan(
                 skipped=tuple(sorted(layout.skipped.items())),
             )
         )
-        for pp_rank in model_stages:
-            for tp_rank in range(tp):
-                tensors = [
-                    _tensor_plan(param, source, tp, tp_rank, model_dtype)
-                    for param in layout.params
-                    if pp_rank in param.stages
-                ]
-                files += _split_parts(folder, role, pp_rank, tp_rank, tensors, max_part_bytes)
+        # A draft lives on the last stage only.
+        model_stages = stages if role == "target" else tuple(s for s in stages if s == pp - 1)
+        files += _rank_files(models[-1], layout, source, model_stages, tp, max_part_bytes)
     return Plan(topology, stages, tuple(models), tuple(files))
+
+
+def _rank_files(
+    model: ModelPlan,
+    layout: archs.Layout,
+    source: SourceModel,
+    stages: tuple[int, ...],
+    tp: int,
+    max_part_bytes: int,
+) -> list[FilePlan]:
+    files: list[FilePlan] = []
+    for pp_rank in stages:
+        for tp_rank in range(tp):
+            tensors = [
+                _tensor_plan(param, source, tp, tp_rank, model.dtype)
+                for param in layout.params
+                if pp_rank in param.stages
+            ]
+            files += _split_parts(
+                model.folder, model.role, pp_rank, tp_rank, tensors, max_part_bytes
+            )
+    return files
 
 
 def _checked_layout(
