@@ -343,13 +343,21 @@ class SourceReader:
         for start in range(0, rows_total, rows_per_chunk):
             end = min(rows_total, start + rows_per_chunk)
             slot, view = self._buffer((end - start) * info.row_bytes)
-            _pread_all(fd, view, info.offset + start * info.row_bytes)
+            offset = info.offset + start * info.row_bytes
+            _pread_all(fd, view, offset)
+            # Let the disk fetch the next chunk while this one is hashed and scattered.
+            _advise(fd, offset + len(view), CHUNK_BYTES, "POSIX_FADV_WILLNEED")
             if digest is not None:
                 self.pending[slot] = self.hasher.submit(digest.update, view)
             yield start, view
 
     def hexdigest(self, digest: hashlib._Hash) -> str:
         return self.hasher.submit(digest.hexdigest).result()
+
+
+def _advise(fd: int, offset: int, length: int, advice: str) -> None:
+    if hasattr(os, advice):
+        os.posix_fadvise(fd, offset, length, getattr(os, advice))
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> None:
@@ -380,6 +388,7 @@ def _scatter_file(
     digest = hashlib.sha256() if full else None
     path = checkpoint.root / file
     fd = os.open(path, os.O_RDONLY)
+    _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
     try:
         if digest is not None:
             header_size = tensors[0].info.offset if tensors else path.stat().st_size
