@@ -1,6 +1,6 @@
 """Convert throughput, read amplification and peak memory, side by side with `cp`.
 
-    python scripts/bench_convert.py --size 4GB [--tp 8 --pp 2] [--dir /var/tmp/bench] [--json]
+    python scripts/bench_convert.py --size 4GB [--tp 8 --pp 2] [--dir DIR] [--json]
 
 Builds a synthetic Llama-shaped bf16 checkpoint of about SIZE, then, each from a cold
 page cache (needs root to drop caches; otherwise says so): copies the source files with

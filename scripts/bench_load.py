@@ -113,16 +113,22 @@ def reader_table(args: argparse.Namespace) -> dict:
     write_checkpoint(source, parse_size(args.size))
     convert(str(source), artifact, Options(tp=8, pp=2), progress=False)
     ranks = [tuple(int(x) for x in item.split(":")) for item in args.ranks.split(",")]
-    rows = {}
-    for pp, tp in ranks:
-        for method in METHODS:
-            rows[f"pp{pp}-tp{tp}/{method}"] = measure(method, source, artifact, pp, tp)
+    rows: dict[str, dict] = {}
+    for _ in range(args.repeat):  # methods take turns; the best of each is kept
+        for pp, tp in ranks:
+            for method in METHODS:
+                run = measure(method, source, artifact, pp, tp)
+                key = f"pp{pp}-tp{tp}/{method}"
+                if key not in rows or run["seconds"] < rows[key]["seconds"]:
+                    rows[key] = run
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return rows
 
 
 def print_reader_table(rows: dict) -> None:
+    # read_bytes comes from /proc/self/io; pages that safetensors maps (default) are
+    # under-counted there, so the default's amplification is a lower bound.
     print(f"{'rank':<10} {'method':<16} {'read/rank':>10} {'GB/s':>7} {'vs raw':>7}")
     for key, row in rows.items():
         rank, method = key.split("/")
@@ -169,6 +175,7 @@ def main() -> None:
     parser.add_argument("--size", default="3GB")
     parser.add_argument("--ranks", default="0:0,1:7", help="pp:tp pairs")
     parser.add_argument("--dir", default="bench-load")
+    parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--vllm", action="store_true", help="time to ready of a real vLLM")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--json", action="store_true")
