@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
-import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,12 +30,10 @@ from shardprep.constants import (
     DEFAULT_MAX_PART_BYTES,
     FORMAT,
     INCOMPLETE_SUFFIX,
-    MANIFEST_NAME,
-    PARTIAL_MARKER,
     VLLM_LAYOUT,
     pp_partition_from_env,
 )
-from shardprep.errors import OutputExistsError
+from shardprep.journal import Journal, fingerprint
 from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
 from shardprep.safetensors_io import DTYPE_SIZES, TensorInfo, encode_header, numel, sha256_file
 
@@ -110,7 +106,7 @@ def execute(
     progress: bool = True,
 ) -> mf.Manifest:
     out = Path(out)
-    journal = Journal.open(out, _fingerprint(plan, checkpoints), plan)
+    journal = Journal.open(out, fingerprint(plan, checkpoints), plan)
     done = journal.verified_files(out)
     todo = [f for f in plan.files if f.path not in done]
     source_hashes = _write_rank_files(plan, checkpoints, out, todo, journal, progress)
@@ -119,78 +115,6 @@ def execute(
     mf.write_manifest(out, manifest)
     journal.remove()
     return manifest
-
-
-@dataclass
-class Journal:
-    """`.shardprep-partial.json`: which rank files are complete, for this exact plan."""
-
-    path: Path
-    fingerprint: str
-    done: dict[str, str] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @classmethod
-    def open(cls, out: Path, fingerprint: str, plan: Plan) -> Journal:
-        path = out / PARTIAL_MARKER
-        if path.is_file():
-            state = json.loads(path.read_text())
-            done = state["done"] if state.get("plan") == fingerprint else {}
-            return cls(path, fingerprint, done)
-        if (out / MANIFEST_NAME).is_file():
-            previous = mf.read_manifest(out)
-            done = {f.path: f.sha256 for f in previous.files}
-            _check_same_plan(out, previous, plan)
-            journal = cls(path, fingerprint, done)
-            journal._save()
-            return journal
-        if out.exists() and any(out.iterdir()):
-            raise OutputExistsError(
-                f"{out} already holds files that are not a shardprep artifact; "
-                "choose an empty or new output folder"
-            )
-        out.mkdir(parents=True, exist_ok=True)
-        journal = cls(path, fingerprint)
-        journal._save()
-        return journal
-
-    def verified_files(self, out: Path) -> set[str]:
-        """Files the journal lists whose bytes still hash to what it recorded."""
-        return {p for p, digest in self.done.items() if _hash_matches(out / p, digest)}
-
-    def record(self, path: str, digest: str) -> None:
-        with self.lock:
-            self.done[path] = digest
-            self._save()
-
-    def _save(self) -> None:
-        state = {"plan": self.fingerprint, "done": dict(sorted(self.done.items()))}
-        tmp = self.path.with_name(self.path.name + INCOMPLETE_SUFFIX)
-        tmp.write_text(json.dumps(state, indent=1) + "\n")
-        os.replace(tmp, self.path)
-
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
-def _check_same_plan(out: Path, previous: mf.Manifest, plan: Plan) -> None:
-    """A complete artifact is re-verified and kept only if it is this very plan's."""
-    same = (
-        (previous.topology.tp, previous.topology.pp, previous.topology.partition)
-        == (plan.topology.tp, plan.topology.pp, plan.topology.partition)
-        and previous.stages == plan.stages
-        and sorted(f.path for f in previous.files) == sorted(f.path for f in plan.files)
-        and sorted(m.role for m in previous.models) == sorted(m.role for m in plan.models)
-    )
-    if not same:
-        raise OutputExistsError(
-            f"{out} holds a shardprep artifact of another model or topology; "
-            "choose a new output folder or delete that one"
-        )
-
-
-def _hash_matches(path: Path, digest: str) -> bool:
-    return path.is_file() and sha256_file(path) == digest
 
 
 @dataclass(frozen=True)
@@ -542,14 +466,3 @@ def _cached_hub_sha256(checkpoint: Checkpoint, file: str) -> str | None:
     path = checkpoint.root / file
     name = path.resolve().name if path.is_symlink() else ""
     return name if len(name) == 64 and all(c in "0123456789abcdef" for c in name) else None
-
-
-def _fingerprint(plan: Plan, checkpoints: dict[str, Checkpoint]) -> str:
-    """Changes whenever the plan or the source files' sizes and times change."""
-    stats = {
-        f"{role}/{f}": [(cp.root / f).stat().st_size, (cp.root / f).stat().st_mtime_ns]
-        for role, cp in checkpoints.items()
-        for f in cp.files
-    }
-    text = json.dumps([repr(plan), stats], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
