@@ -268,9 +268,11 @@ def dump_state(
     *,
     max_tokens: int = 1,
     allow_engine_failure: bool = False,
+    load_format: str = DUMP_FORMAT,
     **kw: Any,
 ) -> DumpFiles:
-    """Run vLLM with ``--load-format dump-default``; the rank files it wrote.
+    """Run vLLM with ``--load-format dump-default`` (or ``dump-sharded-fast``: shardprep's
+    loader, dumped the same way); the rank files it wrote.
 
     With a ``speculative_config`` the draft is dumped too (role ``draft``, last stage).
     ``allow_engine_failure``: accept a run that fails after loading (speculative
@@ -279,7 +281,7 @@ def dump_state(
     """
     clear_dumps(dump_dir)
     try:
-        generate(model_dir, tp, pp, DUMP_FORMAT, dump_dir=dump_dir, max_tokens=max_tokens, **kw)
+        generate(model_dir, tp, pp, load_format, dump_dir=dump_dir, max_tokens=max_tokens, **kw)
     except VllmRunError as error:
         missing = (
             expected_dumps(tp, pp, kw.get("speculative_config") is not None)

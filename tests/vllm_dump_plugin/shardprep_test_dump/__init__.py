@@ -10,9 +10,10 @@ Importing this package does not import vLLM; ``register`` does, and is idempoten
 from __future__ import annotations
 
 DUMP_FORMAT = "dump-default"
+DUMP_SHARDED_FAST_FORMAT = "dump-sharded-fast"
 DUMP_DIR_ENV = "SHARDPREP_DUMP_DIR"
 
-__all__ = ["DUMP_DIR_ENV", "DUMP_FORMAT", "register"]
+__all__ = ["DUMP_DIR_ENV", "DUMP_FORMAT", "DUMP_SHARDED_FAST_FORMAT", "register"]
 
 
 def register() -> None:
@@ -22,6 +23,7 @@ def register() -> None:
     registered = model_loader._LOAD_FORMAT_TO_MODEL_LOADER
     if DUMP_FORMAT in registered:
         return
-    from shardprep_test_dump.loader import DumpDefaultLoader
+    from shardprep_test_dump.loader import DumpDefaultLoader, DumpShardedFastLoader
 
     model_loader.register_model_loader(DUMP_FORMAT)(DumpDefaultLoader)
+    model_loader.register_model_loader(DUMP_SHARDED_FAST_FORMAT)(DumpShardedFastLoader)

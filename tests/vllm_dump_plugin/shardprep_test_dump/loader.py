@@ -63,8 +63,12 @@ class DumpDefaultLoader(BaseModelLoader):
 
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
+        self.inner = self.make_inner(load_config)
+
+    @staticmethod
+    def make_inner(load_config: LoadConfig) -> BaseModelLoader:
         inner_config = replace(load_config, load_format="auto", model_loader_extra_config={})
-        self.inner = DefaultModelLoader(inner_config)
+        return DefaultModelLoader(inner_config)
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.inner.download_model(model_config)
@@ -73,3 +77,14 @@ class DumpDefaultLoader(BaseModelLoader):
         self.inner.load_weights(model, model_config)
         role = model_role(model_config)
         save_state(model, dump_path(role), rank_metadata(model, model_config, role))
+
+
+class DumpShardedFastLoader(DumpDefaultLoader):
+    """Loads with shardprep's ``sharded-fast`` loader and dumps the same way, so that what
+    it leaves in vLLM's model can be compared with what the default loader leaves."""
+
+    @staticmethod
+    def make_inner(load_config: LoadConfig) -> BaseModelLoader:
+        from shardprep.loader.plugin import ShardedFastLoader
+
+        return ShardedFastLoader(replace(load_config, load_format="sharded-fast"))
