@@ -200,6 +200,18 @@ def test_topology_mismatch_names_both_sides(artifacts: Artifacts) -> None:
     plugin.check_topology(out, read_manifest(out), place(2, 2))
 
 
+def test_dtype_mismatch_says_which_flag_to_change(artifacts: Artifacts) -> None:
+    out = artifacts.get(1, 1)
+    entry = read_manifest(out).model("target")
+    with pytest.raises(TopologyMismatchError) as info:
+        plugin.check_dtype(out, entry, torch.bfloat16)
+    assert str(info.value) == (
+        f"artifact {out} holds float32 weights but vLLM runs torch.bfloat16; start vLLM "
+        "with --dtype float32, or convert again with `shardprep convert --dtype bfloat16`"
+    )
+    plugin.check_dtype(out, entry, torch.float32)
+
+
 def test_layer_range_mismatch_names_both_partitions(artifacts: Artifacts) -> None:
     out = artifacts.get(1, 2)
     manifest = read_manifest(out)

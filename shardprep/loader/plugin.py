@@ -133,6 +133,7 @@ class ShardedFastLoader(BaseModelLoader):
         artifact = resolve_artifact(model_config, role, place.pp_rank)
         manifest = read_manifest(artifact)
         entry = model_entry(manifest, role, artifact)
+        check_dtype(artifact, entry, model_config.dtype)
         check_topology(artifact, manifest, place)
         if role == "target":
             check_layers(artifact, manifest, place, *vllm_layers(model, model_config, place))
@@ -222,6 +223,21 @@ def model_entry(manifest: Manifest, role: str, artifact: Path) -> ModelEntry:
             f"(`shardprep convert MODEL --draft DRAFT -o OUT`) to serve the draft from it"
         )
     return entry
+
+
+TORCH_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def check_dtype(artifact: Path, entry: ModelEntry, running: torch.dtype) -> None:
+    """The weights' dtype is fixed at conversion; vLLM's must be the same."""
+    stored = TORCH_DTYPE_NAMES.get(entry.dtype, entry.dtype)
+    if str(running).removeprefix("torch.") == stored:
+        return
+    raise TopologyMismatchError(
+        f"artifact {artifact} holds {stored} weights but vLLM runs {running}; start vLLM "
+        f"with --dtype {stored}, or convert again with `shardprep convert --dtype "
+        f"{str(running).removeprefix('torch.')}`"
+    )
 
 
 def check_topology(artifact: Path, manifest: Manifest, place: RankPlace) -> None:
