@@ -163,6 +163,12 @@ def rank_key(pp: int, tp: int) -> str:
     return f"pp{pp}-tp{tp}"
 
 
+def parse_rank_key(key: str) -> tuple[int, int]:
+    """ "pp{P}-tp{T}" -> (P, T)."""
+    pp, tp = key.split("-")
+    return int(pp[2:]), int(tp[2:])
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}

@@ -14,7 +14,7 @@ from shardprep import archs
 from shardprep.constants import DEFAULT_MAX_PART_BYTES, DRAFT_DIR, SHARD_PATTERN, SHARDS_DIR
 from shardprep.errors import ConfigError, PlanError, summarize
 from shardprep.layout import Block, block_shape, piece_blocks
-from shardprep.safetensors_io import DTYPE_SIZES, TensorSpec
+from shardprep.safetensors_io import TensorSpec
 from shardprep.topology import Topology, make_topology
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
@@ -267,7 +267,3 @@ def _problem_summary(problems: list[str], limit: int = 8) -> str:
     head = "; ".join(problems[:limit])
     more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
     return f"cannot convert: {head}{more}"
-
-
-def dtype_size(dtype: str) -> int:
-    return DTYPE_SIZES[dtype]

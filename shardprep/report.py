@@ -37,7 +37,7 @@ def manifest_rows(manifest: mf.Manifest) -> list[RankRow]:
         counts[2] += file.bytes
     for model in manifest.models:
         for key, params in model.ranks.items():
-            pp, tp = (int(part[2:]) for part in key.split("-"))
+            pp, tp = mf.parse_rank_key(key)
             if (model.role, pp, tp) in rows:
                 rows[(model.role, pp, tp)][1] = len(params)
     return [RankRow(*key, *counts) for key, counts in sorted(rows.items(), key=_order)]

@@ -174,13 +174,6 @@ class StreamingWriter:
         self.sha256.update(data)
         self.size += len(data)
 
-    def write_zeros(self, count: int) -> None:
-        block = bytes(min(count, 1 << 20))
-        while count:
-            step = min(count, len(block))
-            self.write(memoryview(block)[:step])
-            count -= step
-
     def commit(self) -> str:
         """Close, check, rename into place; returns the sha256 hex digest."""
         self._file.close()

@@ -3,7 +3,6 @@ round trip that rebuilds every source tensor from the rank files."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +72,7 @@ def _check_coverage(out: Path, manifest: mf.Manifest, report: Report) -> None:
     """Every parameter each rank needs is present exactly once, with its shape and dtype."""
     for model in manifest.models:
         for key, expected in model.ranks.items():
-            pp, tp = (int(part[2:]) for part in key.split("-"))
+            pp, tp = mf.parse_rank_key(key)
             found: dict[str, list[str]] = {}
             for entry in manifest.rank_files(model.role, pp, tp):
                 header = read_header(out / entry.path)
@@ -192,10 +191,3 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def iter_rank_keys(manifest: mf.Manifest) -> Iterator[tuple[str, int, int]]:
-    for model in manifest.models:
-        for key in sorted(model.ranks):
-            pp, tp = (int(part[2:]) for part in key.split("-"))
-            yield model.role, pp, tp

@@ -104,11 +104,6 @@ def draft_family(method: str) -> Family:
     return _DRAFTS[method]
 
 
-def draft_methods() -> list[str]:
-    _load_builtin()
-    return sorted(_DRAFTS)
-
-
 def detect_draft_method(config: Config, names: list[str]) -> str:
     """The draft method its tensors imply; each draft family decides for itself."""
     _load_builtin()
