@@ -75,8 +75,19 @@ def open_checkpoint(model: str, revision: str | None = None) -> Checkpoint:
     return Checkpoint(root, config, tensors, tuple(files), repo_id, revision)
 
 
+def _require_regular(path: Path) -> None:
+    """A FIFO or a device would block or never end: read regular files only."""
+    if not path.is_file():
+        raise ConfigError(
+            f"{path} is not a regular file (a FIFO, device or folder); shardprep reads only "
+            "regular files: replace it with the real file"
+        )
+
+
 def load_config(root: Path) -> dict[str, Any]:
     path = root / "config.json"
+    if path.exists():
+        _require_regular(path)
     if not path.is_file():
         raise ConfigError(
             f"{root} has no config.json; point shardprep at a Hugging Face model folder"
@@ -95,7 +106,10 @@ def _weight_files(root: Path) -> list[str]:
     if index.is_file():
         weight_map = _read_index(index)
         files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (root / f).is_file()]
+        missing = [f for f in files if not (root / f).exists()]
+        for file in files:
+            if file not in missing:
+                _require_regular(root / file)
         if missing:
             raise ConfigError(
                 f"{index} names {summarize(missing)}, missing from {root}; "
@@ -103,6 +117,8 @@ def _weight_files(root: Path) -> list[str]:
             )
         return files
     files = sorted(p.name for p in root.glob("*.safetensors"))
+    for file in files:
+        _require_regular(root / file)
     if not files:
         raise ConfigError(
             f"{root} holds no *.safetensors files; shardprep reads safetensors checkpoints only"

@@ -58,11 +58,24 @@ def _options(args: argparse.Namespace) -> Any:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from shardprep.convert import convert
+    from shardprep.convert import convert_folder
 
-    manifest = convert(args.model, Path(args.output), _options(args), progress=not args.quiet)
-    summary = report.artifact_summary(manifest)
-    _emit(args, summary, f"wrote {args.output}\n" + report.table(report.manifest_rows(manifest)))
+    done = convert_folder(args.model, Path(args.output), _options(args), progress=not args.quiet)
+    summary = report.artifact_summary(done.manifest)
+    summary["kept_files"], summary["written_files"] = done.kept, done.written
+    if done.written == 0:
+        head = (
+            f"{args.output} was already complete: all {done.kept} rank files verified against "
+            "their sha256, none rewritten"
+        )
+    elif done.kept:
+        head = (
+            f"wrote {args.output} ({done.written} rank files written, {done.kept} found "
+            "complete and verified)"
+        )
+    else:
+        head = f"wrote {args.output}"
+    _emit(args, summary, head + "\n" + report.table(report.manifest_rows(done.manifest)))
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -234,6 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug_enabled():
             traceback.print_exc()
         print(f"shardprep: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # an I/O failure no library function turned into a message
+        if debug_enabled():
+            traceback.print_exc()
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"shardprep: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("shardprep: interrupted; rerun the same command to resume", file=sys.stderr)

@@ -16,6 +16,7 @@ SHARD_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"
 VLLM_SHARDED_STATE_PATTERN = "shards/model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 PARTIAL_MARKER = ".shardprep-partial.json"
 INCOMPLETE_SUFFIX = ".incomplete"
+LOCK_NAME = ".shardprep-lock"
 
 MAX_HEADER_BYTES = 100_000_000
 DEFAULT_MAX_PART_BYTES = 5 * 1024**3

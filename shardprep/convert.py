@@ -23,16 +23,19 @@ from tqdm import tqdm
 
 import shardprep
 from shardprep import manifest as mf
+from shardprep import outdir
 from shardprep.checkpoint import Checkpoint, open_checkpoint
 from shardprep.constants import (
     CHUNK_BYTES,
     COPIED_FILE_PATTERNS,
     DEFAULT_MAX_PART_BYTES,
+    ENV_PP_PARTITION,
     FORMAT,
     INCOMPLETE_SUFFIX,
     VLLM_LAYOUT,
     pp_partition_from_env,
 )
+from shardprep.errors import ShardprepError
 from shardprep.journal import Journal, fingerprint
 from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
 from shardprep.safetensors_io import DTYPE_SIZES, TensorInfo, encode_header, numel, sha256_file
@@ -87,14 +90,43 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
         stage=options.stage,
         max_part_bytes=options.max_part_bytes,
         dtype=options.dtype,
+        partition_origin="" if options.partition else f"the environment ({ENV_PP_PARTITION})",
     )
     return plan, checkpoints
 
 
 def convert(model: str, out: Path, options: Options, *, progress: bool = True) -> mf.Manifest:
+    return convert_folder(model, out, options, progress=progress).manifest
+
+
+@dataclass(frozen=True)
+class Converted:
+    manifest: mf.Manifest
+    kept: int  # rank files found complete and verified, left as they were
+    written: int  # rank files written by this run
+
+
+def convert_folder(model: str, out: Path, options: Options, *, progress: bool = True) -> Converted:
+    """Plan, then execute while holding the output folder's lock. Any failure leaves no
+    temporary file behind and is one ShardprepError; a rerun resumes."""
     plan, checkpoints = load_and_plan(model, options)
     sources = {"target": model, "draft": options.draft or ""}
-    return execute(plan, checkpoints, sources, out, progress=progress)
+    out = Path(out)
+    outdir.prepare(out)
+    try:
+        with outdir.locked(out):
+            before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
+            try:
+                manifest = execute(plan, checkpoints, sources, out, progress=progress)
+            except BaseException:
+                outdir.remove_incomplete(out)
+                raise
+    except ShardprepError:
+        raise
+    except OSError as exc:
+        raise outdir.write_error(out, exc) from exc
+    kept = sum(1 for path, id_ in before.items() if id_ and id_ == outdir.file_id(out / path))
+    return Converted(manifest, kept, len(plan.files) - kept)
 
 
 def execute(

@@ -25,6 +25,17 @@ class OutputExistsError(ShardprepError, FileExistsError):
     """The output folder holds something that is not this artifact."""
 
 
+class OutputLockedError(ShardprepError, BlockingIOError):
+    """Another convert is writing the same output folder."""
+
+
+class OutputWriteError(ShardprepError, OSError):
+    """Writing the artifact failed (no space, a file size limit, permissions...)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class _FileError(ShardprepError, OSError):
     """An error about one file, which it keeps in `path`."""
 

@@ -14,11 +14,12 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shardprep import manifest as mf
 from shardprep.checkpoint import Checkpoint
-from shardprep.constants import INCOMPLETE_SUFFIX, MANIFEST_NAME, PARTIAL_MARKER
-from shardprep.errors import OutputExistsError
+from shardprep.constants import INCOMPLETE_SUFFIX, LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
+from shardprep.errors import CorruptFileError, OutputExistsError
 from shardprep.plan import Plan
 from shardprep.safetensors_io import sha256_file
 
@@ -36,8 +37,8 @@ class Journal:
     def open(cls, out: Path, fingerprint: str, plan: Plan) -> Journal:
         path = out / PARTIAL_MARKER
         if path.is_file():
-            state = json.loads(path.read_text())
-            done = state["done"] if state.get("plan") == fingerprint else {}
+            state = _read_state(path, out)
+            done = state["done"] if state["plan"] == fingerprint else {}
             return cls(path, fingerprint, done)
         if (out / MANIFEST_NAME).is_file():
             previous = mf.read_manifest(out)
@@ -46,7 +47,7 @@ class Journal:
             journal = cls(path, fingerprint, done)
             journal._save()
             return journal
-        if out.exists() and any(out.iterdir()):
+        if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
             raise OutputExistsError(
                 f"{out} already holds files that are not a shardprep artifact; "
                 "choose an empty or new output folder"
@@ -73,6 +74,27 @@ class Journal:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _read_state(path: Path, out: Path) -> dict[str, Any]:
+    """The journal's content, or one line saying how to start over."""
+    try:
+        state = json.loads(path.read_bytes())
+        plan, done = state["plan"], state["done"]
+        valid = (
+            isinstance(plan, str)
+            and isinstance(done, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in done.items())
+        )
+    except (ValueError, KeyError, TypeError, RecursionError):
+        valid = False
+    if not valid:
+        raise CorruptFileError(
+            f"{path}, the record of an interrupted convert, is damaged; to start over, "
+            f"delete the folder {out} and run the same convert again",
+            path=str(path),
+        )
+    return {"plan": plan, "done": done}
 
 
 def _check_same_plan(out: Path, previous: mf.Manifest, plan: Plan) -> None:

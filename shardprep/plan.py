@@ -107,14 +107,21 @@ def make_plan(
     stage: int | None = None,
     max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
     dtype: str = "auto",
+    partition_origin: str = "",
 ) -> Plan:
     """Validate everything, then lay out every rank file. Raises one PlanError listing
-    every problem found."""
+    every problem found. `partition_origin` names where `partition` came from when it
+    was not the command line."""
     architecture, family = archs.target_family(target.config)
-    num_layers = int(target.config.get("num_hidden_layers", 0))
-    topology = make_topology(num_layers, tp, pp, partition)
+    num_layers = archs.config_int(target.config, "num_hidden_layers")
+    problems: list[str] = []
+    topology: Topology | None = None
+    try:
+        topology = make_topology(num_layers, tp, pp, partition, partition_origin)
+    except PlanError as exc:
+        problems.append(str(exc))
     if stage is not None and not 0 <= stage < pp:
-        raise PlanError(f"--stage {stage} is outside the pipeline stages 0..{pp - 1}")
+        problems.append(f"--stage {stage} is outside the pipeline stages 0..{pp - 1}")
     stages = tuple(range(pp)) if stage is None else (stage,)
     model_dtype = resolve_dtype(dtype, target.config, target)
 
@@ -125,13 +132,12 @@ def make_plan(
         method = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
         context = {"target_config": target.config}
         jobs.append(("draft", method, method, archs.draft_family(method), draft, context))
-    problems: list[str] = []
     layouts = []
     for role, arch_name, method, fam, source, context in jobs:
-        layout, found = _checked_layout(role, fam, source, topology, context)
+        layout, found = _checked_layout(role, fam, source, tp, topology, context)
         problems += found
         layouts.append((role, arch_name, method, source, layout))
-    if problems:
+    if problems or topology is None:
         raise PlanError(_problem_summary(problems))
     models: list[ModelPlan] = []
     files: list[FilePlan] = []
@@ -183,14 +189,27 @@ def _checked_layout(
     role: str,
     family: archs.Family,
     source: SourceModel,
-    topology: Topology,
+    tp: int,
+    topology: Topology | None,
     context: dict[str, Any],
 ) -> tuple[archs.Layout | None, list[str]]:
-    problems = [f"{role}: {p}" for p in family.check(source.config, topology.tp, **context)]
+    """Problems of one model; its layout when there are none and the topology is valid."""
+    layers = source.config.get("num_hidden_layers")
+    if isinstance(layers, (int, float)) and layers > len(source.tensors):
+        # Every layer has tensors: bound all work by the tensors actually present.
+        return None, [
+            f"{role}: config.json says num_hidden_layers={layers} but the checkpoint holds "
+            f"only {len(source.tensors)} tensors; fix config.json"
+        ]
     try:
+        problems = [f"{role}: {p}" for p in family.check(source.config, tp, **context)]
         expected = family.expected_shapes(source.config, **context)
+    except ConfigError as exc:
+        return None, [f"{role}: {exc}"]
     except (KeyError, ValueError, TypeError) as exc:
-        return None, [*problems, f"{role}: config.json lacks or garbles {exc}"]
+        return None, [f"{role}: config.json lacks or garbles {exc}"]
+    if topology is None:
+        return None, problems
     shapes = {name: shape for name, (_, shape) in source.tensors.items()}
     for name, shape in sorted(shapes.items()):
         if name in expected and tuple(expected[name]) != shape:

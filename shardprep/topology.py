@@ -56,32 +56,36 @@ def default_partition(num_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def parse_partition(text: str, num_layers: int, pp: int) -> tuple[int, ...]:
-    """Check an explicit partition such as "31,30" the way vLLM does."""
+def parse_partition(text: str, num_layers: int, pp: int, origin: str = "") -> tuple[int, ...]:
+    """Check an explicit partition such as "31,30" the way vLLM does. `origin` names
+    where it came from when that is not the command line (an environment variable)."""
+    what = f"layer partition {text!r}" + (f" from {origin}" if origin else "")
     try:
         sizes = tuple(int(part) for part in text.split(","))
     except ValueError:
+        example = ",".join(map(str, default_partition(num_layers, pp))) if pp >= 1 else "31,30"
         raise PlanError(
-            f"layer partition {text!r} is not a comma-separated list of integers; "
-            f"write it as e.g. {','.join(map(str, default_partition(num_layers, pp)))}"
+            f"{what} is not a comma-separated list of integers; write it as e.g. {example}"
         ) from None
     if len(sizes) != pp:
-        raise PlanError(f"layer partition {text!r} has {len(sizes)} entries but pp={pp}")
+        raise PlanError(f"{what} has {len(sizes)} entries but pp={pp}")
     if sum(sizes) != num_layers:
         raise PlanError(
-            f"layer partition {text!r} sums to {sum(sizes)} but the model has "
+            f"{what} sums to {sum(sizes)} but the model has "
             f"{num_layers} layers; make the entries add up to {num_layers}"
         )
     if min(sizes) < 1:
-        raise PlanError(f"layer partition {text!r} leaves a stage without layers")
+        raise PlanError(f"{what} leaves a stage without layers")
     return sizes
 
 
-def make_topology(num_layers: int, tp: int, pp: int, partition: str | None = None) -> Topology:
+def make_topology(
+    num_layers: int, tp: int, pp: int, partition: str | None = None, origin: str = ""
+) -> Topology:
     if tp < 1:
         raise PlanError(f"tensor parallel size must be at least 1, got {tp}")
     sizes = (
-        parse_partition(partition, num_layers, pp)
+        parse_partition(partition, num_layers, pp, origin)
         if partition
         else default_partition(num_layers, pp)
     )

@@ -57,6 +57,22 @@ class Family(Protocol):
     ) -> Layout: ...
 
 
+def config_int(config: Config, key: str, default: int | None = None) -> int:
+    """A size from config.json: a whole number >= 1, else one line naming the key."""
+    value = config.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise ConfigError(f"config.json has no {key}; it is not a complete model config")
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < 1:
+        raise ConfigError(
+            f"config.json has {key}: {value!r}, which is not a whole number of at least 1; "
+            "fix config.json"
+        )
+    return int(value)
+
+
 _TARGETS: dict[str, Family] = {}
 _DRAFTS: dict[str, Family] = {}
 

@@ -12,7 +12,15 @@ import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from shardprep.archs import Config, Layout, Param, Shapes, register_arch, register_draft
+from shardprep.archs import (
+    Config,
+    Layout,
+    Param,
+    Shapes,
+    config_int,
+    register_arch,
+    register_draft,
+)
 from shardprep.layout import Cut, Piece
 from shardprep.topology import Topology, pad_vocab
 
@@ -48,13 +56,13 @@ class Dims:
     """The sizes config.json implies, under their Hugging Face names."""
 
     def __init__(self, config: Config) -> None:
-        self.hidden = int(config["hidden_size"])
-        self.heads = int(config["num_attention_heads"])
-        self.kv_heads = int(config.get("num_key_value_heads") or self.heads)
-        self.head_dim = int(config.get("head_dim") or self.hidden // self.heads)
-        self.intermediate = int(config["intermediate_size"])
-        self.vocab = int(config["vocab_size"])
-        self.layers = int(config["num_hidden_layers"])
+        self.hidden = config_int(config, "hidden_size")
+        self.heads = config_int(config, "num_attention_heads")
+        self.kv_heads = config_int(config, "num_key_value_heads", self.heads)
+        self.head_dim = config_int(config, "head_dim", max(1, self.hidden // self.heads))
+        self.intermediate = config_int(config, "intermediate_size")
+        self.vocab = config_int(config, "vocab_size")
+        self.layers = config_int(config, "num_hidden_layers")
         self.tied = bool(config.get("tie_word_embeddings", False))
 
     def layer_shapes(self, qkv_bias: bool, qk_norm: bool, attn_in: int) -> dict[str, tuple]:
@@ -313,15 +321,17 @@ class Eagle3Draft(_EagleBase):
 
     @staticmethod
     def _draft_vocab(config: Config) -> int:
-        return int(config.get("draft_vocab_size") or config["vocab_size"])
+        if config.get("draft_vocab_size") is not None:
+            return config_int(config, "draft_vocab_size")
+        return config_int(config, "vocab_size")
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         target = context.get("target_config", {})
         dims = _draft_dims(config, target)
-        target_hidden = int(
-            config.get("target_hidden_size") or target.get("hidden_size") or dims.hidden
+        target_hidden = config_int(
+            config, "target_hidden_size", config_int(target, "hidden_size", dims.hidden)
         )
-        aux = int(config.get("num_aux_hidden_states") or 3)
+        aux = config_int(config, "num_aux_hidden_states", 3)
         layer = dims.layer_shapes(False, False, 2 * dims.hidden)
         layer["hidden_norm.weight"] = (dims.hidden,)
         shapes = {f"midlayer.{suffix}": shape for suffix, shape in layer.items()}

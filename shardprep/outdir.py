@@ -1,0 +1,116 @@
+"""The output folder of a convert: one writer at a time, nothing half-written left behind.
+
+The lock is `fcntl.flock` on `OUT/.shardprep-lock`, a file that names its holder (pid and
+host) while it is held and is deleted on release. A second convert into the same folder
+does not wait: it stops at once with one line naming the holder, as `apt` and `git` do,
+because a user who started the same convert twice wants to know, not to wait an hour.
+The kernel drops the lock when its holder dies, so a killed convert never blocks a rerun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from shardprep.constants import INCOMPLETE_SUFFIX, LOCK_NAME
+from shardprep.errors import OutputExistsError, OutputLockedError, OutputWriteError
+
+
+def prepare(out: Path) -> None:
+    """Refuse an output path that is not (or cannot become) a folder; create it."""
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"{out} is a file, not a folder; choose a folder for -o")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputWriteError(f"cannot create the output folder {out}: {_reason(exc)}") from None
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold the exclusive lock on `out` (which must exist) for the body."""
+    path = out / LOCK_NAME
+    fd = _acquire(path, out)
+    try:
+        yield
+    finally:
+        # Unlink while still holding the lock: a process that opened the old file
+        # meanwhile sees, once it gets the lock, that the name now points elsewhere.
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(fd)
+
+
+def _acquire(path: Path, out: Path) -> int:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise OutputLockedError(
+                f"{out} is being written by another shardprep convert ({holder}); wait for it "
+                "to finish (then rerun to check the result) or choose another output folder"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
+            return fd
+        os.close(fd)  # the holder released and deleted it in between: try the new one
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0))
+        return f"pid {int(holder['pid'])} on {holder['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its pid is not recorded yet"
+
+
+def remove_incomplete(out: Path) -> None:
+    """Delete the temporary files a failed convert leaves (only this folder's own)."""
+    for path in out.rglob(f"*{INCOMPLETE_SUFFIX}"):
+        if path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+
+
+def file_id(path: Path) -> tuple[int, int, int] | None:
+    """Changes when a file is rewritten (a new file is renamed over it)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def write_error(out: Path, exc: OSError) -> OutputWriteError:
+    """An OSError while writing the artifact, as one line that says what to do."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    hint = {
+        errno.ENOSPC: "free some space",
+        errno.EDQUOT: "free some space or raise the quota",
+        errno.EFBIG: "the file system or a limit (ulimit -f) refuses files this large; "
+        "lower --max-part-size or raise the limit",
+        errno.EACCES: "check the permissions of the output folder",
+        errno.EROFS: "choose a writable output folder",
+    }.get(exc.errno or 0, "fix the cause")
+    return OutputWriteError(
+        f"convert to {out} failed: {_reason(exc)}{where}; {hint}, then rerun the same "
+        "command to resume"
+    )
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)

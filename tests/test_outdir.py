@@ -1,0 +1,144 @@
+"""The output folder: one convert at a time, I/O failures as one line, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardprep import outdir
+from shardprep.cli import main
+from shardprep.constants import INCOMPLETE_SUFFIX, LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
+from shardprep.errors import OutputLockedError
+from shardprep.tiny import make_tiny_model
+
+CLI = [sys.executable, "-m", "shardprep.cli"]
+
+
+def run(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,  # type: ignore[call-overload]
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    assert result.stderr.startswith("shardprep: error: ") and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+def leftovers(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob(f"*{INCOMPLETE_SUFFIX}"))
+
+
+def test_a_second_convert_into_a_busy_folder_names_the_holder_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Two real converts into one folder: the second stops at once, naming the first
+    (pid and host); the first finishes with an artifact that verifies."""
+    # Big enough (60 MB) that the first convert holds the lock for a visible while.
+    model = make_tiny_model(tmp_path / "model", vocab_size=60_000)
+    out = tmp_path / "out"
+    args = ["convert", str(model), "-o", str(out), "--tp", "2", "--quiet"]
+    first = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while _holder(out) != first.pid:
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first convert never took the lock"
+            time.sleep(0.001)
+        os.kill(first.pid, signal.SIGSTOP)  # hold it there, mid-convert
+        before = sorted(p.name for p in out.rglob("*"))
+        second = run(*args)
+        err = one_line_error(second)
+        assert f"pid {first.pid} on {socket.gethostname()}" in err
+        assert "is being written by another shardprep convert" in err
+        assert sorted(p.name for p in out.rglob("*")) == before
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    _, first_err = first.communicate(timeout=300)
+    assert first.returncode == 0, first_err
+    assert run("verify", str(out), "--quiet").returncode == 0
+    assert not (out / LOCK_NAME).exists() and not leftovers(out)
+    again = run(*args)
+    assert again.returncode == 0, again.stderr
+    assert "already complete: all 2 rank files verified" in again.stdout
+
+
+def _holder(out: Path) -> int | None:
+    try:
+        return int(json.loads((out / LOCK_NAME).read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def test_the_lock_is_exclusive_and_released(tmp_path: Path) -> None:
+    with outdir.locked(tmp_path):
+        holder = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert holder == {"pid": os.getpid(), "host": socket.gethostname()}
+        with pytest.raises(OutputLockedError, match=f"pid {os.getpid()}"), outdir.locked(tmp_path):
+            pass
+    assert not (tmp_path / LOCK_NAME).exists()
+    with outdir.locked(tmp_path):
+        pass
+
+
+def _file_size_limit(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def test_a_write_failure_is_one_line_leaves_no_temporary_file_and_resumes(
+    tiny, tmp_path: Path
+) -> None:
+    """A file-size limit makes every write past 64 KiB fail as a full disk would."""
+    model = tiny.model("llama")
+    out = tmp_path / "out"
+    args = ["convert", str(model), "-o", str(out), "--tp", "2", "--quiet"]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    failed = run(*args, preexec_fn=lambda: _file_size_limit(64 * 1024), env=env)
+    err = one_line_error(failed)
+    assert f"convert to {out} failed: File too large" in err and "rerun the same command" in err
+    assert not leftovers(out) and not (out / MANIFEST_NAME).exists()
+    assert not (out / LOCK_NAME).exists()
+    resumed = run(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert run("verify", str(out), "--quiet").returncode == 0
+
+
+def in_process_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(list(args)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardprep: error: ") and err.count("\n") == 1
+    return err
+
+
+def test_output_naming_a_file(tiny, tmp_path: Path, capsys) -> None:
+    target = tmp_path / "taken"
+    target.write_text("not a folder")
+    err = in_process_error(capsys, "convert", str(tiny.model("llama")), "-o", str(target))
+    assert f"{target} is a file, not a folder" in err
+    assert target.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [target]
+
+
+def test_a_damaged_journal_says_how_to_start_over(tiny, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / PARTIAL_MARKER).write_text('{"plan": "x", "done": ')
+    err = in_process_error(capsys, "convert", str(tiny.model("llama")), "-o", str(out))
+    assert "the record of an interrupted convert, is damaged" in err
+    assert f"delete the folder {out} and run the same convert again" in err
+    assert sorted(p.name for p in out.iterdir()) == [PARTIAL_MARKER]
