@@ -47,9 +47,14 @@ def resolve_model(model: str, revision: str | None = None) -> tuple[Path, str | 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
+    from shardprep.progress import Progress
+
     try:
         local = snapshot_download(
-            model, revision=revision, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]
+            model,
+            revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
+            tqdm_class=Progress,
         )
     except (HfHubHTTPError, OSError) as exc:
         raise ConfigError(f"could not download {model} from the Hugging Face Hub: {exc}") from None

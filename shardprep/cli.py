@@ -181,7 +181,8 @@ def _add_hub_flags(parser: argparse.ArgumentParser, name: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from shardprep.demo import run_demo
 
-    print(run_demo(keep=args.keep))
+    data, text = run_demo(keep=args.keep)
+    _emit(args, data, text)
 
 
 def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
@@ -221,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help_text, description=help_text)
         command.set_defaults(func=func)
         command.add_argument("--json", action="store_true", help="machine-readable output")
-        command.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+        if name not in ("inspect", "demo"):  # the others show progress
+            command.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
         if name in ("convert", "plan"):
             _add_convert_flags(command)
         if name == "convert":

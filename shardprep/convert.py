@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import shardprep
 from shardprep import manifest as mf
@@ -38,6 +37,7 @@ from shardprep.constants import (
 from shardprep.errors import ShardprepError
 from shardprep.journal import Journal, fingerprint
 from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
+from shardprep.progress import Progress as tqdm
 from shardprep.safetensors_io import DTYPE_SIZES, TensorInfo, encode_header, numel, sha256_file
 
 TORCH_DTYPES = {

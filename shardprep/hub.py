@@ -35,12 +35,13 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import disable_progress_bars, validate_repo_id
-from tqdm import tqdm
 
 from shardprep import __version__, report
 from shardprep import manifest as mf
 from shardprep.constants import INCOMPLETE_SUFFIX, MANIFEST_NAME
 from shardprep.errors import ConfigError, CorruptFileError, HubError, ManifestError
+from shardprep.progress import Progress as tqdm
+from shardprep.progress import is_terminal
 from shardprep.safetensors_io import sha256_file
 
 PUBLISH_STAGING = ".shardprep-publish"
@@ -83,7 +84,8 @@ def publish(
     names = [MANIFEST_NAME, CARD_NAME, *(e.path for e in manifest.extra_files)]
     names += [stored_path(f) for f in files]
     api = HfApi(endpoint=endpoint, token=token)
-    quiet = nullcontext() if progress else disable_progress_bars()
+    # huggingface_hub's nested upload bars cannot be made plain: off outside a terminal
+    quiet = nullcontext() if progress and is_terminal() else disable_progress_bars()
     with quiet, hub_errors(f"Publishing {artifact} to {repo_id}", repo_id, endpoint, write=True):
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision != constants.DEFAULT_REVISION:
@@ -460,7 +462,7 @@ class Remote:
                 endpoint=self.endpoint,
                 token=self.token,
                 force_download=again,
-                tqdm_class=None if self.progress else _Silent,
+                tqdm_class=tqdm if self.progress else _Silent,
             )
         return Path(local)
 

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardprep import manifest as mf
-from shardprep.plan import Plan
+from shardprep.plan import FilePlan, Plan
+from shardprep.safetensors_io import encode_header
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,13 @@ def plan_rows(plan: Plan) -> list[RankRow]:
         counts = rows.setdefault((file.role, file.pp, file.tp), [0, 0, 0])
         counts[0] += 1
         counts[1] += len(file.tensors)
-        counts[2] += file.nbytes
+        counts[2] += file_bytes(file)
     return [RankRow(*key, *counts) for key, counts in sorted(rows.items(), key=_order)]
+
+
+def file_bytes(file: FilePlan) -> int:
+    """The size the rank file will have on disk, header included (as the manifest says)."""
+    return len(encode_header([t.spec for t in file.tensors], {"format": "pt"})) + file.nbytes
 
 
 def manifest_rows(manifest: mf.Manifest) -> list[RankRow]:
@@ -95,7 +101,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
                 "tensors": [
                     {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in f.tensors
                 ],
-                "bytes": f.nbytes,
+                "bytes": file_bytes(f),
             }
             for f in plan.files
         ],

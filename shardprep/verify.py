@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from shardprep import manifest as mf
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
+from shardprep.progress import Progress as tqdm
 from shardprep.safetensors_io import read_header, sha256_file
 
 

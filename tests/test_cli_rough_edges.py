@@ -1,0 +1,137 @@
+"""What a new user meets: hostile or broken inputs end as one line and exit 1, the
+commands agree with one another, and logs get plain lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shardprep.cli import main
+from shardprep.progress import Progress
+from shardprep.tiny import make_tiny_model
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(list(args)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardprep: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def broken_model(tmp_path: Path, **config: object) -> Path:
+    model = make_tiny_model(tmp_path / "model", num_hidden_layers=2)
+    text = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**text, **config}))
+    return model
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"hidden_size": "abc"}, "config.json has hidden_size: 'abc', which is not a whole number"),
+        ({"num_attention_heads": 0}, "config.json has num_attention_heads: 0"),
+        ({"num_hidden_layers": "2"}, "config.json has num_hidden_layers: '2'"),
+        # Would plan a billion layers (forever, without bound): refused from the tensors.
+        ({"num_hidden_layers": 1e9}, "num_hidden_layers=1000000000.0 but the checkpoint holds"),
+    ],
+)
+@pytest.mark.parametrize("command", ["plan", "convert"])
+def test_a_broken_config_is_one_line(tmp_path: Path, capsys, config, message, command) -> None:
+    model = broken_model(tmp_path, **config)
+    out = tmp_path / "out"
+    extra = ["-o", str(out)] if command == "convert" else []
+    assert message in one_line_error(capsys, command, str(model), *extra)
+    assert not out.exists()
+
+
+def test_a_fifo_named_like_weights_is_refused_not_read(tiny, tmp_path: Path, capsys) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(tiny.model("llama") / "config.json", model)
+    os.mkfifo(model / "model.safetensors")  # reading it would block forever
+    err = one_line_error(capsys, "plan", str(model))
+    assert "model.safetensors is not a regular file" in err
+
+
+def test_every_topology_problem_is_reported_at_once(tiny, capsys) -> None:
+    err = one_line_error(capsys, "plan", str(tiny.model("llama")), "--tp", "3", "--pp", "6")
+    assert "fewer than pp=6 stages" in err
+    assert "num_attention_heads (4) is not divisible by tp=3" in err
+
+
+def test_a_partition_from_the_environment_says_so(tiny, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,1")
+    err = one_line_error(capsys, "plan", str(tiny.model("llama")), "--pp", "2")
+    assert "layer partition '1,1' from the environment (VLLM_PP_LAYER_PARTITION) sums to 2" in err
+
+
+def test_plan_and_convert_agree_and_a_rerun_says_complete(tiny, tmp_path: Path, capsys) -> None:
+    model, out = str(tiny.model("llama")), str(tmp_path / "out")
+    assert main(["plan", model, "--tp", "2", "--pp", "2", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert main(["plan", model, "--tp", "2", "--pp", "2"]) == 0
+    plan_table = capsys.readouterr().out.split("stage  role", 1)[1]
+    assert main(["convert", model, "-o", out, "--tp", "2", "--pp", "2", "-q", "--json"]) == 0
+    converted = json.loads(capsys.readouterr().out)
+    assert planned["ranks"] == converted["ranks"]
+    assert converted["written_files"] == 4 and converted["kept_files"] == 0
+    assert main(["convert", model, "-o", out, "--tp", "2", "--pp", "2", "-q"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(
+        f"{out} was already complete: all 4 rank files verified against their sha256"
+    )
+    assert text.split("stage  role", 1)[1] == plan_table
+
+
+def test_progress_outside_a_terminal_is_plain_lines(tiny, tmp_path: Path, capsys) -> None:
+    model, out = str(tiny.model("llama")), str(tmp_path / "out")
+    assert main(["convert", model, "-o", out, "--tp", "2"]) == 0
+    assert main(["verify", out]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err
+    lines = err.splitlines()
+    assert lines[0].startswith("convert:   0%") and lines[-1].startswith("verify: 100%")
+
+
+def test_progress_on_a_terminal_is_a_bar() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    with Progress(total=10, file=stream, desc="x") as bar:
+        bar.update(10)
+    assert "\r" in stream.getvalue() and "|" in stream.getvalue()
+
+
+def test_demo_json_and_keep(tmp_path: Path, capsys) -> None:
+    assert main(["demo", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["artifact"] is None and data["verified"]["round_trip_tensors"] > 0
+    assert [m["source"] for m in data["models"]] == ["model", "eagle3"]
+    assert main(["demo", "--keep"]) == 0
+    text = capsys.readouterr().out
+    kept = Path(text.split("kept in ", 1)[1].split(" (", 1)[0])
+    try:
+        assert (kept / "shardprep.json").is_file() and str(kept) in text
+    finally:
+        shutil.rmtree(kept.parent)
+
+
+def test_demo_names_no_deleted_folder(capsys) -> None:
+    assert main(["demo"]) == 0
+    text = capsys.readouterr().out
+    assert "temporary folder, now deleted (--keep keeps it)" in text
+    assert "shardprep-demo-" not in text
+
+
+@pytest.mark.parametrize("args", [["demo", "-q"], ["inspect", "x", "--quiet"]])
+def test_flags_that_would_do_nothing_are_refused(args: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
