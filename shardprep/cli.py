@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from shardprep import __version__, report
-from shardprep.constants import DEFAULT_MAX_PART_BYTES, debug_enabled
+from shardprep.constants import debug_enabled
 from shardprep.errors import ConfigError, ShardprepError
+from shardprep.plan import DTYPE_NAMES
 
 _UNITS = {
     "": 1,
@@ -158,23 +159,37 @@ def cmd_fetch(args: argparse.Namespace) -> None:
 
 def _add_hub_flags(parser: argparse.ArgumentParser, name: str) -> None:
     if name == "publish":
-        parser.add_argument("artifact", help="artifact folder (it must pass `shardprep verify`)")
-    parser.add_argument("repo_id", help="Hub repo id, e.g. org/Model-TP8-PP2")
+        parser.add_argument(
+            "artifact", metavar="OUT", help="artifact folder (it must pass `shardprep verify`)"
+        )
+    parser.add_argument("repo_id", metavar="REPO_ID", help="Hub repo id, e.g. org/Model-TP8-PP2")
     parser.add_argument(
-        "--endpoint", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co)"
+        "--endpoint",
+        metavar="URL",
+        help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co)",
     )
     if name == "publish":
         parser.add_argument("--private", action="store_true", help="create the repo private")
-        parser.add_argument("--revision", default="main", help="branch to commit to")
-        parser.add_argument("--compress", help="transport compression of the rank files: zstd")
+        parser.add_argument(
+            "--revision", metavar="REV", default="main", help="branch to commit to (default: main)"
+        )
+        parser.add_argument(
+            "--compress", choices=["zstd"], help="transport compression of the rank files"
+        )
         return
-    parser.add_argument("--stage", type=int, help="the pipeline stage this node serves")
-    only = parser.add_mutually_exclusive_group()
-    only.add_argument("--rank", type=int, help="only this tensor parallel rank of the stage")
-    only.add_argument("--all", action="store_true", help="every stage")
-    parser.add_argument("--revision", help="branch, tag or commit (default: main)")
     parser.add_argument(
-        "--cache-dir", help="cache folder (default: SHARDPREP_CACHE, else HF_HOME/shardprep)"
+        "--stage", metavar="P", type=int, help="the pipeline stage this node serves"
+    )
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
+        "--rank", metavar="R", type=int, help="only this tensor parallel rank of the stage"
+    )
+    only.add_argument("--all", action="store_true", help="every stage")
+    parser.add_argument("--revision", metavar="REV", help="branch, tag or commit (default: main)")
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="cache folder (default: SHARDPREP_CACHE, else HF_HOME/shardprep)",
     )
 
 
@@ -186,20 +201,32 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model folder or Hugging Face repo id")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    parser.add_argument("--draft", help="speculative draft: folder or Hugging Face repo id")
-    parser.add_argument("--draft-method", choices=["eagle", "eagle3"], help="default: detected")
+    parser.add_argument("model", metavar="MODEL", help="model folder or Hugging Face repo id")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (default: 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default: 1)")
+    parser.add_argument(
+        "--draft", metavar="DRAFT", help="speculative draft: folder or Hugging Face repo id"
+    )
+    parser.add_argument(
+        "--draft-method", choices=["eagle", "eagle3"], help="default: told from the tensors"
+    )
     parser.add_argument(
         "--pp-partition",
+        metavar="SIZES",
         help="layers per stage, e.g. 31,30 (default: vLLM's split, or "
         "VLLM_PP_LAYER_PARTITION when set)",
     )
-    parser.add_argument("--stage", type=int, help="convert only this pipeline stage")
-    parser.add_argument("--max-part-size", default=str(DEFAULT_MAX_PART_BYTES), help="e.g. 5GiB")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--revision", help="revision of a Hub model")
+    parser.add_argument("--stage", metavar="P", type=int, help="convert only this pipeline stage")
+    parser.add_argument(
+        "--max-part-size", default="5GiB", help="largest rank file part (default: 5GiB)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPE_NAMES],
+        help="dtype of the rank files (default: auto, what vLLM's auto picks)",
+    )
+    parser.add_argument("--revision", metavar="REV", help="revision of a Hub model")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,9 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("convert", "plan"):
             _add_convert_flags(command)
         if name == "convert":
-            command.add_argument("-o", "--output", required=True, help="artifact folder to write")
+            command.add_argument(
+                "-o", "--output", metavar="OUT", required=True, help="artifact folder to write"
+            )
         if name in ("verify", "inspect"):
-            command.add_argument("artifact", help="artifact folder")
+            command.add_argument("artifact", metavar="OUT", help="artifact folder")
         if name == "verify":
             command.add_argument(
                 "--full", action="store_true", help="also rebuild every source tensor and compare"

@@ -1,0 +1,144 @@
+"""The README's usage lines are checked against the argparse definitions, so they cannot
+drift: every command, every flag, every choice and every default, nothing more.
+
+A usage line is any README code line that starts with `shardprep COMMAND`, with the
+more-indented lines under it. Positionals and required options are written bare, with
+their metavar; optional flags in brackets: `[--flag]` for a switch, `[--flag VALUE]` where
+VALUE is the choices joined by `|`, else the default, else the metavar; `[--a X | --b]`
+for mutually exclusive flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from shardprep.cli import build_parser
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def usage_lines(text: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
+        match = re.match(r"^( {4,})shardprep ([a-z]+)\b(.*)$", line)
+        if not match:
+            continue
+        indent, command, rest = match.groups()
+        parts = [rest]
+        for following in lines[index + 1 :]:
+            if not following.startswith(indent + " ") or not following.strip().startswith("["):
+                break
+            parts.append(following)
+        found.setdefault(command, []).append(" ".join(p.split("#")[0] for p in parts))
+    return found
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def value_of(action: argparse.Action) -> str | None:
+    if action.nargs == 0:
+        return None
+    if action.choices:
+        return "|".join(action.choices)
+    if action.default is not None:
+        return str(action.default)
+    return action.metavar
+
+
+Usage = tuple[list[str], set[str], set[frozenset[str]]]
+
+
+def described(parser: argparse.ArgumentParser) -> Usage:
+    """What a usage line must say: positionals, bare options, bracketed option groups."""
+    positionals, bare, bracketed = [], set(), set()
+    groups = {
+        id(a): group for group in parser._mutually_exclusive_groups for a in group._group_actions
+    }
+    done: set[int] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or id(action) in done:
+            continue
+        if not action.option_strings:
+            positionals.append(action.metavar)
+            continue
+        members = groups[id(action)]._group_actions if id(action) in groups else [action]
+        done |= {id(a) for a in members}
+        items = frozenset(_item(a) for a in members)
+        if action.required:
+            bare |= items
+        else:
+            bracketed.add(items)
+    return positionals, bare, bracketed
+
+
+def _item(action: argparse.Action) -> str:
+    value = value_of(action)
+    return action.option_strings[-1] + (f" {value}" if value else "")
+
+
+def parse_usage(parser: argparse.ArgumentParser, line: str) -> Usage:
+    """The same three things, as a README usage line writes them (`-o` = `--output`)."""
+    aliases = {s: a.option_strings[-1] for a in parser._actions for s in a.option_strings}
+
+    def canonical(item: str) -> str:
+        flag, *value = item.split(maxsplit=1)
+        return " ".join([aliases.get(flag, flag), *value])
+
+    bracketed = {
+        frozenset(canonical(alt.strip()) for alt in group.split(" | "))
+        for group in re.findall(r"\[([^]]*)]", line)
+    }
+    tokens = re.sub(r"\[[^]]*]", " ", line).split()
+    positionals, bare = [], set()
+    while tokens:
+        token = tokens.pop(0)
+        if token.startswith("-"):
+            bare.add(canonical(f"{token} {tokens.pop(0)}"))
+        else:
+            positionals.append(token)
+    return positionals, bare, bracketed
+
+
+def test_every_command_has_a_usage_line() -> None:
+    assert sorted(usage_lines(README.read_text())) == sorted(subcommands())
+
+
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_usage_lines_match_the_parser(command: str) -> None:
+    parser = subcommands()[command]
+    for line in usage_lines(README.read_text())[command]:
+        assert parse_usage(parser, line) == described(parser), line
+
+
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_help_states_every_default(command: str) -> None:
+    for action in subcommands()[command]._actions:
+        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+            assert action.help
+            assert f"default: {action.default}" in action.help, action.option_strings
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (" [--revision REV]", ""),  # a flag left out
+        ("5GiB", "4GiB"),  # a wrong default
+        ("[--json]", "[--json] [--verbose]"),  # a flag that does not exist
+        ("eagle|eagle3", "eagle"),  # choices that differ
+        ("-o OUT", "[-o OUT]"),  # a required option shown as optional
+    ],
+)
+def test_drift_is_caught(old: str, new: str) -> None:
+    parser = subcommands()["convert"]
+    line = usage_lines(README.read_text())["convert"][0]
+    assert old in line
+    assert parse_usage(parser, line.replace(old, new)) != described(parser)
