@@ -18,7 +18,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardprep.constants import INCOMPLETE_SUFFIX, LOCK_NAME
+from shardprep.constants import INCOMPLETE_SUFFIX, LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
 from shardprep.errors import OutputExistsError, OutputLockedError, OutputWriteError
 
 
@@ -80,7 +80,10 @@ def _read_holder(fd: int) -> str:
 
 
 def remove_incomplete(out: Path) -> None:
-    """Delete the temporary files a failed convert leaves (only this folder's own)."""
+    """Delete the temporary files a failed convert leaves, in a folder that is shardprep's
+    own (it holds a journal or a manifest); a folder of someone else's is never touched."""
+    if not ((out / PARTIAL_MARKER).is_file() or (out / MANIFEST_NAME).is_file()):
+        return
     for path in out.rglob(f"*{INCOMPLETE_SUFFIX}"):
         if path.is_file() and not path.is_symlink():
             path.unlink(missing_ok=True)

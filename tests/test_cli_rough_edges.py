@@ -49,13 +49,14 @@ def test_a_broken_config_is_one_line(tmp_path: Path, capsys, config, message, co
     assert not out.exists()
 
 
-def test_a_fifo_named_like_weights_is_refused_not_read(tiny, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("fifo", ["model.safetensors", "config.json"])
+def test_a_fifo_is_refused_not_read(tiny, tmp_path: Path, capsys, fifo: str) -> None:
     model = tmp_path / "model"
-    model.mkdir()
-    shutil.copy(tiny.model("llama") / "config.json", model)
-    os.mkfifo(model / "model.safetensors")  # reading it would block forever
+    shutil.copytree(tiny.model("llama"), model)
+    (model / fifo).unlink()
+    os.mkfifo(model / fifo)  # reading it would block forever
     err = one_line_error(capsys, "plan", str(model))
-    assert "model.safetensors is not a regular file" in err
+    assert f"{fifo} is not a regular file" in err
 
 
 def test_every_topology_problem_is_reported_at_once(tiny, capsys) -> None:

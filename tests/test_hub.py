@@ -363,3 +363,17 @@ def test_a_corrupt_compressed_file_or_manifest_is_named(
     with pytest.raises(CorruptFileError, match=f"{MANIFEST_NAME} does not match the git-sha1"):
         fetch(REPO, stage=0, cache_dir=tmp_path / "fresh", endpoint=hub.endpoint, progress=False)
     assert hub.downloads(REPO, MANIFEST_NAME) == 3  # once above, twice here
+
+
+def test_publish_and_fetch_log_plain_lines_outside_a_terminal(
+    hub: HubServer, artifact: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """stderr is not a terminal here: no carriage return, no escape code, from shardprep's
+    bars or huggingface_hub's nested ones."""
+    assert cli.main(["publish", str(artifact), REPO, "--endpoint", hub.endpoint]) == 0
+    cache = tmp_path / "cache"
+    argv = ["fetch", REPO, "--all", "--cache-dir", str(cache), "--endpoint", hub.endpoint]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err
+    assert "verify: 100%" in err and any(line.endswith("B/s]") for line in err.splitlines())

@@ -142,3 +142,12 @@ def test_a_damaged_journal_says_how_to_start_over(tiny, tmp_path: Path, capsys) 
     assert "the record of an interrupted convert, is damaged" in err
     assert f"delete the folder {out} and run the same convert again" in err
     assert sorted(p.name for p in out.iterdir()) == [PARTIAL_MARKER]
+
+
+def test_a_folder_of_someone_else_is_left_as_it_was(tiny, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "downloads"
+    out.mkdir()
+    (out / "film.mkv.incomplete").write_text("half a film")
+    err = in_process_error(capsys, "convert", str(tiny.model("llama")), "-o", str(out))
+    assert "already holds files that are not a shardprep artifact" in err
+    assert sorted(p.name for p in out.iterdir()) == ["film.mkv.incomplete"]
