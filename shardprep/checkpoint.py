@@ -37,7 +37,9 @@ class Checkpoint:
         return {name: t.info.shape for name, t in self.tensors.items()}
 
 
-def resolve_model(model: str, revision: str | None = None) -> tuple[Path, str | None, str | None]:
+def resolve_model(
+    model: str, revision: str | None = None, progress: bool = True
+) -> tuple[Path, str | None, str | None]:
     """A local folder as it is, or a Hub repo id downloaded with huggingface_hub."""
     path = Path(model).expanduser()
     if path.is_dir():
@@ -47,22 +49,22 @@ def resolve_model(model: str, revision: str | None = None) -> tuple[Path, str | 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
-    from shardprep.progress import Progress
+    from shardprep.progress import Progress, Silent
 
     try:
         local = snapshot_download(
             model,
             revision=revision,
             allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
-            tqdm_class=Progress,
+            tqdm_class=Progress if progress else Silent,
         )
     except (HfHubHTTPError, OSError) as exc:
         raise ConfigError(f"could not download {model} from the Hugging Face Hub: {exc}") from None
     return Path(local), model, revision
 
 
-def open_checkpoint(model: str, revision: str | None = None) -> Checkpoint:
-    root, repo_id, revision = resolve_model(model, revision)
+def open_checkpoint(model: str, revision: str | None = None, progress: bool = True) -> Checkpoint:
+    root, repo_id, revision = resolve_model(model, revision, progress)
     config = load_config(root)
     files = _weight_files(root)
     tensors: dict[str, SourceTensor] = {}

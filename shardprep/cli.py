@@ -82,7 +82,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     from shardprep.convert import load_and_plan
 
-    plan, _ = load_and_plan(args.model, _options(args))
+    plan, _ = load_and_plan(args.model, _options(args), progress=not args.quiet)
     summary = report.plan_summary(plan)
     text = report.describe_models(summary) + "\n" + report.table(report.plan_rows(plan))
     _emit(args, summary, text)
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.set_defaults(func=func)
         command.add_argument("--json", action="store_true", help="machine-readable output")
         if name not in ("inspect", "demo"):  # the others show progress
-            command.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+            command.add_argument("-q", "--quiet", action="store_true", help="no progress output")
         if name in ("convert", "plan"):
             _add_convert_flags(command)
         if name == "convert":

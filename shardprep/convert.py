@@ -74,12 +74,15 @@ def source_model(checkpoint: Checkpoint) -> SourceModel:
     return SourceModel(checkpoint.config, tensors)
 
 
-def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpoint]]:
-    """Open the checkpoints (headers only) and plan; nothing is written."""
-    target = open_checkpoint(model, options.revision)
+def load_and_plan(
+    model: str, options: Options, *, progress: bool = True
+) -> tuple[Plan, dict[str, Checkpoint]]:
+    """Open the checkpoints (headers only; a Hub model is downloaded) and plan; nothing
+    is written."""
+    target = open_checkpoint(model, options.revision, progress)
     checkpoints = {"target": target}
     if options.draft:
-        checkpoints["draft"] = open_checkpoint(options.draft)
+        checkpoints["draft"] = open_checkpoint(options.draft, progress=progress)
     plan = make_plan(
         source_model(target),
         tp=options.tp,
@@ -109,7 +112,7 @@ class Converted:
 def convert_folder(model: str, out: Path, options: Options, *, progress: bool = True) -> Converted:
     """Plan, then execute while holding the output folder's lock. Any failure leaves no
     temporary file behind and is one ShardprepError; a rerun resumes."""
-    plan, checkpoints = load_and_plan(model, options)
+    plan, checkpoints = load_and_plan(model, options, progress=progress)
     sources = {"target": model, "draft": options.draft or ""}
     out = Path(out)
     outdir.prepare(out)

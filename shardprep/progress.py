@@ -53,3 +53,11 @@ class Progress(tqdm):  # type: ignore[type-arg]
             self._plain_out.write(line + "\n")
             self._plain_out.flush()
         return True
+
+
+class Silent(tqdm):  # type: ignore[type-arg]
+    """A bar that never shows, for clients that take a tqdm class (huggingface_hub)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)

@@ -115,7 +115,9 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[target.dtype],
         revision=target.source.revision,
     )
-    plan, checkpoints = load_and_plan(target.source.repo_id or target.source.model, options)
+    plan, checkpoints = load_and_plan(
+        target.source.repo_id or target.source.model, options, progress=progress
+    )
     located = _locate(out, manifest)
     covered: dict[tuple[str, str], torch.Tensor] = {}
     handles: dict[str, object] = {}
