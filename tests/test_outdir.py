@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +77,7 @@ def test_a_second_convert_into_a_busy_folder_names_the_holder_and_writes_nothing
     again = run(*args)
     assert again.returncode == 0, again.stderr
     assert "already complete: all 2 rank files verified" in again.stdout
+    shutil.rmtree(tmp_path)  # 60 MB of model, 30 of artifact: not kept among pytest's runs
 
 
 def _holder(out: Path) -> int | None:
