@@ -138,12 +138,14 @@ def test_flags_that_would_do_nothing_are_refused(args: list[str], capsys) -> Non
     assert exit_.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
-def test_an_os_error_outside_convert_is_one_line_too(tiny, tmp_path: Path, capsys) -> None:
+def test_a_folder_in_place_of_a_rank_file_is_one_line_in_verify(
+    tiny, tmp_path: Path, capsys
+) -> None:
     out = tmp_path / "out"
     assert main(["convert", str(tiny.model("llama")), "-o", str(out), "-q"]) == 0
     capsys.readouterr()
     shard = next((out / "shards").iterdir())
     shard.unlink()
-    shard.mkdir()  # reading it fails with IsADirectoryError
+    shard.mkdir()
     err = one_line_error(capsys, "verify", str(out), "-q")
     assert str(shard.name) in err
