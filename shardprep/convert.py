@@ -93,8 +93,15 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
 
 def convert(model: str, out: Path, options: Options, *, progress: bool = True) -> mf.Manifest:
     plan, checkpoints = load_and_plan(model, options)
-    sources = {"target": model, "draft": options.draft or ""}
+    given = {"target": model, "draft": options.draft or ""}
+    sources = {role: _source_name(given[role], cp) for role, cp in checkpoints.items()}
     return execute(plan, checkpoints, sources, out, progress=progress)
+
+
+def _source_name(given: str, checkpoint: Checkpoint) -> str:
+    """A Hub id as given; a folder as an absolute path, so that `verify --full` run from
+    another folder finds it (a relative path there would read as a Hub id)."""
+    return given if checkpoint.repo_id else str(checkpoint.root.resolve())
 
 
 def execute(
