@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -83,9 +82,9 @@ def load_config(root: Path) -> dict[str, Any]:
             f"{root} has no config.json; point shardprep at a Hugging Face model folder"
         )
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+        config = jsonio.parse_file(path, limit=MAX_JSON_BYTES)
+    except jsonio.JSONProblem as exc:
+        raise ConfigError(f"{path} {exc}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
     return config

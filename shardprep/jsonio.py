@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -40,6 +41,14 @@ def parse(raw: bytes | str, *, limit: int) -> Any:
         raise JSONProblem(f"does not parse as JSON ({shorten(str(exc), 120)})") from None
     _check_strings(value)
     return value
+
+
+def parse_file(path: Path, *, limit: int) -> Any:
+    """`parse` on a file's bytes, its size checked before it is read."""
+    size = path.stat().st_size
+    if size > limit:
+        raise JSONProblem(f"is {size:,} bytes, over the {limit:,}-byte limit")
+    return parse(path.read_bytes(), limit=limit)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

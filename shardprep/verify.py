@@ -83,11 +83,13 @@ def verify(out: Path, *, full: bool = False, progress: bool = False) -> Report:
     if report.fetched:
         here = {(f.pp, f.tp) for f in manifest.files if (out / f.path).exists()}
         report.absent = [u for u in units if u not in here]
-    report.checked = [u for u in units if u not in report.absent]
+    absent = set(report.absent)
+    report.checked = [u for u in units if u not in absent]
     if not report.checked:
         report.problems.append("no rank file of any stage is in this folder")
         return report
-    files = [f for f in manifest.files if (f.pp, f.tp) in report.checked]
+    checked = set(report.checked)
+    files = [f for f in manifest.files if (f.pp, f.tp) in checked]
     _check_hashes(out, manifest, files, report, progress)
     if report.ok:
         _check_coverage(out, manifest, report)
@@ -121,14 +123,18 @@ def _check_hashes(
 def _check_coverage(out: Path, manifest: mf.Manifest, report: Report) -> None:
     """Every parameter each rank needs is present exactly once, with its shape and dtype,
     in headers that pass the strict parser."""
+    checked = set(report.checked)
+    by_rank: dict[tuple[str, int, int], list[mf.FileEntry]] = {}
+    for entry in manifest.files:
+        by_rank.setdefault((entry.role, entry.pp, entry.tp), []).append(entry)
     for model in manifest.models:
         for key, expected in model.ranks.items():
             pp, tp = mf.parse_rank_key(key)
-            if (pp, tp) not in report.checked:
+            if (pp, tp) not in checked:
                 continue
             found: dict[str, list[str]] = {}
             unreadable = False
-            for entry in manifest.rank_files(model.role, pp, tp):
+            for entry in by_rank.get((model.role, pp, tp), []):
                 try:
                     header = read_header(out / entry.path)
                 except ShardprepError as exc:
@@ -198,10 +204,11 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         revision=target.source.revision,
     )
     plan, checkpoints = load_and_plan(target.source.repo_id or target.source.model, options)
-    located = _locate(out, manifest, report.checked)
+    checked = set(report.checked)
+    located = _locate(out, manifest, checked)
     covered: dict[tuple[str, str], torch.Tensor] = {}
     handles: dict[str, object] = {}
-    planned = [f for f in plan.files if (f.pp, f.tp) in report.checked]
+    planned = [f for f in plan.files if (f.pp, f.tp) in checked]
     for file_plan in tqdm(planned, desc="round trip", disable=not progress):
         for tensor in file_plan.tensors:
             path = located[(file_plan.role, file_plan.pp, file_plan.tp, tensor.name)]
@@ -239,7 +246,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
 
 
 def _locate(
-    out: Path, manifest: mf.Manifest, units: list[tuple[int, int]]
+    out: Path, manifest: mf.Manifest, units: set[tuple[int, int]]
 ) -> dict[tuple[str, int, int, str], str]:
     located = {}
     for entry in manifest.files:

@@ -122,3 +122,23 @@ def test_float_or_string_offsets_are_one_line_from_convert(
     assert "data_offsets that are not two integers >= 0 [begin, end]" in err
     assert err.count("\n") == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (b"\xff\xfe{}", "config.json is not UTF-8 (byte 0)"),
+        (b"[" * 50_000, "config.json nests too deeply"),
+        (b'{"hidden_size": NaN}', "config.json holds NaN"),
+        (b"[]", "config.json does not hold a JSON object"),
+    ],
+)
+def test_an_unreadable_config_is_one_line(
+    tiny: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], config: bytes, message: str
+) -> None:
+    model = _copy(tiny, tmp_path)
+    (model / "config.json").write_bytes(config)
+    assert main(["plan", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardprep: error: ") and message in err
+    assert err.count("\n") == 1

@@ -288,6 +288,17 @@ def test_the_cli_says_which_field(
     assert err.count("\n") == 1
 
 
+def test_a_huge_topology_is_refused_before_any_rank_is_walked(artifact: Path) -> None:
+    def huge(data: dict) -> None:
+        data["topology"].update(tp=65536, pp=65536, partition=[1] * 65536)
+        data["stages"] = list(range(65536))
+
+    started = time.monotonic()
+    with pytest.raises(ManifestError, match="need 4,294,967,296 ranks with files, but files"):
+        Manifest.from_json(_edited(artifact, huge))
+    assert time.monotonic() - started < 2
+
+
 def test_the_loader_refuses_a_bad_manifest(artifact: Path, tmp_path: Path) -> None:
     folder = tmp_path / "copy"
     shutil.copytree(artifact, folder)
