@@ -42,8 +42,8 @@ from huggingface_hub import constants as hf_constants
 
 from shardprep import hub
 from shardprep.constants import INCOMPLETE_SUFFIX, MANIFEST_NAME, cache_root
-from shardprep.errors import ConfigError, CorruptFileError, HubError
-from shardprep.manifest import Manifest
+from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
+from shardprep.manifest import Manifest, load_manifest_file
 from shardprep.safetensors_io import sha256_file
 
 STATE_DIR = ".shardprep"
@@ -98,10 +98,12 @@ def fetch(
     endpoint: str | None = None,
     token: str | None = None,
     progress: bool = True,
+    verify: bool = False,
 ) -> Path:
     """Make the cache hold `stage` of `repo_id` (or its `rank` only, or `all_stages`) and
     return the folder to point vLLM at. Only the manifest, the extra files and that part's
-    rank files are downloaded; a part fetched before needs no network."""
+    rank files are downloaded; a part fetched before needs no network. `verify` re-hashes
+    what the cache already holds of the part and downloads again any file that fails."""
     hub.check_repo_id(repo_id)
     _check_request(stage, rank, all_stages)
     repo_dir = repo_folder(repo_id, cache_dir)
@@ -109,8 +111,12 @@ def fetch(
     remote = None if hub.is_offline() else hub.Remote(repo_id, endpoint, token, progress)
     commit, remote = _resolve(repo_dir, repo_id, revision, remote)
     folder = repo_dir / commit
+    if verify and remote is not None:
+        _recheck_manifest(folder, commit, remote)
     manifest = _manifest(folder, repo_id, commit, remote)
     for part in _parts(manifest, repo_id, stage, rank, all_stages):
+        if verify:
+            _recheck(folder, repo_id, manifest, part, remote, progress)
         _fetch_part(folder, repo_id, manifest, part, remote, progress)
     if not hub.is_commit(revision):
         _write_ref(repo_dir, revision, commit)
@@ -260,7 +266,7 @@ def _manifest(folder: Path, repo_id: str, commit: str, remote: hub.Remote | None
         with _lock(folder, "manifest", f"the manifest of {repo_id}", remote.progress):
             if not path.is_file():
                 _download_manifest(folder, path, commit, remote)
-    return Manifest.from_json(path.read_text(), where=where)
+    return load_manifest_file(path, where)
 
 
 def _download_manifest(folder: Path, path: Path, commit: str, remote: hub.Remote) -> None:
@@ -279,6 +285,49 @@ def _download_manifest(folder: Path, path: Path, commit: str, remote: hub.Remote
         "placed in the cache; try again later, or publish the artifact again",
         path=MANIFEST_NAME,
     )
+
+
+def _recheck_manifest(folder: Path, commit: str, remote: hub.Remote) -> None:
+    """The cached manifest against the id the Hub gives it; a damaged one is removed (with
+    the copy at the folder's root) and downloaded again."""
+    path = folder / STATE_DIR / "manifest.json"
+    if path.is_file() and not hub.matches_file_id(path, remote.file_id(commit, MANIFEST_NAME)):
+        logger.warning("%s in the cache does not match the Hub; downloading it again", path)
+        path.unlink()
+        (folder / MANIFEST_NAME).unlink(missing_ok=True)
+
+
+def _recheck(
+    folder: Path,
+    repo_id: str,
+    manifest: Manifest,
+    part: Part,
+    remote: hub.Remote | None,
+    progress: bool,
+) -> None:
+    """Re-hash the part's files in the cache; remove any that fail (and a root manifest
+    that differs from the fetched one), so that the fetch downloads them again."""
+    damaged = []
+    with _lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
+        for item in _wanted(manifest, part):
+            final = folder / item.path
+            if final.is_file() and _check(final, item.bytes, item.sha256) is not None:
+                final.unlink()
+                damaged.append(item.path)
+        placed, fetched = folder / MANIFEST_NAME, folder / STATE_DIR / "manifest.json"
+        if placed.is_file() and placed.read_bytes() != fetched.read_bytes():
+            placed.unlink()
+            damaged.append(MANIFEST_NAME)
+    for path in damaged:
+        logger.warning("%s in the cache does not match its sha256; it was removed", path)
+    if damaged and remote is None:
+        raise CorruptFileError(
+            f"{summarize(damaged)} of {repo_id} in the cache ({folder}) did not match "
+            f"{MANIFEST_NAME} and {'were' if len(damaged) > 1 else 'was'} removed; the Hub is "
+            f"not used (HF_HUB_OFFLINE is set, or it could not be reached): run `shardprep "
+            f"fetch {repo_id} --stage {part.stage}` again with network access",
+            path=str(folder / damaged[0]),
+        )
 
 
 def _place_manifest(folder: Path) -> None:
@@ -422,10 +471,14 @@ def _complete(folder: Path, part: Part) -> bool:
     for candidate in candidates:
         marker = _marker(folder, candidate)
         if marker.is_file():
-            files = json.loads(marker.read_text())["files"]
+            try:
+                files = json.loads(marker.read_text())["files"]
+                sizes = {str(p): int(n) for p, n in files.items()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a damaged marker: the part is fetched again (files in place stay)
             if all(
                 (folder / p).is_file() and (folder / p).stat().st_size == n
-                for p, n in files.items()
+                for p, n in sizes.items()
             ):
                 return True
     return False

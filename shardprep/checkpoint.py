@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+from shardprep import jsonio
+from shardprep.constants import MAX_JSON_BYTES
 from shardprep.errors import ConfigError, CorruptFileError, summarize
 from shardprep.safetensors_io import TensorInfo, read_header
 
@@ -100,9 +100,9 @@ def load_config(root: Path) -> dict[str, Any]:
             f"{root} has no config.json; point shardprep at a Hugging Face model folder"
         )
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+        config = jsonio.parse_file(path, limit=MAX_JSON_BYTES)
+    except jsonio.JSONProblem as exc:
+        raise ConfigError(f"{path} {exc}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
     return config
@@ -134,14 +134,49 @@ def _weight_files(root: Path) -> list[str]:
 
 
 def _read_index(index: Path) -> dict[str, str]:
+    size = index.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ConfigError(
+            f"{index} is {size:,} bytes, over the {MAX_JSON_BYTES:,}-byte limit for an index"
+        )
+    return parse_index(index.read_bytes(), str(index))
+
+
+def parse_index(raw: bytes, where: str = INDEX_NAME) -> dict[str, str]:
+    """The weight_map of a `model.safetensors.index.json`: tensor name -> a relative
+    `*.safetensors` path inside the model folder."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ConfigError(f"{index} has no weight_map; it is not a safetensors index") from None
-    for file in weight_map.values():
-        if os.path.isabs(file) or ".." in Path(file).parts:
-            raise ConfigError(f"{index} names {file!r}, outside the model folder")
+        document = jsonio.parse(raw, limit=MAX_JSON_BYTES)
+    except jsonio.JSONProblem as exc:
+        raise ConfigError(f"{where} {exc}; it is not a safetensors index") from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(
+            f"{where} has no weight_map object; it is not a safetensors index "
+            "(remove it to read every *.safetensors file of the folder)"
+        )
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ConfigError(
+                f"{where} maps {jsonio.shorten(name)!r} to {jsonio.shorten(repr(file))}, "
+                "not to a file name"
+            )
+        if not _is_weight_file_name(file):
+            raise ConfigError(
+                f"{where} names {jsonio.shorten(file)!r}, which is not a *.safetensors file "
+                "inside the model folder"
+            )
     return weight_map
+
+
+def _is_weight_file_name(file: str) -> bool:
+    pure = PurePosixPath(file)
+    return (
+        file.endswith(".safetensors")
+        and not pure.is_absolute()
+        and ".." not in pure.parts
+        and not any(ch == "\\" or ord(ch) < 0x20 for ch in file)
+    )
 
 
 def _check_index(root: Path, tensors: dict[str, SourceTensor]) -> None:

@@ -100,9 +100,12 @@ def cmd_verify(args: argparse.Namespace) -> None:
         "bytes": result.checked_bytes,
         "params": result.checked_params,
         "round_trip_tensors": result.round_trip_tensors,
+        "stages": sorted({pp for pp, _ in result.checked}),
+        "complete": result.complete,
     }
     text = (
-        f"ok: {result.checked_files} files ({report.format_bytes(result.checked_bytes)}) match "
+        f"ok ({result.scope()}): {result.checked_files} files "
+        f"({report.format_bytes(result.checked_bytes)}) match "
         f"their sha256; {result.checked_params} rank parameters present exactly once"
         + (
             f"; {result.round_trip_tensors} source tensors rebuilt byte for byte"
@@ -144,7 +147,7 @@ def cmd_fetch(args: argparse.Namespace) -> None:
     folder = fetch(
         args.repo_id, stage=args.stage, rank=args.rank, all_stages=args.all,
         revision=args.revision, cache_dir=args.cache_dir, endpoint=args.endpoint,
-        progress=not args.quiet,
+        progress=not args.quiet, verify=args.verify,
     )  # fmt: skip
     data = {
         "repo_id": args.repo_id,
@@ -190,6 +193,11 @@ def _add_hub_flags(parser: argparse.ArgumentParser, name: str) -> None:
         "--cache-dir",
         metavar="DIR",
         help="cache folder (default: SHARDPREP_CACHE, else HF_HOME/shardprep)",
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-hash the files already in the cache and download again any that fail",
     )
 
 

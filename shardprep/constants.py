@@ -19,6 +19,7 @@ INCOMPLETE_SUFFIX = ".incomplete"
 LOCK_NAME = ".shardprep-lock"
 
 MAX_HEADER_BYTES = 100_000_000
+MAX_JSON_BYTES = 100_000_000  # a model index or a manifest
 DEFAULT_MAX_PART_BYTES = 5 * 1024**3
 CHUNK_BYTES = 64 * 1024**2
 VOCAB_PADDING = 64

@@ -113,7 +113,8 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
     """Plan, then execute while holding the output folder's lock. Any failure leaves no
     temporary file behind and is one ShardprepError; a rerun resumes."""
     plan, checkpoints = load_and_plan(model, options, progress=progress)
-    sources = {"target": model, "draft": options.draft or ""}
+    given = {"target": model, "draft": options.draft or ""}
+    sources = {role: _source_name(given[role], cp) for role, cp in checkpoints.items()}
     out = Path(out)
     outdir.prepare(out)
     try:
@@ -130,6 +131,12 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
         raise outdir.write_error(out, exc) from exc
     kept = sum(1 for path, id_ in before.items() if id_ and id_ == outdir.file_id(out / path))
     return Converted(manifest, kept, len(plan.files) - kept)
+
+
+def _source_name(given: str, checkpoint: Checkpoint) -> str:
+    """A Hub id as given; a folder as an absolute path, so that `verify --full` run from
+    another folder finds it (a relative path there would read as a Hub id)."""
+    return given if checkpoint.repo_id else str(checkpoint.root.resolve())
 
 
 def execute(

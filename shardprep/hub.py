@@ -139,6 +139,11 @@ def _verified_manifest(artifact: Path, progress: bool) -> mf.Manifest:
 
     manifest = mf.read_manifest(artifact)
     result = verify(artifact, progress=progress)
+    if result.ok and not result.complete:
+        raise ConfigError(
+            f"Refusing to publish {artifact}: it is a fetched folder that holds "
+            f"{result.scope()}. Publish the folder `shardprep convert` wrote"
+        )
     if not result.ok:
         shown = "; ".join(result.problems[:3])
         more = f"; and {len(result.problems) - 3} more" if len(result.problems) > 3 else ""

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from shardprep.constants import FORMAT, MANIFEST_NAME
+from shardprep import jsonio
+from shardprep.constants import FORMAT, MANIFEST_NAME, MAX_JSON_BYTES
 from shardprep.errors import ManifestError
-
-ROLES = ("target", "draft")
+from shardprep.manifest_check import check_consistency, check_document
 
 
 @dataclass(frozen=True)
@@ -109,34 +109,39 @@ class Manifest:
         return json.dumps(_plain(asdict(self)), indent=1, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, where: str = MANIFEST_NAME) -> Manifest:
+    def from_json(cls, text: str | bytes, where: str = MANIFEST_NAME) -> Manifest:
+        """Parse and check a manifest (see manifest_check); any flaw is a ManifestError."""
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ManifestError(f"{where} is not valid JSON ({exc})") from None
+            data = jsonio.parse(text, limit=MAX_JSON_BYTES)
+        except jsonio.JSONProblem as exc:
+            raise ManifestError(f"{where} {exc}; convert or fetch the artifact again") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else None
             raise ManifestError(
-                f"{where} has format {found!r}; this shardprep reads {FORMAT!r}. "
-                "Convert the model again with this version, or install the shardprep that made it"
+                f"{where} has format {jsonio.shorten(repr(found))}; this shardprep reads "
+                f"{FORMAT!r}. Convert the model again with this version, or install the "
+                "shardprep that made it"
             )
-        manifest = _build(cls, data, where)
-        for entry in manifest.files:
-            check_relative(entry.path, where)
-        for extra in manifest.extra_files:
-            check_relative(extra.path, where)
-        for model in manifest.models:
-            check_relative(model.folder or ".", where)
-            if model.role not in ROLES:
-                raise ManifestError(f"{where} has a model of unknown role {model.role!r}")
+        for entry in (*_dicts(data.get("files")), *_dicts(data.get("extra_files"))):
+            if isinstance(entry.get("path"), str):
+                check_relative(entry["path"], where)
+        check_document(data, where)
+        manifest = _build(cls, data)
+        check_consistency(manifest, where)
         return manifest
+
+
+def _dicts(value: Any) -> list[dict[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
 def check_relative(path: str, where: str) -> None:
     """Paths in a manifest are relative and stay inside the artifact."""
     pure = PurePosixPath(path)
     if pure.is_absolute() or ".." in pure.parts or "\\" in path:
-        raise ManifestError(f"{where} names {path!r}, which leaves the artifact; refusing it")
+        raise ManifestError(
+            f"{where} names {jsonio.shorten(repr(path))}, which leaves the artifact; refusing it"
+        )
 
 
 def read_manifest(folder: Path) -> Manifest:
@@ -146,16 +151,30 @@ def read_manifest(folder: Path) -> Manifest:
             f"{folder} has no {MANIFEST_NAME}: it is not a complete shardprep artifact. "
             f"Create it with `shardprep convert MODEL -o {folder}` (a rerun resumes)"
         )
-    return Manifest.from_json(path.read_text(), where=str(path))
+    return load_manifest_file(path, str(path))
+
+
+def load_manifest_file(path: Path, where: str) -> Manifest:
+    """Read a manifest file of any name, its size checked before it is read."""
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ManifestError(
+            f"{where} is {size:,} bytes, over the {MAX_JSON_BYTES:,}-byte limit for a manifest"
+        )
+    return Manifest.from_json(path.read_bytes(), where=where)
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
-    """Write atomically: a temporary name, then rename."""
+    """Write atomically: a temporary name, then rename; the temporary file never stays."""
     path = folder / MANIFEST_NAME
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".manifest-", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(manifest.to_json())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(manifest.to_json())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -177,25 +196,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
-    """Build a frozen dataclass from JSON, rejecting unknown and missing keys."""
-    if not isinstance(data, dict):
-        raise ManifestError(f"{where}: expected an object for {cls.__name__}, found {data!r:.60}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ManifestError(f"{where}: unknown key(s) {unknown} in {cls.__name__} ({FORMAT})")
-    missing = [
-        name
-        for name, f in known.items()
-        if name not in data and f.default is MISSING and f.default_factory is MISSING
-    ]
-    if missing:
-        raise ManifestError(f"{where}: {cls.__name__} lacks the key(s) {missing}")
-    try:
-        return cls(**{name: _convert(cls, name, value, where) for name, value in data.items()})
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ManifestError(f"{where}: {cls.__name__} is malformed ({exc})") from None
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    """A frozen dataclass from JSON that check_document has accepted."""
+    return cls(**{name: _convert(cls, name, value) for name, value in data.items()})
 
 
 _NESTED: dict[tuple[type, str], type] = {
@@ -208,14 +211,14 @@ _NESTED: dict[tuple[type, str], type] = {
 }
 
 
-def _convert(cls: type, name: str, value: Any, where: str) -> Any:
+def _convert(cls: type, name: str, value: Any) -> Any:
     nested = _NESTED.get((cls, name))
     if nested is not None:
         if isinstance(value, list):
-            return tuple(_build(nested, v, where) for v in value)
-        return _build(nested, value, where)
+            return tuple(_build(nested, v) for v in value)
+        return _build(nested, value)
     if name == "spec_decode_only":
-        return tuple((str(n), int(s)) for n, s in value)
+        return tuple((n, s) for n, s in value)
     if name == "ranks":
         return {
             key: {p: ParamSpec(spec["dtype"], tuple(spec["shape"])) for p, spec in params.items()}

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardprep import jsonio
 from shardprep.constants import INCOMPLETE_SUFFIX, MAX_HEADER_BYTES
 from shardprep.errors import CorruptFileError
 
@@ -65,63 +67,149 @@ def numel(shape: Sequence[int]) -> int:
 
 
 def read_header(path: Path) -> Header:
-    """Parse and check a safetensors header: size limit first, then that the tensors
-    tile the data area exactly, with no hole, overlap or trailing byte."""
-    file_size = path.stat().st_size
+    """Parse and check a safetensors header: size limit first, then every entry, then that
+    the tensors tile the data area exactly, with no hole, overlap or trailing byte."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise _corrupt(path, "is not a regular file")
     with open(path, "rb") as f:
         prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _corrupt(path, "is shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES:
-            raise _corrupt(
-                path, f"declares a {length:,}-byte header, over the {MAX_HEADER_BYTES:,} limit"
-            )
-        if 8 + length > file_size:
-            raise _corrupt(path, "is truncated inside its header")
+        length = _header_length(path, prefix, info.st_size)
         raw = f.read(length)
+    return _parse(path, raw, length, info.st_size)
+
+
+def parse_header(data: bytes, file_size: int | None = None, where: str = "header") -> Header:
+    """The same checks as `read_header`, on bytes that start a file of `file_size` bytes
+    (default: `data` is the whole file)."""
+    file_size = len(data) if file_size is None else file_size
+    length = _header_length(where, data[:8], file_size)
+    if len(data) < 8 + length:
+        raise _corrupt(where, "is truncated inside its header")
+    return _parse(where, data[8 : 8 + length], length, file_size)
+
+
+def _header_length(where: Path | str, prefix: bytes, file_size: int) -> int:
+    """The declared header length, refused before anything of that size is allocated."""
+    if len(prefix) < 8 or file_size < 8:
+        raise _corrupt(where, "is shorter than a safetensors header")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise _corrupt(
+            where, f"declares a {length:,}-byte header, over the {MAX_HEADER_BYTES:,} limit"
+        )
+    if 8 + length > file_size:
+        raise _corrupt(where, "is truncated inside its header")
+    return length
+
+
+def _parse(where: Path | str, raw: bytes, length: int, file_size: int) -> Header:
+    if len(raw) != length:
+        raise _corrupt(where, "is truncated inside its header")
     try:
-        entries = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _corrupt(path, f"has a header that is not JSON ({exc})") from None
+        entries = jsonio.parse(raw, limit=MAX_HEADER_BYTES)
+    except jsonio.JSONProblem as exc:
+        raise _corrupt(where, f"has a header that is not JSON: it {exc}") from None
     if not isinstance(entries, dict):
-        raise _corrupt(path, "has a header that is not a JSON object")
-    metadata = entries.pop("__metadata__", None) or {}
+        raise _corrupt(where, "has a header that is not a JSON object")
+    metadata = _metadata(where, entries.pop("__metadata__", None))
     data_start = 8 + length
-    tensors = {name: _tensor_info(path, name, entry, data_start) for name, entry in entries.items()}
-    _check_tiling(path, tensors, data_start, file_size)
+    data_size = file_size - data_start
+    tensors = {
+        name: _tensor_info(where, name, entry, data_start, data_size)
+        for name, entry in entries.items()
+    }
+    _check_tiling(where, tensors, data_start, file_size)
     return Header(tensors=tensors, metadata=metadata, data_start=data_start, file_size=file_size)
 
 
-def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> TensorInfo:
-    try:
-        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]  # type: ignore[index]
-        shape = tuple(int(d) for d in shape)
-    except (KeyError, TypeError, ValueError):
-        raise _corrupt(path, f"has a malformed header entry for {name!r}") from None
-    if dtype not in DTYPE_SIZES:
-        raise _corrupt(path, f"uses dtype {dtype!r} for {name!r}, which shardprep does not know")
-    if end - begin != numel(shape) * DTYPE_SIZES[dtype] or begin < 0:
-        raise _corrupt(path, f"gives {name!r} a byte range that does not match its shape")
-    return TensorInfo(dtype=dtype, shape=shape, offset=data_start + begin, nbytes=end - begin)
+def _metadata(where: Path | str, value: object) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise _corrupt(where, "has a __metadata__ that is not a map of strings to strings")
+    return value
 
 
-def _check_tiling(path: Path, tensors: Mapping[str, TensorInfo], start: int, size: int) -> None:
+def _is_count(value: object) -> bool:
+    """A JSON integer >= 0: not a bool, not a float, not a string."""
+    return type(value) is int and value >= 0
+
+
+def _tensor_info(
+    where: Path | str, name: str, entry: object, data_start: int, data_size: int
+) -> TensorInfo:
+    shown = jsonio.shorten(name)
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise _corrupt(
+            where, f"has a header entry for {shown!r} that is not {{dtype, shape, data_offsets}}"
+        )
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise _corrupt(
+            where,
+            f"uses dtype {jsonio.shorten(str(dtype))!r} for {shown!r}, which shardprep "
+            f"does not know ({', '.join(DTYPE_SIZES)})",
+        )
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _corrupt(where, f"gives {shown!r} a shape that is not a list of integers >= 0")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise _corrupt(
+            where, f"gives {shown!r} data_offsets that are not two integers >= 0 [begin, end]"
+        )
+    begin, end = offsets
+    if begin > end:
+        raise _corrupt(where, f"gives {shown!r} the reversed byte range [{begin:,}, {end:,})")
+    if end > data_size:
+        raise _corrupt(
+            where,
+            f"is truncated: its header needs {data_start + end:,} bytes, it has "
+            f"{data_start + data_size:,}",
+        )
+    if _nbytes(shape, DTYPE_SIZES[dtype], limit=data_size) != end - begin:
+        raise _corrupt(
+            where,
+            f"gives {shown!r} {end - begin:,} bytes, which is not the size of "
+            f"{dtype}{_shape_text(shape)}",
+        )
+    return TensorInfo(
+        dtype=dtype, shape=tuple(shape), offset=data_start + begin, nbytes=end - begin
+    )
+
+
+def _nbytes(shape: Sequence[int], item_size: int, limit: int) -> int | None:
+    """Bytes of a tensor, or None once it exceeds `limit` (no huge product is built)."""
+    if 0 in shape:
+        return 0
+    count = item_size
+    for dim in shape:
+        count *= dim
+        if count > limit:
+            return None
+    return count
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    text = str(list(shape))
+    return jsonio.shorten(text)
+
+
+def _check_tiling(
+    where: Path | str, tensors: Mapping[str, TensorInfo], start: int, size: int
+) -> None:
     position = start
-    for info in sorted(tensors.values(), key=lambda t: t.offset):
+    for info in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
         if info.offset != position:
-            raise _corrupt(path, "has tensors with holes or overlaps between them")
+            raise _corrupt(where, "has tensors with holes or overlaps between them")
         position += info.nbytes
-    if position > size:
-        raise _corrupt(path, f"is truncated: its header needs {position:,} bytes, it has {size:,}")
     if position < size:
-        raise _corrupt(path, f"has {size - position:,} bytes after its last tensor")
+        raise _corrupt(where, f"has {size - position:,} bytes after its last tensor")
 
 
-def _corrupt(path: Path, what: str) -> CorruptFileError:
+def _corrupt(where: Path | str, what: str) -> CorruptFileError:
     return CorruptFileError(
-        f"{path} {what}; it is not a valid safetensors file (re-download or re-create it)",
-        path=str(path),
+        f"{where} {what}; it is not a valid safetensors file (re-download or re-create it)",
+        path=str(where),
     )
 
 

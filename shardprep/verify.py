@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from shardprep import manifest as mf
+from shardprep.cache import STATE_DIR
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.progress import Progress as tqdm
 from shardprep.safetensors_io import read_header, sha256_file
@@ -22,10 +23,34 @@ class Report:
     checked_params: int = 0
     round_trip_tensors: int = 0
     problems: list[str] = field(default_factory=list)
+    stages: list[int] = field(default_factory=list)  # the stages of the manifest
+    pp: int = 1
+    checked: list[tuple[int, int]] = field(default_factory=list)  # (stage, tp rank) here
+    absent: list[tuple[int, int]] = field(default_factory=list)  # not fetched into this folder
+    fetched: bool = False  # a folder of the fetch cache, which may hold some stages only
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def complete(self) -> bool:
+        """Every rank of every stage of the manifest was here and checked."""
+        return not self.absent
+
+    def scope(self) -> str:
+        """Which stages and ranks were checked, in words."""
+        stages = sorted({pp for pp, _ in self.checked})
+        text = f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+        if self.complete:
+            return text if len(stages) == self.pp else f"{text} of pp={self.pp}"
+        partial = sorted({pp for pp, _ in self.absent} & set(stages))
+        missing = [s for s in self.stages if s not in stages]
+        notes = [f"stage {p} holds only {_ranks(self.checked, p)}" for p in partial]
+        if missing:
+            plural = "s" if len(missing) > 1 else ""
+            notes.append(f"stage{plural} {', '.join(map(str, missing))} not fetched here")
+        return "; ".join([f"{text} of {', '.join(map(str, self.stages))}", *notes])
 
     def raise_if_failed(self, out: Path) -> None:
         if self.problems:
@@ -33,24 +58,51 @@ class Report:
                 f"{out} failed verification with {len(self.problems)} problem(s): "
                 f"{'; '.join(self.problems[:3])}"
                 + (f"; and {len(self.problems) - 3} more" if len(self.problems) > 3 else "")
-                + ". Re-run `shardprep convert` into this folder to repair it",
+                + ". Re-run `shardprep convert` into this folder to repair it"
+                + (
+                    " (a fetched one: `shardprep fetch --verify` downloads them again)"
+                    if self.fetched
+                    else ""
+                ),
                 path=str(out),
             )
 
 
+def _ranks(units: list[tuple[int, int]], stage: int) -> str:
+    ranks = [str(tp) for pp, tp in units if pp == stage]
+    return f"tp rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"
+
+
 def verify(out: Path, *, full: bool = False, progress: bool = False) -> Report:
+    """Check the artifact in `out`. A folder that `shardprep fetch` filled may hold only
+    some stages (or ranks): those are checked, and the report says which."""
     manifest = mf.read_manifest(out)
-    report = Report()
-    _check_hashes(out, manifest, report, progress)
+    report = Report(stages=list(manifest.stages), pp=manifest.topology.pp)
+    units = sorted({(f.pp, f.tp) for f in manifest.files})
+    report.fetched = (out / STATE_DIR).is_dir()
+    if report.fetched:
+        here = {(f.pp, f.tp) for f in manifest.files if (out / f.path).exists()}
+        report.absent = [u for u in units if u not in here]
+    absent = set(report.absent)
+    report.checked = [u for u in units if u not in absent]
+    if not report.checked:
+        report.problems.append("no rank file of any stage is in this folder")
+        return report
+    checked = set(report.checked)
+    files = [f for f in manifest.files if (f.pp, f.tp) in checked]
+    _check_hashes(out, manifest, files, report, progress)
     if report.ok:
         _check_coverage(out, manifest, report)
+        _check_ranks_agree(manifest, report)
     if full and report.ok:
         _round_trip(out, manifest, report, progress)
     return report
 
 
-def _check_hashes(out: Path, manifest: mf.Manifest, report: Report, progress: bool) -> None:
-    entries = [(f.path, f.bytes, f.sha256) for f in manifest.files]
+def _check_hashes(
+    out: Path, manifest: mf.Manifest, files: list[mf.FileEntry], report: Report, progress: bool
+) -> None:
+    entries = [(f.path, f.bytes, f.sha256) for f in files]
     entries += [(e.path, e.bytes, e.sha256) for e in manifest.extra_files]
     total = sum(size for _, size, _ in entries)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
@@ -69,13 +121,26 @@ def _check_hashes(out: Path, manifest: mf.Manifest, report: Report, progress: bo
 
 
 def _check_coverage(out: Path, manifest: mf.Manifest, report: Report) -> None:
-    """Every parameter each rank needs is present exactly once, with its shape and dtype."""
+    """Every parameter each rank needs is present exactly once, with its shape and dtype,
+    in headers that pass the strict parser."""
+    checked = set(report.checked)
+    by_rank: dict[tuple[str, int, int], list[mf.FileEntry]] = {}
+    for entry in manifest.files:
+        by_rank.setdefault((entry.role, entry.pp, entry.tp), []).append(entry)
     for model in manifest.models:
         for key, expected in model.ranks.items():
             pp, tp = mf.parse_rank_key(key)
+            if (pp, tp) not in checked:
+                continue
             found: dict[str, list[str]] = {}
-            for entry in manifest.rank_files(model.role, pp, tp):
-                header = read_header(out / entry.path)
+            unreadable = False
+            for entry in by_rank.get((model.role, pp, tp), []):
+                try:
+                    header = read_header(out / entry.path)
+                except ShardprepError as exc:
+                    report.problems.append(str(exc))
+                    unreadable = True
+                    continue
                 for name, info in header.tensors.items():
                     found.setdefault(name, []).append(entry.path)
                     spec = expected.get(name)
@@ -84,6 +149,8 @@ def _check_coverage(out: Path, manifest: mf.Manifest, report: Report) -> None:
                             f"{model.role} {key}: {name} is {info.dtype}{list(info.shape)}, "
                             f"expected {spec.dtype}{list(spec.shape)}"
                         )
+            if unreadable:
+                continue
             missing = sorted(set(expected) - set(found))
             extra = sorted(set(found) - set(expected))
             twice = sorted(n for n, files in found.items() if len(files) > 1)
@@ -93,6 +160,27 @@ def _check_coverage(out: Path, manifest: mf.Manifest, report: Report) -> None:
                         f"{model.role} {key}: {len(names)} {what} parameter(s): {summarize(names)}"
                     )
             report.checked_params += len(expected)
+
+
+def _check_ranks_agree(manifest: mf.Manifest, report: Report) -> None:
+    """Tensor parallel ranks of one stage hold slices of the same parameters: a name on
+    one rank and not on another means the manifest lost part of the model."""
+    if manifest.topology.expert_parallel:
+        return
+    for model in manifest.models:
+        by_stage: dict[int, dict[int, frozenset[str]]] = {}
+        for key, params in model.ranks.items():
+            pp, tp = mf.parse_rank_key(key)
+            by_stage.setdefault(pp, {})[tp] = frozenset(params)
+        for pp, ranks in sorted(by_stage.items()):
+            names = ranks[min(ranks)]
+            odd = sorted(tp for tp, other in ranks.items() if other != names)
+            if odd:
+                differ = sorted(names ^ ranks[odd[0]])
+                report.problems.append(
+                    f"{model.role} stage {pp}: tp rank {odd[0]} and tp rank {min(ranks)} hold "
+                    f"different parameters ({summarize(differ)})"
+                )
 
 
 def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool) -> None:
@@ -118,10 +206,12 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
     plan, checkpoints = load_and_plan(
         target.source.repo_id or target.source.model, options, progress=progress
     )
-    located = _locate(out, manifest)
+    checked = set(report.checked)
+    located = _locate(out, manifest, checked)
     covered: dict[tuple[str, str], torch.Tensor] = {}
     handles: dict[str, object] = {}
-    for file_plan in tqdm(plan.files, desc="round trip", disable=not progress):
+    planned = [f for f in plan.files if (f.pp, f.tp) in checked]
+    for file_plan in tqdm(planned, desc="round trip", disable=not progress):
         for tensor in file_plan.tensors:
             path = located[(file_plan.role, file_plan.pp, file_plan.tp, tensor.name)]
             dest = _open(handles, out / path).get_tensor(tensor.name)
@@ -152,14 +242,18 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
                 )
                 _mark(mask, block.rows, block.cols)
     for (role, name), mask in covered.items():
-        if not bool(mask.all()):
+        if report.complete and not bool(mask.all()):
             report.problems.append(f"{role}: parts of {name} are in no rank file")
         report.round_trip_tensors += 1
 
 
-def _locate(out: Path, manifest: mf.Manifest) -> dict[tuple[str, int, int, str], str]:
+def _locate(
+    out: Path, manifest: mf.Manifest, units: set[tuple[int, int]]
+) -> dict[tuple[str, int, int, str], str]:
     located = {}
     for entry in manifest.files:
+        if (entry.pp, entry.tp) not in units:
+            continue
         for name in read_header(out / entry.path).tensors:
             located[(entry.role, entry.pp, entry.tp, name)] = entry.path
     return located
