@@ -236,16 +236,16 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
 def test_not_safetensors_is_refused(tmp_path: Path) -> None:
     huge = tmp_path / "huge.safetensors"
     huge.write_bytes(struct.pack("<Q", 100_000_001) + b"{}")
-    with pytest.raises(CorruptFileError, match="header length 100000001 is over the limit"):
+    with pytest.raises(CorruptFileError, match=r"huge\.safetensors .*100,000,001-byte header"):
         compress_file(huge, tmp_path / "out")
     not_json = tmp_path / "bad.safetensors"
     not_json.write_bytes(struct.pack("<Q", 8) + b"not json")
-    with pytest.raises(CorruptFileError, match="not JSON"):
+    with pytest.raises(CorruptFileError, match=r"bad\.safetensors .*not JSON"):
         compress_file(not_json, tmp_path / "out")
     outside = write_safetensors(tmp_path / "outside.safetensors", [("w", "BF16", [2], b"1234")])
     data = outside.read_bytes().replace(b"[0, 4]", b"[0, 8]")
     outside.write_bytes(data)
-    with pytest.raises(CorruptFileError, match="outside the 4 data bytes"):
+    with pytest.raises(CorruptFileError, match=r"outside\.safetensors "):
         compress_file(outside, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
