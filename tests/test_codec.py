@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from codec_bombs import FRAME_SIZE, bomb
 from safetensors.torch import save_file
 
 from shardprep.codec import CodecResult, codec_names, compress_file, decompress_file
@@ -262,3 +266,74 @@ def test_compressed_output_is_smaller_than_each_dtype_needs(tmp_path: Path) -> N
     save_file({"w": torch.from_numpy(random_bytes)}, noise)
     packed, _, _ = round_trip(noise)
     assert packed.stored_bytes <= packed.raw_bytes * 1.01
+
+
+# ---------------------------------------------------------------------------- bombs
+
+
+def test_a_bomb_is_refused_before_its_first_frame(tmp_path: Path) -> None:
+    """46 KB that claim 1,000 bytes and hold 1 GiB of zeros: refused at once, nothing written."""
+    stored = tmp_path / "bomb.safetensors.zst"
+    stored.write_bytes(bomb(claimed_bytes=1000, frames=256))
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(CorruptFileError) as caught:
+        decompress_file(stored, out, threads=2)
+    assert str(caught.value) == (
+        f"Compressed file {stored} is corrupt: frame 0 would restore 4,194,304 bytes at offset "
+        "0 of a file its header says holds 1,000. Fetch or compress it again."
+    )
+    assert caught.value.path == str(stored)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bomb.safetensors.zst"]
+
+
+BOMB_UNDER_LIMITS = """
+import resource, sys
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024**2, 16 * 1024**2))
+from shardprep.codec import decompress_file
+from shardprep.errors import CorruptFileError
+try:
+    decompress_file(Path(sys.argv[1]), Path(sys.argv[2]), threads=2)
+except CorruptFileError as exc:
+    print(exc)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def test_a_bomb_stops_at_the_size_its_header_states(tmp_path: Path) -> None:
+    """Two frames as claimed, then 254 more: stopped at the third, under a 16 MiB limit on
+    the size of any file written (a write past it fails) and with bounded memory."""
+    stored = tmp_path / "bomb.zst"
+    stored.write_bytes(bomb(claimed_bytes=2 * FRAME_SIZE, frames=256))
+    out = tmp_path / "out.safetensors"
+    run = subprocess.run(
+        [sys.executable, "-c", BOMB_UNDER_LIMITS, str(stored), str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    message, max_rss_mib = run.stdout.splitlines()
+    assert (
+        "frame 2 would restore 4,194,304 bytes at offset 8,388,608 of a file its header says "
+        "holds 8,388,608" in message
+    )
+    assert int(max_rss_mib) < 400
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bomb.zst"]
+
+
+def test_expected_size_is_checked_before_anything_is_written(
+    stored_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.safetensors"
+    raw_size = decompress_file(stored_file, out).raw_bytes
+    out.unlink()
+    with pytest.raises(CorruptFileError, match=f"restores {raw_size:,} bytes where 1,000 are"):
+        decompress_file(stored_file, out, expected_bytes=1000)
+    plain = tmp_path / "model.safetensors"
+    with pytest.raises(CorruptFileError, match="more than the 1,000 bytes expected"):
+        decompress_file(plain, out, expected_bytes=1000)
+    assert not out.exists()
+    assert not list(tmp_path.glob("*.incomplete"))
+    assert decompress_file(plain, out, expected_bytes=plain.stat().st_size).raw_bytes > 1000
