@@ -205,7 +205,7 @@ def test_truncation_is_detected(stored_file: Path) -> None:
     start, payload, end = frames_of(data)[1]
     for size in (0, 7, 24, start + 10, payload + 3, end, len(data) - 56, len(data) - 1):
         error = assert_refused(stored_file, data[:size])
-        assert "truncated" in str(error) or "neither" in str(error)
+        assert any(why in str(error) for why in ("truncated", "neither", "bytes can hold"))
 
 
 def test_trailing_bytes_are_refused(stored_file: Path) -> None:

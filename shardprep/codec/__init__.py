@@ -81,7 +81,13 @@ class Codec(Protocol):
         """Write the stored form of the safetensors file `path` (read through `src`)."""
 
     def decompress(
-        self, src: HashingReader, dst: HashingWriter, *, threads: int, expected: int | None
+        self,
+        src: HashingReader,
+        dst: HashingWriter,
+        *,
+        threads: int,
+        expected: int | None,
+        stored_size: int,
     ) -> bytes | None:
         """Write the raw bytes read from `src` to `dst` (at most `expected` bytes, when given);
         return the raw sha256 the stored file promises, if any."""
@@ -177,7 +183,13 @@ def decompress_file(
         try:
             impl = _detect_codec(stored_file.read(8))
             stored_file.seek(0)
-            expected = impl.decompress(reader, writer, threads=n_threads, expected=expected_bytes)
+            expected = impl.decompress(
+                reader,
+                writer,
+                threads=n_threads,
+                expected=expected_bytes,
+                stored_size=os.fstat(stored_file.fileno()).st_size,
+            )
             if expected is not None and expected != writer.digest():
                 raise CorruptFileError("the sha256 of the restored bytes differs from its record")
         except CorruptFileError as exc:
@@ -187,7 +199,11 @@ def decompress_file(
 
 
 def decompress_buffer(
-    data: bytes | memoryview, *, threads: int | None = None, check_sha256: bool = True
+    data: bytes | memoryview,
+    *,
+    threads: int | None = None,
+    expected_bytes: int | None = None,
+    check_sha256: bool = True,
 ) -> np.ndarray:
     """Restore a zstd container held in memory: each frame is decoded straight into its
     place in the returned u8 array. Raises CorruptFileError as `decompress_file` does;
@@ -200,8 +216,11 @@ def decompress_buffer(
         position += size
         return view[position - size : position]
 
-    box = container.Container(read)
-    out = np.empty(box.raw_size, np.uint8)
+    box = container.Container(read, expected_bytes, len(view))
+    try:
+        out = np.empty(box.raw_size, np.uint8)  # untouched pages: no memory until written
+    except (MemoryError, ValueError):
+        raise CorruptFileError(f"it claims {box.raw_size:,} bytes, more than fit") from None
 
     def decode(frame: container.Frame) -> None:
         container.decode_frame(frame, out[frame.start : frame.start + frame.raw_len])
@@ -257,7 +276,13 @@ class _IdentityCodec:
             dst.write(data)
 
     def decompress(
-        self, src: HashingReader, dst: HashingWriter, *, threads: int, expected: int | None
+        self,
+        src: HashingReader,
+        dst: HashingWriter,
+        *,
+        threads: int,
+        expected: int | None,
+        stored_size: int,
     ) -> bytes | None:
         while data := src.read(_IO_CHUNK):
             if expected is not None and src.count > expected:
@@ -299,9 +324,15 @@ class _ZstdCodec:
         dst.write(container.trailer(len(starts), raw_size, src.digest()))
 
     def decompress(
-        self, src: HashingReader, dst: HashingWriter, *, threads: int, expected: int | None
+        self,
+        src: HashingReader,
+        dst: HashingWriter,
+        *,
+        threads: int,
+        expected: int | None,
+        stored_size: int,
     ) -> bytes | None:
-        box = container.Container(src.read, expected)
+        box = container.Container(src.read, expected, stored_size)
         # Buffers are reused frame after frame (no fresh pages to fault in), once the
         # sha256 thread can no longer be reading them.
         spare: list[np.ndarray] = []

@@ -51,6 +51,7 @@ _STREAM = struct.Struct("<B3xII")
 _TRAILER_MAGIC = b"SPEND\0\0\0"
 TRAILER = struct.Struct("<8sQQ32s")
 
+_MIN_FRAME_BYTES = _FRAME_HEADER.size + _SEGMENT.size + _STREAM.size
 _MIN_SEGMENT_BYTES = 4096  # below this the stream overheads outweigh the split
 
 
@@ -175,14 +176,18 @@ class Container:
     """A stored container, walked frame by frame through `read(n)` (up to n bytes, from a
     file or a buffer in memory).
 
-    The file header is checked on construction: magic, version, frame size and, when the
-    caller knows it (`expected_raw_size`, from the manifest), the size it restores to.
+    The file header is checked on construction: magic, version, frame size, that the
+    frames it implies fit in `stored_size` (when known) and, when the caller knows it
+    (`expected_raw_size`, from the manifest), the size it restores to.
     Iterating yields the frames, each checked against the size it must restore; `finish()`
     then checks the trailer and the end of the file and returns the sha256 it records.
     """
 
     def __init__(
-        self, read: Callable[[int], bytes | memoryview], expected_raw_size: int | None = None
+        self,
+        read: Callable[[int], bytes | memoryview],
+        expected_raw_size: int | None = None,
+        stored_size: int | None = None,
     ) -> None:
         self._read = read
         self._count = 0
@@ -201,6 +206,12 @@ class Container:
                 f"{expected_raw_size:,} are expected"
             )
         self.n_frames = -(-self.raw_size // self.frame_size)
+        least = FILE_HEADER.size + self.n_frames * _MIN_FRAME_BYTES + TRAILER.size
+        if stored_size is not None and least > stored_size:
+            raise CorruptFileError(
+                f"its header says it restores {self.raw_size:,} bytes in {self.n_frames:,} "
+                f"frames, more than its {stored_size:,} bytes can hold"
+            )
 
     def _take(self, size: int, what: str) -> bytes | memoryview:
         piece = self._read(size)
