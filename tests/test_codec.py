@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -337,3 +338,30 @@ def test_expected_size_is_checked_before_anything_is_written(
     assert not out.exists()
     assert not list(tmp_path.glob("*.incomplete"))
     assert decompress_file(plain, out, expected_bytes=plain.stat().st_size).raw_bytes > 1000
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_decodes_with_threads_of_its_own(stored_file: Path, tmp_path: Path) -> None:
+    """The worker pools outlive a call; a child forked after one must not wait on the
+    parent's threads, which it does not have (vLLM forks its workers)."""
+    decompress_file(stored_file, tmp_path / "parent.safetensors", threads=2)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if it decodes the same bytes
+        try:
+            decompress_file(stored_file, tmp_path / "child.safetensors", threads=2)
+            same = (tmp_path / "child.safetensors").read_bytes() == (
+                tmp_path / "parent.safetensors"
+            ).read_bytes()
+            os._exit(0 if same else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung decoding with the parent's thread pool")

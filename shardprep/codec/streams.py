@@ -156,6 +156,18 @@ _pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
+def _forget_pools_in_child() -> None:
+    """A forked child (vLLM forks its workers) has none of the parent's threads: it must
+    start pools of its own, or its first task would wait forever."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_in_child)
+
+
 def _pool(name: str, threads: int) -> ThreadPoolExecutor:
     """A pool started on first use and kept for the life of the process."""
     with _pools_lock:
