@@ -14,6 +14,7 @@ raises CorruptFileError on a mismatch, a zstd error, inconsistent tables or trun
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from collections import deque
@@ -209,6 +210,15 @@ def decompress_buffer(
     place in the returned u8 array. Raises CorruptFileError as `decompress_file` does;
     `check_sha256=False` skips the final hash (for measuring the codec alone)."""
     view = memoryview(data).cast("B")
+    try:
+        return _decode_buffer(view, _resolve_threads(threads), expected_bytes, check_sha256)
+    except CorruptFileError as exc:
+        raise CorruptFileError(f"Compressed data is corrupt: {exc}.") from None
+
+
+def _decode_buffer(
+    view: memoryview, threads: int, expected_bytes: int | None, check_sha256: bool
+) -> np.ndarray:
     position = 0
 
     def read(size: int) -> memoryview:
@@ -225,18 +235,12 @@ def decompress_buffer(
     def decode(frame: container.Frame) -> None:
         container.decode_frame(frame, out[frame.start : frame.start + frame.raw_len])
 
-    for _ in ordered_map(decode, box, _resolve_threads(threads)):
+    for _ in ordered_map(decode, box, threads):
         pass
     recorded = box.finish()
-    if check_sha256 and recorded != _sha256(out):
+    if check_sha256 and recorded != hashlib.sha256(out).digest():
         raise CorruptFileError("the sha256 of the restored bytes differs from its record")
     return out
-
-
-def _sha256(data: np.ndarray) -> bytes:
-    import hashlib
-
-    return hashlib.sha256(data).digest()
 
 
 def _resolve_threads(threads: int | None) -> int:
