@@ -303,14 +303,17 @@ def _decode_f32(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:
     _patch_escapes(high, planes[2])
     # Widen and multiply: numpy does these in SIMD, strided byte stores one at a time.
     out = dest.view("<u4")
-    np.copyto(out, high)
-    out *= np.uint32(1 << 16)
-    low = np.empty(out.size, np.uint32)
-    np.copyto(low, planes[3])
-    low *= np.uint32(1 << 8)
-    out |= low
-    np.copyto(low, planes[4])
-    out |= low
+    low = np.empty(min(_CHUNK, out.size), np.uint32)
+    for i in range(0, out.size, _CHUNK):
+        part = out[i : i + _CHUNK]
+        end, tmp = i + part.size, low[: part.size]
+        np.copyto(part, high[i:end])
+        part *= np.uint32(1 << 16)
+        np.copyto(tmp, planes[3][i:end])
+        tmp *= np.uint32(1 << 8)
+        part |= tmp
+        np.copyto(tmp, planes[4][i:end])
+        part |= tmp
 
 
 def _unpack6_tail(
