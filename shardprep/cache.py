@@ -388,6 +388,8 @@ def _download_and_place(
                     problem = _place(folder, staging, item, future.result())
                     if problem is None:
                         continue
+                    if isinstance(problem, _Undecodable):
+                        raise _undecodable(remote.repo_id, folder, item, problem)
                     if again:
                         raise _corrupt(remote.repo_id, folder, item, problem)
                     logger.warning("%s %s; downloading it again", item.stored, problem)
@@ -404,10 +406,15 @@ def _in_place(folder: Path, item: Wanted) -> bool:
     return final.is_file() and final.stat().st_size == item.bytes
 
 
+class _Undecodable(str):
+    """A problem with a stored file whose bytes are the ones the manifest names: fetching
+    them again cannot help."""
+
+
 def _place(folder: Path, staging: Path, item: Wanted, staged: Path) -> str | None:
     """Check the staged file and rename its plain form into place; else say what is wrong
     (the staged file is then deleted, so a download starts from scratch)."""
-    problem = _check(staged, item.stored_bytes, item.stored_sha256)
+    problem: str | None = _check(staged, item.stored_bytes, item.stored_sha256)
     if problem is None and item.codec != "none":
         problem = _decompress(staged, staging / item.path, item)
         staged.unlink(missing_ok=True)
@@ -435,16 +442,26 @@ def _decompress(stored: Path, plain: Path, item: Wanted) -> str | None:
     from shardprep.codec import decompress_file
 
     try:
-        result = decompress_file(stored, plain)
+        result = decompress_file(stored, plain, expected_bytes=item.bytes)
     except CorruptFileError as exc:
-        return f"does not decompress ({exc})"
+        return _Undecodable(f"does not decompress ({exc})")
     if (result.raw_bytes, result.raw_sha256) != (item.bytes, item.sha256):
         plain.unlink(missing_ok=True)
-        return (
+        return _Undecodable(
             f"decompresses to {result.raw_bytes:,} bytes of sha256 {result.raw_sha256[:12]}... "
             f"where {MANIFEST_NAME} says {item.bytes:,} and {item.sha256[:12]}..."
         )
     return None
+
+
+def _undecodable(repo_id: str, folder: Path, item: Wanted, problem: str) -> CorruptFileError:
+    return CorruptFileError(
+        f"{repo_id}@{folder.name[:12]}: {item.stored} matches the sha256 in {MANIFEST_NAME} "
+        f"but {problem}. The copy on the Hub is damaged or hostile: nothing of it was placed "
+        f"in {folder}. Publish the artifact again (`shardprep publish OUT {repo_id}`) or tell "
+        "the repo's owner",
+        path=item.stored,
+    )
 
 
 def _corrupt(repo_id: str, folder: Path, item: Wanted, problem: str) -> CorruptFileError:

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from codec_bombs import FRAME_SIZE, bomb
 from safetensors.torch import save_file
 
 from shardprep.codec import CodecResult, codec_names, compress_file, decompress_file
@@ -201,7 +206,7 @@ def test_truncation_is_detected(stored_file: Path) -> None:
     start, payload, end = frames_of(data)[1]
     for size in (0, 7, 24, start + 10, payload + 3, end, len(data) - 56, len(data) - 1):
         error = assert_refused(stored_file, data[:size])
-        assert "truncated" in str(error) or "neither" in str(error)
+        assert any(why in str(error) for why in ("truncated", "neither", "bytes can hold"))
 
 
 def test_trailing_bytes_are_refused(stored_file: Path) -> None:
@@ -236,16 +241,16 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
 def test_not_safetensors_is_refused(tmp_path: Path) -> None:
     huge = tmp_path / "huge.safetensors"
     huge.write_bytes(struct.pack("<Q", 100_000_001) + b"{}")
-    with pytest.raises(CorruptFileError, match="header length 100000001 is over the limit"):
+    with pytest.raises(CorruptFileError, match=r"huge\.safetensors .*100,000,001-byte header"):
         compress_file(huge, tmp_path / "out")
     not_json = tmp_path / "bad.safetensors"
     not_json.write_bytes(struct.pack("<Q", 8) + b"not json")
-    with pytest.raises(CorruptFileError, match="not JSON"):
+    with pytest.raises(CorruptFileError, match=r"bad\.safetensors .*not JSON"):
         compress_file(not_json, tmp_path / "out")
     outside = write_safetensors(tmp_path / "outside.safetensors", [("w", "BF16", [2], b"1234")])
     data = outside.read_bytes().replace(b"[0, 4]", b"[0, 8]")
     outside.write_bytes(data)
-    with pytest.raises(CorruptFileError, match="outside the 4 data bytes"):
+    with pytest.raises(CorruptFileError, match=r"outside\.safetensors "):
         compress_file(outside, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -262,3 +267,101 @@ def test_compressed_output_is_smaller_than_each_dtype_needs(tmp_path: Path) -> N
     save_file({"w": torch.from_numpy(random_bytes)}, noise)
     packed, _, _ = round_trip(noise)
     assert packed.stored_bytes <= packed.raw_bytes * 1.01
+
+
+# ---------------------------------------------------------------------------- bombs
+
+
+def test_a_bomb_is_refused_before_its_first_frame(tmp_path: Path) -> None:
+    """46 KB that claim 1,000 bytes and hold 1 GiB of zeros: refused at once, nothing written."""
+    stored = tmp_path / "bomb.safetensors.zst"
+    stored.write_bytes(bomb(claimed_bytes=1000, frames=256))
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(CorruptFileError) as caught:
+        decompress_file(stored, out, threads=2)
+    assert str(caught.value) == (
+        f"Compressed file {stored} is corrupt: frame 0 would restore 4,194,304 bytes at offset "
+        "0 of a file its header says holds 1,000. Fetch or compress it again."
+    )
+    assert caught.value.path == str(stored)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bomb.safetensors.zst"]
+
+
+BOMB_UNDER_LIMITS = """
+import resource, sys
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024**2, 16 * 1024**2))
+from shardprep.codec import decompress_file
+from shardprep.errors import CorruptFileError
+try:
+    decompress_file(Path(sys.argv[1]), Path(sys.argv[2]), threads=2)
+except CorruptFileError as exc:
+    print(exc)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def test_a_bomb_stops_at_the_size_its_header_states(tmp_path: Path) -> None:
+    """Two frames as claimed, then 254 more: stopped at the third, under a 16 MiB limit on
+    the size of any file written (a write past it fails) and with bounded memory."""
+    stored = tmp_path / "bomb.zst"
+    stored.write_bytes(bomb(claimed_bytes=2 * FRAME_SIZE, frames=256))
+    out = tmp_path / "out.safetensors"
+    run = subprocess.run(
+        [sys.executable, "-c", BOMB_UNDER_LIMITS, str(stored), str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    message, max_rss_mib = run.stdout.splitlines()
+    assert (
+        "frame 2 would restore 4,194,304 bytes at offset 8,388,608 of a file its header says "
+        "holds 8,388,608" in message
+    )
+    assert int(max_rss_mib) < 400
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bomb.zst"]
+
+
+def test_expected_size_is_checked_before_anything_is_written(
+    stored_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.safetensors"
+    raw_size = decompress_file(stored_file, out).raw_bytes
+    out.unlink()
+    with pytest.raises(CorruptFileError, match=f"restores {raw_size:,} bytes where 1,000 are"):
+        decompress_file(stored_file, out, expected_bytes=1000)
+    plain = tmp_path / "model.safetensors"
+    with pytest.raises(CorruptFileError, match="more than the 1,000 bytes expected"):
+        decompress_file(plain, out, expected_bytes=1000)
+    assert not out.exists()
+    assert not list(tmp_path.glob("*.incomplete"))
+    assert decompress_file(plain, out, expected_bytes=plain.stat().st_size).raw_bytes > 1000
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_decodes_with_threads_of_its_own(stored_file: Path, tmp_path: Path) -> None:
+    """The worker pools outlive a call; a child forked after one must not wait on the
+    parent's threads, which it does not have (vLLM forks its workers)."""
+    decompress_file(stored_file, tmp_path / "parent.safetensors", threads=2)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if it decodes the same bytes
+        try:
+            decompress_file(stored_file, tmp_path / "child.safetensors", threads=2)
+            same = (tmp_path / "child.safetensors").read_bytes() == (
+                tmp_path / "parent.safetensors"
+            ).read_bytes()
+            os._exit(0 if same else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung decoding with the parent's thread pool")

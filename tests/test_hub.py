@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from codec_bombs import bomb
 from filelock import FileLock
 from hub_server import HubServer
 from huggingface_hub import HfApi, ModelCard, constants, hf_hub_download
@@ -28,7 +29,7 @@ from shardprep.constants import MANIFEST_NAME
 from shardprep.convert import Options, convert
 from shardprep.errors import ConfigError, CorruptFileError, HubError
 from shardprep.hub import model_card, publish
-from shardprep.manifest import Manifest, Source, read_manifest
+from shardprep.manifest import Manifest, Source, read_manifest, write_manifest
 from shardprep.verify import verify
 
 # The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
@@ -377,3 +378,50 @@ def test_publish_and_fetch_log_plain_lines_outside_a_terminal(
     err = capsys.readouterr().err
     assert "\r" not in err and "\x1b" not in err
     assert "verify: 100%" in err and any(line.endswith("B/s]") for line in err.splitlines())
+
+
+def test_a_decompression_bomb_fails_at_once_and_places_nothing(
+    hub: HubServer, artifact: Path, tmp_path: Path
+) -> None:
+    """A crafted repo whose manifest names a 46 KB `.zst` (sha256 right) that claims 1,000
+    bytes and holds 1 GiB of zeros: one download, refused at its first frame, no retry."""
+    crafted = tmp_path / "crafted"
+    shutil.copytree(artifact, crafted)
+    manifest = _manifest(crafted)
+    target = "shards/model-pp-1-tp-0-part-0.safetensors"
+    data = bomb(claimed_bytes=1000, frames=256)
+    (crafted / target).unlink()
+    (crafted / (target + ".zst")).write_bytes(data)
+    files = tuple(
+        replace(
+            f,
+            bytes=1000,
+            codec="zstd",
+            stored_bytes=len(data),
+            stored_sha256=hashlib.sha256(data).hexdigest(),
+        )
+        if f.path == target
+        else f
+        for f in manifest.files
+    )
+    write_manifest(crafted, replace(manifest, files=files))
+    HfApi(endpoint=hub.endpoint).create_repo(REPO)
+    HfApi(endpoint=hub.endpoint).upload_folder(repo_id=REPO, folder_path=crafted)
+
+    started = time.monotonic()
+    with pytest.raises(CorruptFileError) as err:
+        fetch(REPO, stage=1, endpoint=hub.endpoint, progress=False)
+    assert time.monotonic() - started < 30
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"{target}.zst matches the sha256 in {MANIFEST_NAME} but does not decompress" in message
+    assert "frame 0 would restore 4,194,304 bytes at offset 0 of a file its header says " in message
+    assert err.value.path == target + ".zst"
+    assert hub.downloads(REPO, target + ".zst") == 1
+    folder = repo_folder(REPO) / hub.head(REPO)
+    staging = folder / STATE_DIR / "staging" / "stage-1"
+    assert [p for p in (folder, staging) if (p / target).exists()] == []
+    assert not (staging / (target + ".zst")).exists()
+    assert list((staging / "shards").glob("*.incomplete")) == []
+    assert not (folder / MANIFEST_NAME).exists()
+    assert sum(p.stat().st_size for p in _files_under(folder)) < 10 * 1024**2

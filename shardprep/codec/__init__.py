@@ -1,0 +1,360 @@
+"""Transport compression for safetensors files: a registry of codecs by name.
+
+``"none"`` is the identity (the file itself). ``"zstd"`` is the framed container of
+`container`, each frame's tensors byte-grouped and entropy-coded as `transforms` says.
+
+Frames default to 4 MiB of raw input: one frame's working set stays in cache and small
+files still spread over the threads. At most ``threads + 1`` frames are in flight, each
+decoded into a buffer that is reused, so memory stays a few frames whatever the file
+size. Decompression checks every size before
+allocating or writing (never more than the size the file header states, nor than the
+size the caller expects), then the sha256 of the restored bytes against the trailer, and
+raises CorruptFileError on a mismatch, a zstd error, inconsistent tables or truncation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from shardprep.codec import container
+from shardprep.codec.container import DEFAULT_FRAME_SIZE, MAX_FRAME_SIZE, MIN_FRAME_SIZE
+from shardprep.codec.streams import (
+    MAX_PENDING_UPDATES,
+    HashingReader,
+    HashingWriter,
+    atomic_output,
+    ordered_map,
+    sha256_pair,
+)
+from shardprep.constants import MAX_HEADER_BYTES
+from shardprep.errors import ConfigError, CorruptFileError
+from shardprep.safetensors_io import read_header
+
+__all__ = [
+    "DEFAULT_FRAME_SIZE",
+    "MAX_FRAME_SIZE",
+    "MIN_FRAME_SIZE",
+    "Codec",
+    "CodecResult",
+    "codec_names",
+    "compress_file",
+    "decompress_buffer",
+    "decompress_file",
+    "get_codec",
+    "register_codec",
+]
+
+MAX_DEFAULT_THREADS = 8
+_IO_CHUNK = 16 * 1024**2
+
+
+@dataclass(frozen=True)
+class CodecResult:
+    """Sizes and sha256 (hex) of the raw (original) and the stored (compressed) bytes."""
+
+    raw_bytes: int
+    stored_bytes: int
+    raw_sha256: str
+    stored_sha256: str
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+class Codec(Protocol):
+    """A transport codec: `magic` opens every file it writes (b"" for the identity)."""
+
+    name: str
+    magic: bytes
+
+    def compress(
+        self, path: Path, src: HashingReader, dst: HashingWriter, *, threads: int, frame_size: int
+    ) -> None:
+        """Write the stored form of the safetensors file `path` (read through `src`)."""
+
+    def decompress(
+        self,
+        src: HashingReader,
+        dst: HashingWriter,
+        *,
+        threads: int,
+        expected: int | None,
+        stored_size: int,
+    ) -> bytes | None:
+        """Write the raw bytes read from `src` to `dst` (at most `expected` bytes, when given);
+        return the raw sha256 the stored file promises, if any."""
+
+
+_CODECS: dict[str, Codec] = {}
+_C = TypeVar("_C")
+
+
+def register_codec(name: str) -> Callable[[type[_C]], type[_C]]:
+    """Class decorator: register a codec under `name`. Registering again is a no-op."""
+
+    def wrap(cls: type[_C]) -> type[_C]:
+        known = _CODECS.get(name)
+        if known is None or type(known).__qualname__ != cls.__qualname__:
+            _CODECS[name] = cls()  # type: ignore[assignment]
+        return cls
+
+    return wrap
+
+
+def codec_names() -> list[str]:
+    """The registered codec names, sorted."""
+    return sorted(_CODECS)
+
+
+def get_codec(name: str) -> Codec:
+    """The codec registered as `name`; a miss lists the choices."""
+    try:
+        return _CODECS[name]
+    except KeyError:
+        raise ConfigError(
+            f"Unknown codec {name!r}; choose one of: {', '.join(codec_names())}."
+        ) from None
+
+
+# ---------------------------------------------------------------------------- public API
+
+
+def compress_file(
+    src: Path,
+    dst: Path,
+    codec: str = "zstd",
+    *,
+    threads: int | None = None,
+    frame_size: int = DEFAULT_FRAME_SIZE,
+) -> CodecResult:
+    """Compress the safetensors file `src` into `dst` (written under a temporary name).
+
+    `threads` frames are coded at once (default: the usable cores, at most 8; with more
+    than one, the two sha256 also run on threads of their own). `frame_size` is the raw
+    bytes per independent frame. The output bytes do not depend on `threads`. Raises
+    ConfigError for a bad option and CorruptFileError if `src` is not a safetensors file.
+    """
+    impl = get_codec(codec)
+    n_threads = _resolve_threads(threads)
+    if not MIN_FRAME_SIZE <= frame_size <= MAX_FRAME_SIZE:
+        raise ConfigError(
+            f"frame_size={frame_size} is out of range: use {MIN_FRAME_SIZE} to "
+            f"{MAX_FRAME_SIZE} bytes (the default is {DEFAULT_FRAME_SIZE})."
+        )
+    src, dst = Path(src), Path(dst)
+    with (
+        open(src, "rb") as raw_file,
+        atomic_output(dst, like=src) as out_file,
+        sha256_pair(n_threads) as (raw_sha, stored_sha),
+    ):
+        reader = HashingReader(raw_file, str(src), raw_sha)
+        writer = HashingWriter(out_file, stored_sha)
+        impl.compress(src, reader, writer, threads=n_threads, frame_size=frame_size)
+        return CodecResult(reader.count, writer.count, reader.hexdigest(), writer.hexdigest())
+
+
+def decompress_file(
+    src: Path, dst: Path, *, threads: int | None = None, expected_bytes: int | None = None
+) -> CodecResult:
+    """Restore the original file from `src` into `dst`, verifying its recorded sha256.
+
+    The codec is recognised by the file's first bytes; a plain safetensors file is the
+    "none" codec and is copied. `expected_bytes` (the manifest's size) is checked before
+    anything is written, so a file that claims another size writes nothing. Raises
+    CorruptFileError if `src` is damaged, truncated or restores to another size.
+    """
+    n_threads = _resolve_threads(threads)
+    src, dst = Path(src), Path(dst)
+    with (
+        open(src, "rb") as stored_file,
+        atomic_output(dst, like=src) as out_file,
+        sha256_pair(n_threads) as (raw_sha, stored_sha),
+    ):
+        reader = HashingReader(stored_file, str(src), stored_sha)
+        writer = HashingWriter(out_file, raw_sha)
+        try:
+            impl = _detect_codec(stored_file.read(8))
+            stored_file.seek(0)
+            expected = impl.decompress(
+                reader,
+                writer,
+                threads=n_threads,
+                expected=expected_bytes,
+                stored_size=os.fstat(stored_file.fileno()).st_size,
+            )
+            if expected is not None and expected != writer.digest():
+                raise CorruptFileError("the sha256 of the restored bytes differs from its record")
+        except CorruptFileError as exc:
+            message = f"Compressed file {src} is corrupt: {exc}. Fetch or compress it again."
+            raise CorruptFileError(message, path=str(src)) from None
+        return CodecResult(writer.count, reader.count, writer.hexdigest(), reader.hexdigest())
+
+
+def decompress_buffer(
+    data: bytes | memoryview,
+    *,
+    threads: int | None = None,
+    expected_bytes: int | None = None,
+    check_sha256: bool = True,
+) -> np.ndarray:
+    """Restore a zstd container held in memory: each frame is decoded straight into its
+    place in the returned u8 array. Raises CorruptFileError as `decompress_file` does;
+    `check_sha256=False` skips the final hash (for measuring the codec alone)."""
+    view = memoryview(data).cast("B")
+    try:
+        return _decode_buffer(view, _resolve_threads(threads), expected_bytes, check_sha256)
+    except CorruptFileError as exc:
+        raise CorruptFileError(f"Compressed data is corrupt: {exc}.") from None
+
+
+def _decode_buffer(
+    view: memoryview, threads: int, expected_bytes: int | None, check_sha256: bool
+) -> np.ndarray:
+    position = 0
+
+    def read(size: int) -> memoryview:
+        nonlocal position
+        position += size
+        return view[position - size : position]
+
+    box = container.Container(read, expected_bytes, len(view))
+    try:
+        out = np.empty(box.raw_size, np.uint8)  # untouched pages: no memory until written
+    except (MemoryError, ValueError):
+        raise CorruptFileError(f"it claims {box.raw_size:,} bytes, more than fit") from None
+
+    def decode(frame: container.Frame) -> None:
+        container.decode_frame(frame, out[frame.start : frame.start + frame.raw_len])
+
+    for _ in ordered_map(decode, box, threads):
+        pass
+    recorded = box.finish()
+    if check_sha256 and recorded != hashlib.sha256(out).digest():
+        raise CorruptFileError("the sha256 of the restored bytes differs from its record")
+    return out
+
+
+def _resolve_threads(threads: int | None) -> int:
+    if threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return max(1, min(cores or 1, MAX_DEFAULT_THREADS))
+    if threads < 1:
+        raise ConfigError(f"threads={threads}: use 1 or more (or leave it unset).")
+    return threads
+
+
+def _detect_codec(head: bytes) -> Codec:
+    for impl in _CODECS.values():
+        if impl.magic and head.startswith(impl.magic):
+            return impl
+    if len(head) == 8 and struct.unpack("<Q", head)[0] <= MAX_HEADER_BYTES:
+        return get_codec("none")
+    raise CorruptFileError(
+        f"it is neither a shardprep container nor a safetensors file (starts {head!r})"
+    )
+
+
+# ---------------------------------------------------------------------------- codecs
+
+
+@register_codec("none")
+class _IdentityCodec:
+    """The file as it is."""
+
+    name = "none"
+    magic = b""
+
+    def compress(
+        self, path: Path, src: HashingReader, dst: HashingWriter, *, threads: int, frame_size: int
+    ) -> None:
+        while data := src.read(_IO_CHUNK):
+            dst.write(data)
+
+    def decompress(
+        self,
+        src: HashingReader,
+        dst: HashingWriter,
+        *,
+        threads: int,
+        expected: int | None,
+        stored_size: int,
+    ) -> bytes | None:
+        while data := src.read(_IO_CHUNK):
+            if expected is not None and src.count > expected:
+                raise CorruptFileError(f"it holds more than the {expected:,} bytes expected")
+            dst.write(data)
+        if expected is not None and src.count != expected:
+            raise CorruptFileError(f"it holds {src.count:,} bytes where {expected:,} are expected")
+        return None
+
+
+@register_codec("zstd")
+class _ZstdCodec:
+    """The framed, byte-grouped zstd container of `container` and `transforms`."""
+
+    name = "zstd"
+    magic = container.MAGIC
+
+    def compress(
+        self, path: Path, src: HashingReader, dst: HashingWriter, *, threads: int, frame_size: int
+    ) -> None:
+        header = read_header(path)
+        spans, raw_size = container.regions(header), header.file_size
+        dst.write(container.file_header(frame_size, raw_size))
+        starts = range(0, raw_size, frame_size)
+        frames = (
+            (src.read_exact(min(frame_size, raw_size - start), "the source"), start)
+            for start in starts
+        )
+
+        def encode(item: tuple[bytes, int]) -> list[container.tf.Plane]:
+            raw, start = item
+            return container.encode_frame(raw, container.plan_segments(spans, start, len(raw)))
+
+        for parts in ordered_map(encode, frames, threads):
+            for part in parts:
+                dst.write(part)
+        if src.read(1):
+            raise CorruptFileError(f"{src.name} grew while it was being compressed")
+        dst.write(container.trailer(len(starts), raw_size, src.digest()))
+
+    def decompress(
+        self,
+        src: HashingReader,
+        dst: HashingWriter,
+        *,
+        threads: int,
+        expected: int | None,
+        stored_size: int,
+    ) -> bytes | None:
+        box = container.Container(src.read, expected, stored_size)
+        # Buffers are reused frame after frame (no fresh pages to fault in), once the
+        # sha256 thread can no longer be reading them.
+        spare: list[np.ndarray] = []
+        written: deque[np.ndarray] = deque()
+
+        def frames() -> Iterator[tuple[container.Frame, np.ndarray]]:
+            for frame in box:
+                buffer = spare.pop() if spare else np.empty(box.frame_size, np.uint8)
+                yield frame, buffer
+
+        def decode(item: tuple[container.Frame, np.ndarray]) -> tuple[np.ndarray, int]:
+            frame, buffer = item
+            container.decode_frame(frame, buffer[: frame.raw_len])
+            return buffer, frame.raw_len
+
+        for buffer, size in ordered_map(decode, frames(), threads):
+            dst.write(buffer[:size])
+            written.append(buffer)
+            if len(written) > MAX_PENDING_UPDATES:
+                spare.append(written.popleft())
+        return box.finish()
