@@ -16,7 +16,7 @@ from shardprep.checkpoint import INDEX_NAME, parse_index
 from shardprep.cli import main
 from shardprep.errors import ConfigError
 
-FUZZ = settings(max_examples=150, deadline=1000, database=None)
+FUZZ = settings(max_examples=150, deadline=10_000, database=None)
 
 JSON_VALUES = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),

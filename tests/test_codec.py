@@ -297,7 +297,9 @@ try:
     decompress_file(Path(sys.argv[1]), Path(sys.argv[2]), threads=2)
 except CorruptFileError as exc:
     print(exc)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+# VmHWM belongs to this process image; ru_maxrss would carry the parent's across exec.
+status = Path("/proc/self/status").read_text()
+print(int(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM:"))) // 1024)
 """
 
 

@@ -85,7 +85,7 @@ def test_missing_manifest_says_how_to_create_it(tmp_path: Path) -> None:
 
 FUZZ = settings(
     max_examples=150,
-    deadline=2000,
+    deadline=10_000,
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -282,7 +282,7 @@ def test_the_cli_says_which_field(
     folder = tmp_path / "copy"
     shutil.copytree(artifact, folder)
     (folder / "shardprep.json").write_text(_edited(artifact, edit))
-    assert main([command, str(folder), "-q"]) == 1
+    assert main([command, str(folder)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("shardprep: error: ") and message in err
     assert err.count("\n") == 1
