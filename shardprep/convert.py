@@ -14,7 +14,7 @@ from pathlib import Path
 
 import shardprep
 from shardprep import manifest as mf
-from shardprep.checkpoint import Checkpoint, open_checkpoint
+from shardprep.checkpoint import Checkpoint, cached_hub_sha256, open_checkpoint
 from shardprep.constants import (
     COPIED_FILE_PATTERNS,
     DEFAULT_MAX_PART_BYTES,
@@ -26,7 +26,7 @@ from shardprep.constants import (
 from shardprep.journal import Journal, fingerprint
 from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
 from shardprep.safetensors_io import encode_header, sha256_file
-from shardprep.scatter import cached_hub_sha256, write_rank_files
+from shardprep.scatter import write_rank_files
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardprep import scatter as scatter_module
+from shardprep import rankfiles as rankfiles_module
 from shardprep.constants import MANIFEST_NAME, PARTIAL_MARKER
 from shardprep.convert import Options, convert
 from shardprep.errors import ConfigError, CorruptFileError, OutputExistsError, PlanError
@@ -108,7 +108,7 @@ def test_explicit_partition_from_env(tiny, tmp_path: Path, monkeypatch) -> None:
 def test_interrupted_conversion_resumes_and_skips_finished_files(tiny, tmp_path, monkeypatch):
     model = tiny.model("llama")
     out = tmp_path / "out"
-    real_commit = scatter_module._commit
+    real_commit = rankfiles_module._commit
     calls = []
 
     def flaky_commit(handle, journal):
@@ -117,7 +117,7 @@ def test_interrupted_conversion_resumes_and_skips_finished_files(tiny, tmp_path,
             raise KeyboardInterrupt
         real_commit(handle, journal)
 
-    monkeypatch.setattr(scatter_module, "_commit", flaky_commit)
+    monkeypatch.setattr(rankfiles_module, "_commit", flaky_commit)
     with pytest.raises(KeyboardInterrupt):
         convert(str(model), out, Options(tp=2, pp=2), progress=False)
     assert not (out / MANIFEST_NAME).exists()
@@ -125,7 +125,7 @@ def test_interrupted_conversion_resumes_and_skips_finished_files(tiny, tmp_path,
     assert not list(out.rglob("*.incomplete"))
     finished = {p: (out / p).stat().st_mtime_ns for p in calls[:2]}
 
-    monkeypatch.setattr(scatter_module, "_commit", real_commit)
+    monkeypatch.setattr(rankfiles_module, "_commit", real_commit)
     manifest = convert(str(model), out, Options(tp=2, pp=2), progress=False)
     assert {p: (out / p).stat().st_mtime_ns for p in finished} == finished
     assert not (out / PARTIAL_MARKER).exists()

@@ -29,7 +29,13 @@ from shardprep.errors import (
     summarize,
 )
 from shardprep.manifest import FileEntry, Manifest, ParamSpec, rank_key, read_manifest
-from shardprep.safetensors_io import Header, TensorInfo, read_header, sha256_file
+from shardprep.safetensors_io import (
+    TORCH_DTYPE_NAMES,
+    Header,
+    TensorInfo,
+    read_header,
+    sha256_file,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -120,12 +126,7 @@ def _pread_into(fd: int, dest: torch.Tensor, offset: int, path: Path) -> None:
 
 def torch_dtypes(torch: Any) -> dict[str, torch.dtype]:
     """safetensors dtype names -> torch dtypes (torch passed in: imported lazily)."""
-    names = {
-        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-        "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    }  # fmt: skip
-    return {key: getattr(torch, value) for key, value in names.items()}
+    return {key: getattr(torch, value) for key, value in TORCH_DTYPE_NAMES.items()}
 
 
 def check_rank_files(
