@@ -15,6 +15,10 @@ each page-cache state and source layout, takes turns round after round (best of
 - with `--before CHECKOUT`, the same command from another checkout of shardprep (for
   before/after tables measured in one run).
 
+Besides wall time (best of the rounds, each contender's own best), it prints the CPU
+seconds the contender's processes used (user + system, same round), which a machine
+shared with other jobs disturbs much less than wall time.
+
 `cold` drops the page cache before each contender (needs root; otherwise says so);
 `warm` reads the source files once before each. `folder` converts a plain model folder
 (every source byte is hashed for the manifest); `hub` converts the same files laid out as
@@ -28,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -230,7 +235,12 @@ def measure(args: argparse.Namespace, source: Source, root: Path) -> list[dict]:
                     dest = root / "dest"
                     shutil.rmtree(dest, ignore_errors=True)
                     dropped = prepare(cache, path) and dropped
+                    before = resource.getrusage(resource.RUSAGE_CHILDREN)
                     figures = run(path, dest)
+                    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    figures["cpu_seconds"] = (after.ru_utime - before.ru_utime) + (
+                        after.ru_stime - before.ru_stime
+                    )
                     if label not in best or figures["seconds"] < best[label]["seconds"]:
                         best[label] = figures
                     shutil.rmtree(dest, ignore_errors=True)
@@ -240,6 +250,7 @@ def measure(args: argparse.Namespace, source: Source, root: Path) -> list[dict]:
                 row |= {"method": label, "seconds": figures["seconds"]}
                 row |= {"gb_per_s": source.total / figures["seconds"] / 1e9}
                 row |= {"throughput_vs_cp": cp / figures["seconds"]}
+                row |= {"cpu_seconds": figures["cpu_seconds"]}
                 if "read_bytes" in figures:
                     row |= {"read_bytes_over_source": figures["read_bytes"] / source.total}
                     row |= {"peak_rss_gb": figures["max_rss"] / 1e9}
@@ -252,13 +263,13 @@ def print_rows(rows: list[dict], source: Source, args: argparse.Namespace) -> No
     print(f"source {source.total / gb:.2f} GB, largest tensor {source.largest / gb:.2f} GB, "
           f"tp{args.tp} x pp{args.pp}, best of {args.repeat}; target: vs cp >= 0.8")  # fmt: skip
     print(f"{'cache':<6} {'layout':<7} {'method':<18} {'seconds':>8} {'GB/s':>6} "
-          f"{'vs cp':>6} {'read/src':>9} {'RSS GB':>7}")  # fmt: skip
+          f"{'vs cp':>6} {'CPU s':>6} {'read/src':>9} {'RSS GB':>7}")  # fmt: skip
     for row in rows:
         read = f"{row['read_bytes_over_source']:>8.2f}x" if "read_bytes_over_source" in row else ""
         rss = f"{row['peak_rss_gb']:>7.2f}" if "peak_rss_gb" in row else ""
-        speed, ratio = row["gb_per_s"], row["throughput_vs_cp"]
+        speed, ratio, cpu = row["gb_per_s"], row["throughput_vs_cp"], row["cpu_seconds"]
         print(f"{row['cache']:<6} {row['layout']:<7} {row['method']:<18} {row['seconds']:>8.2f} "
-              f"{speed:>6.2f} {ratio:>5.2f}x {read:>9} {rss:>7}")  # fmt: skip
+              f"{speed:>6.2f} {ratio:>5.2f}x {cpu:>6.2f} {read:>9} {rss:>7}")  # fmt: skip
 
 
 def main() -> None:

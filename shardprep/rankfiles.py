@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import mmap
 import os
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -126,7 +127,6 @@ class Mover:
         self.pending: list[Future[None]] = []
         # None until the first kernel copy shows whether this kernel and file system can.
         self.kernel_copy: bool | None = None if hasattr(os, "copy_file_range") else False
-        self.buffers = [bytearray(HASH_STEP) for _ in pools]
 
     def write(self, index: int, data: memoryview | bytes, offset: int) -> None:
         pwrite_all(self.files[index].fd, data, offset)
@@ -171,11 +171,9 @@ class Mover:
             return
         slot = index % len(self.pools)
         start, handle.submitted_to = handle.submitted_to, handle.complete_to
-        pool, buffer = self.pools[slot], self.buffers[slot]
+        pool = self.pools[slot]
         if handle.submitted_to > start:
-            self.pending.append(
-                pool.submit(_hash_range, handle, start, handle.submitted_to, buffer)
-            )
+            self.pending.append(pool.submit(_hash_range, handle, start, handle.submitted_to))
         if done:
             handle.finished = True
             self.pending.append(pool.submit(_commit, handle, self.journal))
@@ -192,15 +190,17 @@ class Mover:
         self.pending.clear()
 
 
-def _hash_range(handle: OpenFile, start: int, end: int, buffer: bytearray) -> None:
+def _hash_range(handle: OpenFile, start: int, end: int) -> None:
     """Feed [start, end) of a rank file, just written and so in the page cache, to its
-    sha256 (bytes in order: ranges of one file are queued in order on one thread)."""
-    view = memoryview(buffer)
-    while start < end:
-        piece = view[: min(len(view), end - start)]
-        pread_all(handle.fd, piece, start)
-        handle.digest.update(piece)
-        start += len(piece)
+    sha256 (bytes in order: ranges of one file are queued in order on one thread). The
+    pages are mapped, not copied out: hashing is the only pass over them here."""
+    first = start - start % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(handle.fd, end - first, prot=mmap.PROT_READ, offset=first)
+    try:
+        with memoryview(mapped) as whole, whole[start - first :] as view:
+            handle.digest.update(view)
+    finally:
+        mapped.close()
 
 
 def _commit(handle: OpenFile, journal: Journal) -> None:
@@ -209,15 +209,6 @@ def _commit(handle: OpenFile, journal: Journal) -> None:
     handle.fd = -1
     os.replace(handle.tmp, handle.path)
     journal.record(handle.plan.path, handle.digest.hexdigest())
-
-
-def pread_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise OSError(f"file ended early at byte {offset + done:,}")
-        done += n
 
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:

@@ -14,9 +14,11 @@ it anyway and fails if it differs).
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from shardprep.constants import CHUNK_BYTES
 from shardprep.errors import CorruptFileError
 from shardprep.journal import Journal
 from shardprep.plan import FilePlan, Plan
-from shardprep.rankfiles import Mover, Write, open_outputs, pread_all
+from shardprep.rankfiles import Mover, Write, open_outputs
 from shardprep.safetensors_io import DTYPE_SIZES, TORCH_DTYPE_NAMES, TensorInfo
 
 OUTPUT_HASHERS = 2  # worker threads hashing rank files (each file always on the same one)
@@ -95,25 +97,14 @@ def _bytes_to_read(
 
 
 class SourceReader:
-    """Reads source files in order into two reused buffers, so that hashing a chunk (on
-    a worker thread) overlaps scattering the next one, and fresh memory is not touched
-    over and over."""
+    """Maps source files window by window (at most CHUNK_BYTES of whole rows each): the
+    bytes are hashed and scattered straight from the page cache, never copied into a
+    buffer first. Hashing a window (on a worker thread) overlaps scattering the next;
+    a window is unmapped once hashed, so at most two are mapped at a time."""
 
     def __init__(self, hasher: ThreadPoolExecutor) -> None:
         self.hasher = hasher
-        self.buffers = [memoryview(bytearray(CHUNK_BYTES)) for _ in range(2)]
-        self.pending: list[Future[None] | None] = [None, None]
-        self.turn = 0
-
-    def _buffer(self, nbytes: int) -> memoryview:
-        slot, self.turn = self.turn, self.turn ^ 1
-        if self.pending[slot] is not None:
-            self.pending[slot].result()  # type: ignore[union-attr]
-            self.pending[slot] = None
-        if nbytes > len(self.buffers[slot]):
-            self.buffers[slot] = memoryview(bytearray(nbytes))
-        self.current = slot
-        return self.buffers[slot][:nbytes]
+        self.windows: deque[tuple[Future[None] | None, list[Any]]] = deque()
 
     def chunks(
         self, fd: int, info: TensorInfo, digest: Any | None
@@ -124,14 +115,34 @@ class SourceReader:
         rows_per_chunk = max(1, CHUNK_BYTES // max(info.row_bytes, 1))
         for start in range(0, rows_total, rows_per_chunk):
             end = min(rows_total, start + rows_per_chunk)
-            view = self._buffer((end - start) * info.row_bytes)
-            offset = info.offset + start * info.row_bytes
-            pread_all(fd, view, offset)
+            offset, length = info.offset + start * info.row_bytes, (end - start) * info.row_bytes
+            while len(self.windows) >= 2:
+                self._unmap_oldest()
+            first = offset - offset % mmap.ALLOCATIONGRANULARITY
+            mapped = mmap.mmap(fd, offset + length - first, prot=mmap.PROT_READ, offset=first)
+            whole = memoryview(mapped)
+            view = whole[offset - first :]
             # Let the disk fetch the next chunk while this one is hashed and scattered.
-            _advise(fd, offset + len(view), CHUNK_BYTES, "POSIX_FADV_WILLNEED")
-            if digest is not None:
-                self.pending[self.current] = self.hasher.submit(digest.update, view)
+            _advise(fd, offset + length, CHUNK_BYTES, "POSIX_FADV_WILLNEED")
+            hashed = self.hasher.submit(digest.update, view) if digest is not None else None
+            self.windows.append((hashed, [view, whole, mapped]))
             yield start, view
+
+    def _unmap_oldest(self) -> None:
+        hashed, (view, whole, mapped) = self.windows.popleft()
+        error = None
+        if hashed is not None:  # the hash must be done with the bytes before they go
+            wait([hashed])
+            error = None if hashed.cancelled() else hashed.exception()
+        view.release()
+        whole.release()
+        mapped.close()
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        while self.windows:
+            self._unmap_oldest()
 
     def hash_bytes(self, digest: Any, data: bytes) -> None:
         self.hasher.submit(digest.update, data)
@@ -181,6 +192,7 @@ def _scatter_file(
                 _scatter_chunk(mover, info, start, chunk, targets)
                 bar.update(len(chunk))
     finally:
+        reader.close()
         os.close(fd)
     return reader.hexdigest(digest) if digest is not None else None
 
@@ -234,5 +246,6 @@ def _cast(data: np.ndarray, source: str, dest: str) -> np.ndarray:
     """Raw bytes of `source` dtype -> raw bytes of `dest` (torch only for this)."""
     import torch
 
-    values = torch.from_numpy(data.reshape(-1)).view(getattr(torch, TORCH_DTYPE_NAMES[source]))
+    data = data.reshape(-1) if data.flags.writeable else data.reshape(-1).copy()
+    values = torch.from_numpy(data).view(getattr(torch, TORCH_DTYPE_NAMES[source]))
     return values.to(getattr(torch, TORCH_DTYPE_NAMES[dest])).view(torch.uint8).numpy()
