@@ -152,6 +152,7 @@ LOAD_PHASE = (
     re.compile(r"shardprep loaded \d+ tensors of .* in ([\d.]+) s"),  # sharded-fast
 )
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+ROOT_CAUSE = re.compile(r"\b(?!EngineCore)\w*(Error|Exception): (?!Engine core initialization).*")
 
 
 def vllm_model(root: Path, layers: int) -> Path:
@@ -203,9 +204,12 @@ def vllm_contenders(args: argparse.Namespace, model: Path, root: Path) -> list[t
     return chosen
 
 
-def start_vllm(folder: Path, fmt: str, extra: dict | None, pythonpath: str | None) -> dict:
-    """Start a real vLLM (tp2 x pp2, one token), from a cold page cache; the time until
-    it answered, and the load phase each worker logged."""
+def start_vllm(
+    folder: Path, fmt: str, extra: dict | None, pythonpath: str | None, cache: str
+) -> dict:
+    """Start a real vLLM (tp2 x pp2, one token), from a cold page cache (or with the
+    model's files read once just before, `warm`); the time until it answered, and the
+    load phase each worker logged."""
     import vllm_env
 
     tmpdir = Path(tempfile.mkdtemp(prefix="bench-load-"))
@@ -214,7 +218,12 @@ def start_vllm(folder: Path, fmt: str, extra: dict | None, pythonpath: str | Non
         model_loader_extra_config=extra,
     )  # fmt: skip
     env = vllm_env.vllm_environ(4, tmpdir, {"PYTHONPATH": pythonpath} if pythonpath else None)
-    drop_caches()
+    if cache == "cold":
+        drop_caches()
+    else:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                path.read_bytes()
     start = time.perf_counter()
     proc = subprocess.Popen(
         [vllm_env.require_python(), *runner], cwd=vllm_env.REPO, env=env, text=True,
@@ -230,8 +239,10 @@ def start_vllm(folder: Path, fmt: str, extra: dict | None, pythonpath: str | Non
         float(m[1]) for line in output.splitlines() for r in LOAD_PHASE if (m := r.search(line))
     ]
     if proc.returncode != 0:
-        errors = [line for line in output.splitlines() if "Error" in line]
-        return {"error": (errors or output.splitlines() or ["no output"])[-1].strip()[:300]}
+        # The root cause: the first exception a worker raised, not the engine's summary.
+        causes = [m[0] for line in output.splitlines() if (m := ROOT_CAUSE.search(line))]
+        lines = causes or output.splitlines() or ["no output"]
+        return {"error": lines[0].strip()[:300]}
     return {"ready_seconds": seconds, "load_seconds": max(phases, default=None), "ranks": phases}
 
 
@@ -243,13 +254,17 @@ def vllm_ready(args: argparse.Namespace) -> dict:
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     results: dict[str, dict] = {}
-    try:
-        model = vllm_model(root, args.layers)
-        chosen = vllm_contenders(args, model, root)
-        with vllm_env.one_vllm_at_a_time():  # one vLLM at a time on this machine
+    # One vLLM (and one long benchmark) at a time on this machine: building the model
+    # also runs under the lock, so as not to disturb another benchmark.
+    with vllm_env.one_vllm_at_a_time():
+        try:
+            model = vllm_model(root, args.layers)
+            chosen = vllm_contenders(args, model, root)
             for _ in range(args.repeat):  # take turns; keep the best of each
                 for label, folder, fmt, extra, pythonpath in chosen:
-                    run = start_vllm(folder, fmt, extra, pythonpath)
+                    if args.formats and label.split(" ")[0] not in args.formats.split(","):
+                        continue
+                    run = start_vllm(folder, fmt, extra, pythonpath, args.cache)
                     best = results.get(label)
                     if (
                         best is None
@@ -257,18 +272,18 @@ def vllm_ready(args: argparse.Namespace) -> dict:
                         or ("error" not in run and run["load_seconds"] < best["load_seconds"])
                     ):
                         results[label] = run
-        results["_source_bytes"] = {
-            "bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))
-        }
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+            results["_source_bytes"] = {
+                "bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))
+            }
+        finally:
+            if not args.keep:
+                shutil.rmtree(root, ignore_errors=True)
     return results
 
 
-def print_vllm(results: dict) -> None:
+def print_vllm(results: dict, cache: str) -> None:
     size = results.pop("_source_bytes")["bytes"]
-    print(f"vLLM (CPU) tp2 x pp2, bf16 Llama of {size / 1e9:.2f} GB, cold page cache")
+    print(f"vLLM (CPU) tp2 x pp2, bf16 Llama of {size / 1e9:.2f} GB, {cache} page cache")
     print(
         f"{'load format':<22} {'load phase':>10} {'vs default':>10} {'ready':>8} {'vs default':>10}"
     )
@@ -291,6 +306,8 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="load phase of a real vLLM")
     parser.add_argument("--layers", type=int, default=20, help="--vllm: model layers")
     parser.add_argument("--before", help="--vllm: also sharded-fast from this checkout")
+    parser.add_argument("--cache", default="cold", help="--vllm: cold or warm page cache")
+    parser.add_argument("--formats", help="--vllm: only these, e.g. default,sharded-fast")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -299,7 +316,7 @@ def main() -> None:
         if args.json:
             print(json.dumps(results, indent=1))
         else:
-            print_vllm(results)
+            print_vllm(results, args.cache)
         return
     rows = reader_table(args)
     if args.json:
