@@ -1,11 +1,29 @@
-"""Convert throughput, read amplification and peak memory, side by side with `cp`.
+"""Convert throughput, read amplification and peak memory, side by side with `cp` + `sync`.
 
-    python scripts/bench_convert.py --size 4GB [--tp 8 --pp 2] [--dir DIR] [--json]
+    python scripts/bench_convert.py --size 4GB [--cache cold,warm] [--layout folder,hub]
+                                    [--tp 8 --pp 2] [--repeat 3] [--before CHECKOUT]
+                                    [--dir DIR] [--json]
 
-Builds a synthetic Llama-shaped bf16 checkpoint of about SIZE, then, each from a cold
-page cache (needs root to drop caches; otherwise says so): copies the source files with
-`cp`, and converts them with `shardprep convert` in a child process that reports its own
-I/O counters and peak RSS. Prints ratios, which stay meaningful on a noisy machine.
+Builds a synthetic Llama-shaped bf16 checkpoint of about SIZE (random weights), then, for
+each page-cache state and source layout, takes turns round after round (best of
+`--repeat` kept for each contender):
+
+- `cp` of the source files into a fresh folder, then `sync`;
+- `shardprep convert` of the same files, run as the command line in a child process
+  (interpreter start and imports included), then `sync`; the child reports its own I/O
+  counters and peak RSS;
+- with `--before CHECKOUT`, the same command from another checkout of shardprep (for
+  before/after tables measured in one run).
+
+Besides wall time (best of the rounds, each contender's own best), it prints the CPU
+seconds the contender's processes used (user + system, same round), which a machine
+shared with other jobs disturbs much less than wall time.
+
+`cold` drops the page cache before each contender (needs root; otherwise says so);
+`warm` reads the source files once before each. `folder` converts a plain model folder
+(every source byte is hashed for the manifest); `hub` converts the same files laid out as
+a Hugging Face cache snapshot (symlinks to blobs named by their sha256, which the
+manifest records as they are). Sha256 of every rank file is included in every case.
 """
 
 from __future__ import annotations
@@ -14,10 +32,13 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,24 +47,36 @@ from shardprep.cli import parse_size
 from shardprep.safetensors_io import StreamingWriter, TensorSpec
 from shardprep.tiny import tiny_config
 
+# Runs `shardprep convert ARGS...` in this process, then reports its own counters.
 CHILD = """
-import json, resource, sys, time
-from pathlib import Path
-from shardprep.convert import Options, convert
-t = time.perf_counter()
-convert(sys.argv[1], Path(sys.argv[2]), Options(tp=int(sys.argv[3]), pp=int(sys.argv[4])),
-        progress=False)
-seconds = time.perf_counter() - t
+import json, resource, sys
+from shardprep.cli import main
+status = main(["convert", "--quiet", *sys.argv[1:]])
 io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
-print(json.dumps({"seconds": seconds, "read_bytes": int(io["read_bytes"]),
+print(json.dumps({"status": status, "read_bytes": int(io["read_bytes"]),
                   "rchar": int(io["rchar"]),
                   "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 
+@dataclass(frozen=True)
+class Source:
+    """A synthetic checkpoint: one set of files, seen as a folder and as a Hub snapshot."""
+
+    folder: Path  # plain model folder (hard links to the blobs)
+    snapshot: Path  # Hugging Face cache layout: symlinks to blobs named by sha256
+    total: int
+    largest: int
+
+    def path(self, layout: str) -> Path:
+        return self.folder if layout == "folder" else self.snapshot
+
+
 def llama_config(size: int) -> dict:
-    """Llama-3-8B widths, with as many layers as make about `size` bytes in bf16."""
-    hidden, inter, vocab, heads, kv = 4096, 14336, 128256, 32, 8
+    """Llama-3-8B widths, with as many layers as make about `size` bytes in bf16 (and
+    Llama-2's vocabulary below 4 GB, where Llama-3's embeddings alone would be 2 GB)."""
+    hidden, inter, heads, kv = 4096, 14336, 32, 8
+    vocab = 128256 if size >= 4 * 10**9 else 32000
     per_layer = 2 * (hidden * hidden * 2 + 2 * hidden * (hidden // heads * kv) + 3 * hidden * inter)
     fixed = 2 * 2 * vocab * hidden
     layers = max(2, math.ceil((size - fixed) / per_layer))
@@ -56,9 +89,17 @@ def llama_config(size: int) -> dict:
 
 def write_checkpoint(folder: Path, size: int, files: int = 4) -> tuple[int, int]:
     """Random bf16 weights in `files` safetensors files, written chunk by chunk."""
+    total, largest, _ = write_checkpoint_files(folder, llama_config(size), files)
+    return total, largest
+
+
+def write_checkpoint_files(
+    folder: Path, config: dict, files: int = 4
+) -> tuple[int, int, dict[str, str]]:
+    """Random bf16 weights for `config` in `files` layer-contiguous safetensors files;
+    returns (bytes, largest tensor, sha256 of each file)."""
     from shardprep import archs
 
-    config = llama_config(size)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     # Layer by layer, in contiguous files, as Hugging Face checkpoints are laid out.
@@ -66,7 +107,7 @@ def write_checkpoint(folder: Path, size: int, files: int = 4) -> tuple[int, int]
     per_file = math.ceil(len(shapes) / files)
     block = torch.randn(32 * 1024**2, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
     block_bytes = block.view(torch.uint8).numpy().tobytes()
-    weight_map, total, largest = {}, 0, 0
+    weight_map, total, largest, hashes = {}, 0, 0, {}
     for index in range(files):
         name = f"model-{index + 1:05d}-of-{files:05d}.safetensors"
         chunk = shapes[index * per_file : (index + 1) * per_file]
@@ -80,11 +121,30 @@ def write_checkpoint(folder: Path, size: int, files: int = 4) -> tuple[int, int]
                 left -= step
             weight_map[spec.name] = name
             largest = max(largest, spec.nbytes)
-        writer.commit()
+        hashes[name] = writer.commit()
         total += (folder / name).stat().st_size
     index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index_doc))
-    return total, largest
+    return total, largest, hashes
+
+
+def build_source(root: Path, config: dict) -> Source:
+    """Write the checkpoint once into Hub-cache blobs; expose it as a plain folder (hard
+    links) and as a snapshot (symlinks), so both layouts read the very same bytes."""
+    folder = root / "folder"
+    total, largest, hashes = write_checkpoint_files(folder, config)
+    repo = root / "hub" / "models--bench--synthetic"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / ("0" * 40)
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for item in sorted(folder.iterdir()):
+        if item.name in hashes:
+            blob = blobs / hashes[item.name]
+            os.link(item, blob)
+            (snapshot / item.name).symlink_to(os.path.relpath(blob, snapshot))
+        else:
+            shutil.copyfile(item, snapshot / item.name)
+    return Source(folder, snapshot, total, largest)
 
 
 def _natural(item: tuple[str, tuple[int, ...]]) -> list:
@@ -100,22 +160,116 @@ def drop_caches() -> bool:
         return False
 
 
-def timed_cp(source: Path, dest: Path) -> float:
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
+def warm_up(folder: Path) -> None:
+    """Read every file of `folder` once, so that it sits in the page cache."""
+    for path in sorted(folder.iterdir()):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(64 * 1024**2):
+                pass
+
+
+def prepare(cache: str, source: Path) -> bool:
+    """Put the page cache in the requested state; False if it could not be dropped."""
+    os.sync()
+    if cache == "cold":
+        return drop_caches()
+    warm_up(source)
+    return True
+
+
+def run_cp(source: Path, dest: Path) -> dict:
     files = [str(p) for p in sorted(source.glob("*.safetensors"))]
+    dest.mkdir(parents=True)
     start = time.perf_counter()
-    subprocess.run(["cp", *files, str(dest)], check=True)
-    return time.perf_counter() - start
+    subprocess.run(["cp", "-L", *files, str(dest)], check=True)
+    os.sync()
+    return {"seconds": time.perf_counter() - start}
 
 
-def timed_convert(source: Path, out: Path, tp: int, pp: int) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(source), str(out), str(tp), str(pp)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def run_convert(
+    checkout: Path | None, source: Path, dest: Path, tp: int, pp: int, extra: list[str]
+) -> dict:
+    """`shardprep convert` from `checkout` (None: the installed or current one), + sync."""
+    env = dict(os.environ)
+    if checkout is not None:
+        env["PYTHONPATH"] = str(checkout)
+    cmd = [sys.executable, "-c", CHILD, str(source), "-o", str(dest)]
+    cmd += ["--tp", str(tp), "--pp", str(pp), *extra]
+    start = time.perf_counter()
+    result = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    os.sync()
+    seconds = time.perf_counter() - start
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    if report["status"] != 0:
+        raise SystemExit(f"convert failed: {result.stderr.strip()}")
+    return {"seconds": seconds, **report}
+
+
+Contender = Callable[[Path, Path], dict]  # (source folder, destination) -> figures
+
+
+def contenders(args: argparse.Namespace) -> dict[str, Contender]:
+    """Everything timed against `cp`, by label."""
+    extra = list(args.convert_args)
+    chosen: dict[str, Contender] = {
+        "cp": run_cp,
+        "convert": lambda src, dst: run_convert(None, src, dst, args.tp, args.pp, extra),
+    }
+    if args.before:
+        before = Path(args.before).resolve()
+        chosen["convert (before)"] = lambda src, dst: run_convert(
+            before, src, dst, args.tp, args.pp, []
+        )
+    return chosen
+
+
+def measure(args: argparse.Namespace, source: Source, root: Path) -> list[dict]:
+    rows = []
+    for cache in args.cache.split(","):
+        for layout in args.layout.split(","):
+            path = source.path(layout)
+            best: dict[str, dict] = {}
+            dropped = True
+            for _ in range(args.repeat):  # take turns; keep the best of each
+                for label, run in contenders(args).items():
+                    dest = root / "dest"
+                    shutil.rmtree(dest, ignore_errors=True)
+                    dropped = prepare(cache, path) and dropped
+                    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    figures = run(path, dest)
+                    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    figures["cpu_seconds"] = (after.ru_utime - before.ru_utime) + (
+                        after.ru_stime - before.ru_stime
+                    )
+                    if label not in best or figures["seconds"] < best[label]["seconds"]:
+                        best[label] = figures
+                    shutil.rmtree(dest, ignore_errors=True)
+            cp = best["cp"]["seconds"]
+            for label, figures in best.items():
+                row = {"cache": cache if dropped else f"{cache}*", "layout": layout}
+                row |= {"method": label, "seconds": figures["seconds"]}
+                row |= {"gb_per_s": source.total / figures["seconds"] / 1e9}
+                row |= {"throughput_vs_cp": cp / figures["seconds"]}
+                row |= {"cpu_seconds": figures["cpu_seconds"]}
+                if "read_bytes" in figures:
+                    row |= {"read_bytes_over_source": figures["read_bytes"] / source.total}
+                    row |= {"peak_rss_gb": figures["max_rss"] / 1e9}
+                rows.append(row)
+    return rows
+
+
+def print_rows(rows: list[dict], source: Source, args: argparse.Namespace) -> None:
+    gb = 1e9
+    print(f"source {source.total / gb:.2f} GB, largest tensor {source.largest / gb:.2f} GB, "
+          f"tp{args.tp} x pp{args.pp}, best of {args.repeat}; target: vs cp >= 0.8")  # fmt: skip
+    print(f"{'cache':<6} {'layout':<7} {'method':<18} {'seconds':>8} {'GB/s':>6} "
+          f"{'vs cp':>6} {'CPU s':>6} {'read/src':>9} {'RSS GB':>7}")  # fmt: skip
+    for row in rows:
+        read = f"{row['read_bytes_over_source']:>8.2f}x" if "read_bytes_over_source" in row else ""
+        rss = f"{row['peak_rss_gb']:>7.2f}" if "peak_rss_gb" in row else ""
+        speed, ratio, cpu = row["gb_per_s"], row["throughput_vs_cp"], row["cpu_seconds"]
+        print(f"{row['cache']:<6} {row['layout']:<7} {row['method']:<18} {row['seconds']:>8.2f} "
+              f"{speed:>6.2f} {ratio:>5.2f}x {cpu:>6.2f} {read:>9} {rss:>7}")  # fmt: skip
 
 
 def main() -> None:
@@ -123,55 +277,30 @@ def main() -> None:
     parser.add_argument("--size", default="4GB")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--cache", default="cold,warm", help="cold, warm or both")
+    parser.add_argument("--layout", default="folder,hub", help="folder, hub or both")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--before", help="another shardprep checkout, timed side by side")
+    parser.add_argument(
+        "--convert-args", nargs=argparse.REMAINDER, default=[],
+        help="extra flags for this checkout's `shardprep convert` (last on the line)",
+    )  # fmt: skip
     parser.add_argument("--dir", default="bench-convert")
-    parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     root = Path(args.dir)
-    source = root / "source"
     shutil.rmtree(root, ignore_errors=True)
-    total, largest = write_checkpoint(source, parse_size(args.size))
-    cold, cp_times, runs = False, [], []
-    for _ in range(args.repeat):  # alternate, keep the best of each: the machine is noisy
-        cold = drop_caches()
-        cp_times.append(timed_cp(source, root / "copy"))
-        shutil.rmtree(root / "copy")
-        drop_caches()
-        runs.append(timed_convert(source, root / "out", args.tp, args.pp))
-    cp_seconds = min(cp_times)
-    run = min(runs, key=lambda r: r["seconds"])
-    rss_budget = 1.5 * largest + 512 * 1024**2
-    figures = {
-        "source_bytes": total,
-        "largest_tensor_bytes": largest,
-        "cold_cache": cold,
-        "cp_seconds": cp_seconds,
-        "convert_seconds": run["seconds"],
-        "throughput_vs_cp": cp_seconds / run["seconds"],
-        "convert_gb_per_s": total / run["seconds"] / 1e9,
-        "read_bytes_over_source": run["read_bytes"] / total,
-        "rchar_over_source": run["rchar"] / total,
-        "peak_rss_bytes": run["max_rss"],
-        "peak_rss_over_largest_tensor": run["max_rss"] / largest,
-        "rss_within_budget": run["max_rss"] <= rss_budget,
-    }
-    if not args.keep:
-        shutil.rmtree(root, ignore_errors=True)
+    try:
+        source = build_source(root / "source", llama_config(parse_size(args.size)))
+        rows = measure(args, source, root)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
     if args.json:
-        print(json.dumps(figures, indent=1))
-        return
-    gb = 1e9
-    print(f"source {total / gb:.2f} GB, largest tensor {largest / gb:.2f} GB, "
-          f"tp{args.tp} x pp{args.pp}, cold cache: {cold}")  # fmt: skip
-    print(f"  cp                        {cp_seconds:8.2f} s  {total / cp_seconds / gb:6.2f} GB/s")
-    speed = figures["convert_gb_per_s"]
-    print(f"  shardprep convert         {run['seconds']:8.2f} s  {speed:6.2f} GB/s")
-    print(f"  throughput / cp           {figures['throughput_vs_cp']:8.2f}   (target >= 0.8)")
-    print(f"  read_bytes / source       {figures['read_bytes_over_source']:8.2f}   (target 1.00)")
-    print(f"  peak RSS / largest tensor {figures['peak_rss_over_largest_tensor']:8.2f}   "
-          f"({run['max_rss'] / gb:.2f} GB; budget 1.5x + 0.5 GB: "
-          f"{'met' if figures['rss_within_budget'] else 'missed'})")  # fmt: skip
+        print(json.dumps(rows, indent=1))
+    else:
+        print_rows(rows, source, args)
 
 
 if __name__ == "__main__":

@@ -195,3 +195,16 @@ def _check_index(root: Path, tensors: dict[str, SourceTensor]) -> None:
             "the checkpoint is inconsistent: download it again",
             path=str(index),
         )
+
+
+def cached_hub_sha256(checkpoint: Checkpoint, file: str) -> str | None:
+    """A file in the Hugging Face cache links to a blob named by its sha256 (the Hub's
+    LFS object id) in the repo's `blobs` folder."""
+    path = checkpoint.root / file
+    if not path.is_symlink():
+        return None
+    blob = path.resolve()
+    name = blob.name
+    if blob.parent.name != "blobs" or len(name) != 64:
+        return None
+    return name if all(c in "0123456789abcdef" for c in name) else None

@@ -55,6 +55,7 @@ def _options(args: argparse.Namespace) -> Any:
         max_part_bytes=parse_size(args.max_part_size),
         dtype=args.dtype,
         revision=args.revision,
+        rehash_source=getattr(args, "rehash_source", False),
     )
 
 
@@ -264,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "convert":
             command.add_argument(
                 "-o", "--output", metavar="OUT", required=True, help="artifact folder to write"
+            )
+            command.add_argument(
+                "--rehash-source",
+                action="store_true",
+                help="hash source files from the Hugging Face cache too (default: their blob "
+                "name, the Hub's sha256, is recorded as it is)",
             )
         if name in ("verify", "inspect"):
             command.add_argument("artifact", metavar="OUT", help="artifact folder")

@@ -34,6 +34,12 @@ DTYPE_SIZES = {
     "U8": 1,
     "BOOL": 1,
 }
+# The torch dtype of each (an attribute of `torch`, looked up only where torch is used).
+TORCH_DTYPE_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardprep import convert as convert_module
+from shardprep import rankfiles as rankfiles_module
 from shardprep.constants import MANIFEST_NAME, PARTIAL_MARKER
 from shardprep.convert import Options, convert
 from shardprep.errors import ConfigError, CorruptFileError, OutputExistsError, PlanError
@@ -106,7 +108,7 @@ def test_explicit_partition_from_env(tiny, tmp_path: Path, monkeypatch) -> None:
 def test_interrupted_conversion_resumes_and_skips_finished_files(tiny, tmp_path, monkeypatch):
     model = tiny.model("llama")
     out = tmp_path / "out"
-    real_commit = convert_module._commit
+    real_commit = rankfiles_module._commit
     calls = []
 
     def flaky_commit(handle, journal):
@@ -115,7 +117,7 @@ def test_interrupted_conversion_resumes_and_skips_finished_files(tiny, tmp_path,
             raise KeyboardInterrupt
         real_commit(handle, journal)
 
-    monkeypatch.setattr(convert_module, "_commit", flaky_commit)
+    monkeypatch.setattr(rankfiles_module, "_commit", flaky_commit)
     with pytest.raises(KeyboardInterrupt):
         convert(str(model), out, Options(tp=2, pp=2), progress=False)
     assert not (out / MANIFEST_NAME).exists()
@@ -123,7 +125,7 @@ def test_interrupted_conversion_resumes_and_skips_finished_files(tiny, tmp_path,
     assert not list(out.rglob("*.incomplete"))
     finished = {p: (out / p).stat().st_mtime_ns for p in calls[:2]}
 
-    monkeypatch.setattr(convert_module, "_commit", real_commit)
+    monkeypatch.setattr(rankfiles_module, "_commit", real_commit)
     manifest = convert(str(model), out, Options(tp=2, pp=2), progress=False)
     assert {p: (out / p).stat().st_mtime_ns for p in finished} == finished
     assert not (out / PARTIAL_MARKER).exists()
@@ -225,3 +227,50 @@ def test_manifest_records_sources_and_rank_parameters(tiny, tmp_path: Path) -> N
         "draft/config.json",
         "generation_config.json",
     ]
+
+
+def _as_hub_cache(model: Path, root: Path, blob_name=None) -> Path:
+    """The model laid out as a Hugging Face cache snapshot: weights are symlinks to
+    blobs named by their sha256 (or by `blob_name(path)` when given)."""
+    repo = root / "models--org--tiny"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for item in sorted(model.iterdir()):
+        if item.suffix != ".safetensors":
+            shutil.copyfile(item, snapshot / item.name)
+            continue
+        name = blob_name(item) if blob_name else hashlib.sha256(item.read_bytes()).hexdigest()
+        shutil.copyfile(item, repo / "blobs" / name)
+        (snapshot / item.name).symlink_to(f"../../blobs/{name}")
+    return snapshot
+
+
+def test_hub_cache_source_moves_in_the_kernel_to_identical_bytes(tmp_path, monkeypatch):
+    model = make_tiny_model(tmp_path / "m", torch_dtype="bfloat16", files=2)
+    snapshot = _as_hub_cache(model, tmp_path / "hub")
+    options = Options(tp=2, pp=2)
+    plain = convert(str(model), tmp_path / "plain", options, progress=False)
+    kernel_copies = []
+    real_copy = os.copy_file_range
+    monkeypatch.setattr(
+        os, "copy_file_range", lambda *a: kernel_copies.append(a[2]) or real_copy(*a)
+    )
+    cached = convert(str(snapshot), tmp_path / "cached", options, progress=False)
+    assert kernel_copies, "row-split tensors of a cached source should not pass through memory"
+    assert [(f.path, f.sha256) for f in cached.files] == [(f.path, f.sha256) for f in plain.files]
+    hashes = [(f.path, f.sha256) for f in cached.model("target").source.files]
+    assert hashes == [(f.path, f.sha256) for f in plain.model("target").source.files]
+    assert verify(tmp_path / "cached", full=True).ok
+
+
+def test_hub_blob_name_is_trusted_unless_rehash_source(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "m")
+    snapshot = _as_hub_cache(model, tmp_path / "hub", blob_name=lambda _: "0" * 64)
+    manifest = convert(str(snapshot), tmp_path / "a", Options(tp=2, pp=1), progress=False)
+    assert manifest.model("target").source.files[0].sha256 == "0" * 64
+    with pytest.raises(CorruptFileError, match="not to the sha256 its Hugging Face cache blob"):
+        convert(
+            str(snapshot), tmp_path / "b", Options(tp=2, pp=1, rehash_source=True), progress=False
+        )
+    assert not (tmp_path / "b" / MANIFEST_NAME).exists()

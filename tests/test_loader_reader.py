@@ -75,6 +75,25 @@ def test_every_rank_reads_the_bytes_of_its_files(artifact: Path, backend: str) -
         assert_same_bytes(got, expected_tensors(artifact, manifest, role, pp, tp))
 
 
+def test_on_the_cpu_tensors_are_read_straight_into_their_destinations(artifact: Path) -> None:
+    """`into` names where each tensor goes: those are filled and yielded themselves; a
+    name it declines (None) still arrives, in a tensor of its own."""
+    manifest = read_manifest(artifact)
+    for role, pp, tp in RANKS:
+        want = expected_tensors(artifact, manifest, role, pp, tp)
+        declined = sorted(want)[0]
+        places = {n: torch.full_like(t, 7) for n, t in want.items() if n != declined}
+
+        def into(name: str, info, places=places, want=want) -> torch.Tensor | None:
+            assert tuple(want[name].shape) == info.shape
+            return places.get(name)
+
+        got = dict(read_rank(artifact, role, pp, tp, into=into))
+        assert_same_bytes(got, want)
+        assert all(got[name] is place for name, place in places.items())
+        assert declined not in places and got[declined].shape == want[declined].shape
+
+
 def test_bfloat16_reads_exactly(tiny, tmp_path: Path) -> None:
     model = tiny.model("reader-llama-bf16", torch_dtype="bfloat16")
     convert(str(model), tmp_path / "out", Options(tp=2, pp=1), progress=False)

@@ -149,6 +149,30 @@ def test_fill_accepts_a_tied_alias_and_the_allowed_gaps() -> None:
     assert fill(Toy(), toy_tensors(**{"embed.weight": None}), may_lack={"lm_head.weight"})
 
 
+def test_destinations_hand_out_each_fitting_parameter_once() -> None:
+    """What the reader may read straight into on the CPU: a parameter of the exact shape
+    and dtype, once (not again by a tied alias); the rest gets None and fill_parameters
+    judges it as before. A tensor read into its parameter is filled without a copy."""
+    from shardprep.safetensors_io import TensorInfo
+
+    model = Toy()
+    into = plugin.Destinations(model)
+
+    def info(*shape: int) -> TensorInfo:
+        return TensorInfo("F32", shape, 0, 4)
+
+    embed = into("embed.weight", info(4, 2))
+    assert embed is not None and embed.data_ptr() == model.embed.weight.data_ptr()
+    assert into("lm_head.weight", info(4, 2)) is None  # its alias was handed out
+    assert into("proj.weight", info(2, 2)) is None  # wrong shape
+    assert into("norm.weight", TensorInfo("F64", (2,), 0, 16)) is None  # wrong dtype
+    assert into("extra.weight", info(1)) is None
+    embed.copy_(torch.arange(8.0).view(4, 2))
+    filled = fill(model, toy_tensors(**{"embed.weight": embed}))
+    assert "embed.weight" in filled
+    assert torch.equal(model.lm_head.weight, torch.arange(8.0).view(4, 2))
+
+
 def test_fill_reports_every_problem_once() -> None:
     tensors = [
         ("extra.weight", torch.ones(1)),

@@ -32,8 +32,9 @@ from shardprep.errors import (
     WeightMismatchError,
     summarize,
 )
-from shardprep.loader.reader import read_rank
+from shardprep.loader.reader import read_rank, torch_dtypes
 from shardprep.manifest import Manifest, ModelEntry, read_manifest
+from shardprep.safetensors_io import TensorInfo
 
 LOAD_FORMAT = "sharded-fast"
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -138,8 +139,8 @@ class ShardedFastLoader(BaseModelLoader):
         if role == "target":
             check_layers(artifact, manifest, place, *vllm_layers(model, model_config, place))
         tensors = read_rank(
-            artifact, role, place.pp_rank, place.tp_rank,
-            manifest=manifest, device=_device_of(model), verify=self.options.verify,
+            artifact, role, place.pp_rank, place.tp_rank, manifest=manifest,
+            device=_device_of(model), verify=self.options.verify, into=Destinations(model),
         )  # fmt: skip
         where = f"{artifact} ({role}, rank pp{place.pp_rank} tp{place.tp_rank})"
         filled = fill_parameters(
@@ -311,6 +312,28 @@ def _device_of(model: nn.Module) -> str:
     return str(param.device) if param is not None else "cpu"
 
 
+class Destinations:
+    """Where the reader may put a tensor directly: the parameter (or buffer) of that
+    name, when it is contiguous, of the exact shape and dtype, and not handed out yet.
+    Anything else gets None, and `fill_parameters` reports it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.tensors, self.canonical = _parameters(model)
+        self.claimed: set[str] = set()
+
+    def __call__(self, name: str, info: TensorInfo) -> torch.Tensor | None:
+        target = self.tensors.get(name)
+        if target is None or self.canonical[name] in self.claimed:
+            return None
+        data = target.data
+        if tuple(data.shape) != info.shape or data.dtype != torch_dtypes(torch).get(info.dtype):
+            return None
+        if not data.is_contiguous() or data.device.type != "cpu":
+            return None
+        self.claimed.add(self.canonical[name])
+        return data
+
+
 @dataclass
 class Problems:
     """What did not fit, collected over the whole rank and raised once."""
@@ -383,7 +406,8 @@ def _fill_one(
     elif tensor.dtype != target.dtype:
         problems.dtype.append(f"{name}: file {tensor.dtype}, model {target.dtype}")
     else:
-        target.data.copy_(tensor)
+        if tensor.data_ptr() != target.data_ptr():  # else it was read straight into it
+            target.data.copy_(tensor)
         return True
     return False
 

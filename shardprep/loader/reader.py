@@ -6,17 +6,19 @@ that lists exactly the tensors the manifest gives this rank, and the sha256 when
 CUDA and `/dev/nvidia-fs*` exists, else its no-GDS path), one part at a time, so the
 extra memory is one part. When fastsafetensors is missing or fails on a file, the rest
 of the process reads with safetensors' `safe_open`; which path was taken, and why, is
-logged once per process.
+logged once per process. On the CPU, a caller that can say where each tensor belongs
+(`into`) gets it read straight there, with no staging buffer and no second copy.
 """
 
 from __future__ import annotations
 
 import glob
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardprep.constants import MANIFEST_NAME
 from shardprep.errors import (
@@ -27,7 +29,13 @@ from shardprep.errors import (
     summarize,
 )
 from shardprep.manifest import FileEntry, Manifest, ParamSpec, rank_key, read_manifest
-from shardprep.safetensors_io import Header, read_header, sha256_file
+from shardprep.safetensors_io import (
+    TORCH_DTYPE_NAMES,
+    Header,
+    TensorInfo,
+    read_header,
+    sha256_file,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -57,18 +65,68 @@ def read_rank(
     device: str = "cpu",
     verify: bool = False,
     backend: str = "auto",
+    into: Callable[[str, TensorInfo], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of rank (pp_rank, tp_rank) of `role`.
 
     All of the rank's files are checked before the first tensor is yielded. Tensors are
-    on `device`; each part's memory is released once its tensors are dropped.
+    on `device`; each part's memory is released once its tensors are dropped. With
+    `into`, on the CPU and the `auto` backend, each tensor is read straight into the
+    contiguous tensor `into(name, info)` returns (and that one is yielded), or into a
+    new tensor where it returns None.
     """
     artifact = Path(artifact)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     manifest = manifest if manifest is not None else read_manifest(artifact)
-    for rank_file in check_rank_files(artifact, manifest, role, pp_rank, tp_rank, verify=verify):
-        yield from read_file(rank_file.path, rank_file.header, device=device, backend=backend)
+    files = check_rank_files(artifact, manifest, role, pp_rank, tp_rank, verify=verify)
+    direct = into is not None and device == "cpu" and backend == "auto"
+    for rank_file in files:
+        if direct:
+            _announce("direct", "device cpu: each tensor is read straight into its parameter")
+            yield from read_into(rank_file.path, rank_file.header, into)  # type: ignore[arg-type]
+        else:
+            yield from read_file(rank_file.path, rank_file.header, device=device, backend=backend)
+
+
+def read_into(
+    path: Path, header: Header, into: Callable[[str, TensorInfo], torch.Tensor | None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read each tensor of one checked file, in file order, with one `pread` straight
+    into its destination (the kernel copies from the page cache into the parameter)."""
+    import torch
+
+    dtypes = torch_dtypes(torch)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "POSIX_FADV_SEQUENTIAL"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for name, info in sorted(header.tensors.items(), key=lambda item: item[1].offset):
+            dest = into(name, info)
+            if dest is None:
+                dest = torch.empty(info.shape, dtype=dtypes[info.dtype])
+            if info.nbytes:
+                _pread_into(fd, dest, info.offset, path)
+            yield name, dest
+    finally:
+        os.close(fd)
+
+
+def _pread_into(fd: int, dest: torch.Tensor, offset: int, path: Path) -> None:
+    import torch
+
+    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CorruptFileError(f"{path} ended early at byte {offset + done:,}", path=str(path))
+        done += n
+
+
+def torch_dtypes(torch: Any) -> dict[str, torch.dtype]:
+    """safetensors dtype names -> torch dtypes (torch passed in: imported lazily)."""
+    return {key: getattr(torch, value) for key, value in TORCH_DTYPE_NAMES.items()}
 
 
 def check_rank_files(
@@ -207,6 +265,8 @@ def _announce(path_key: str, why: str) -> None:
     _state.announced.add(path_key)
     if path_key == "fastsafetensors":
         logger.info("shardprep reads rank files with fastsafetensors (%s)", why)
+    elif path_key == "direct":
+        logger.info("shardprep reads rank files with plain reads (%s)", why)
     else:
         logger.warning("shardprep reads rank files with safetensors safe_open (%s)", why)
 
