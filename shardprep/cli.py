@@ -176,7 +176,9 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--draft", help="speculative draft: folder or Hugging Face repo id")
-    parser.add_argument("--draft-method", choices=["eagle", "eagle3"], help="default: detected")
+    parser.add_argument(
+        "--draft-method", choices=["dflash", "dspark", "eagle", "eagle3"], help="default: detected"
+    )
     parser.add_argument(
         "--pp-partition",
         help="layers per stage, e.g. 31,30 (default: vLLM's split, or "

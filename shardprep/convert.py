@@ -9,6 +9,7 @@ written last. A journal lets a rerun skip files already complete and verified.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -22,8 +23,9 @@ import torch
 from tqdm import tqdm
 
 import shardprep
+from shardprep import archs
 from shardprep import manifest as mf
-from shardprep.checkpoint import Checkpoint, open_checkpoint
+from shardprep.checkpoint import Checkpoint, SourceTensor, open_checkpoint
 from shardprep.constants import (
     CHUNK_BYTES,
     COPIED_FILE_PATTERNS,
@@ -51,6 +53,7 @@ TORCH_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -75,20 +78,41 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
     """Open the checkpoints (headers only) and plan; nothing is written."""
     target = open_checkpoint(model, options.revision)
     checkpoints = {"target": target}
+    method = options.draft_method
     if options.draft:
-        checkpoints["draft"] = open_checkpoint(options.draft)
+        draft = open_checkpoint(options.draft)
+        method = method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
+        checkpoints["draft"] = with_side_tensors(draft, archs.draft_family(method))
     plan = make_plan(
         source_model(target),
         tp=options.tp,
         pp=options.pp,
         draft=source_model(checkpoints["draft"]) if options.draft else None,
-        draft_method=options.draft_method,
+        draft_method=method,
         partition=options.partition or pp_partition_from_env(),
         stage=options.stage,
         max_part_bytes=options.max_part_bytes,
         dtype=options.dtype,
     )
     return plan, checkpoints
+
+
+def with_side_tensors(checkpoint: Checkpoint, family: archs.Family) -> Checkpoint:
+    """The checkpoint plus the tensors its family reads from side files (held in memory:
+    they are small, and safetensors is the only format shardprep reads by offset)."""
+    read = getattr(family, "side_tensors", None)
+    found = read(checkpoint.root, checkpoint.config) if read else {}
+    if not found:
+        return checkpoint
+    tensors, side = dict(checkpoint.tensors), {}
+    for name, (file, tensor) in sorted(found.items()):
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        dtype = DTYPE_NAMES[tensor.dtype]
+        tensors[name] = SourceTensor(
+            name, file, TensorInfo(dtype, tuple(tensor.shape), 0, len(data))
+        )
+        side[name] = data
+    return dataclasses.replace(checkpoint, tensors=tensors, side_tensors=side)
 
 
 def convert(model: str, out: Path, options: Options, *, progress: bool = True) -> mf.Manifest:
@@ -162,6 +186,13 @@ def _write_rank_files(
                 files[index].finished = True
                 pending.append(committer.submit(_commit, files[index], journal))
 
+        def _scatter_side_tensor(info: TensorInfo, data: bytes, key: tuple[str, str]) -> None:
+            targets = writes.get(key, [])
+            _scatter_chunk(info.dtype, info.shape, 0, memoryview(bytearray(data)), targets, files)
+            for target in targets:
+                if files[target.file].remaining == 0:
+                    finish(target.file)
+
         try:
             for index, handle in enumerate(files):
                 if handle.remaining == 0:
@@ -173,6 +204,8 @@ def _write_rank_files(
                     )
                     if digest:
                         hashes[(role, file)] = digest
+                for name, data in checkpoint.side_tensors.items():
+                    _scatter_side_tensor(checkpoint.tensors[name].info, data, (role, name))
             for future in pending:
                 future.result()
         except BaseException:
@@ -386,6 +419,7 @@ def _copy_extras(checkpoint: Checkpoint, out: Path, role: str) -> list[mf.ExtraF
     folder.mkdir(parents=True, exist_ok=True)
     copied = []
     names = sorted({p.name for pat in COPIED_FILE_PATTERNS for p in checkpoint.root.glob(pat)})
+    names = sorted({*names, *checkpoint.side_files()})
     for name in names:
         src = checkpoint.root / name
         if not src.is_file():
