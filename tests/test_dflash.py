@@ -206,21 +206,18 @@ def test_mask_embedding_for_another_token_is_one_line(
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_takes_the_dflash_method(dflash_pair: tuple[Path, Path], capsys) -> None:
+def test_cli_detects_dflash_and_refuses_a_wrong_method_in_one_line(
+    dflash_pair: tuple[Path, Path], capsys
+) -> None:
     model, draft = dflash_pair
-    code = main(
-        [
-            "plan",
-            str(model),
-            "--tp",
-            "2",
-            "--draft",
-            str(draft),
-            "--draft-method",
-            "dflash",
-            "--json",
-        ]
-    )
-    assert code == 0
+    assert main(["plan", str(model), "--tp", "2", "--draft", str(draft), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert "dflash" in json.dumps(summary)
+    assert [m["architecture"] for m in summary["models"]] == ["Qwen3ForCausalLM", "dflash"]
+    names = {
+        t["name"] for f in summary["files"] if "/draft/" in "/" + f["path"] for t in f["tensors"]
+    }
+    assert {"model.mask_embedding", "model.fc.weight", "lm_head.weight"} <= names
+    args = ["plan", str(model), "--draft", str(draft), "--draft-method", "eagle"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardprep: error: cannot convert: draft: ")
