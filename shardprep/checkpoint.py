@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -32,6 +32,12 @@ class Checkpoint:
     repo_id: str | None = None
     revision: str | None = None
     known_sha256: dict[str, str] | None = None  # from the Hub, when fetched from it
+    # Tensors read from a side file rather than a safetensors file (a draft's mask
+    # embedding): name -> raw bytes, described by `tensors[name]` with offset 0.
+    side_tensors: dict[str, bytes] = field(default_factory=dict)
+
+    def side_files(self) -> list[str]:
+        return sorted({self.tensors[name].file for name in self.side_tensors})
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: t.info.shape for name, t in self.tensors.items()}

@@ -217,7 +217,9 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
         "--draft", metavar="DRAFT", help="speculative draft: folder or Hugging Face repo id"
     )
     parser.add_argument(
-        "--draft-method", choices=["eagle", "eagle3"], help="default: told from the tensors"
+        "--draft-method",
+        choices=["dflash", "dspark", "eagle", "eagle3"],
+        help="default: told from the tensors",
     )
     parser.add_argument(
         "--pp-partition",

@@ -7,15 +7,16 @@ last. A journal lets a rerun skip files already complete and verified.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import shardprep
+from shardprep import archs, outdir
 from shardprep import manifest as mf
-from shardprep import outdir
-from shardprep.checkpoint import Checkpoint, cached_hub_sha256, open_checkpoint
+from shardprep.checkpoint import Checkpoint, SourceTensor, cached_hub_sha256, open_checkpoint
 from shardprep.constants import (
     COPIED_FILE_PATTERNS,
     DEFAULT_MAX_PART_BYTES,
@@ -28,7 +29,7 @@ from shardprep.constants import (
 from shardprep.errors import ShardprepError
 from shardprep.journal import Journal, fingerprint
 from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
-from shardprep.safetensors_io import encode_header, sha256_file
+from shardprep.safetensors_io import TORCH_DTYPE_NAMES, TensorInfo, encode_header, sha256_file
 from shardprep.scatter import write_rank_files
 
 
@@ -58,14 +59,17 @@ def load_and_plan(
     is written."""
     target = open_checkpoint(model, options.revision, progress)
     checkpoints = {"target": target}
+    method = options.draft_method
     if options.draft:
-        checkpoints["draft"] = open_checkpoint(options.draft, progress=progress)
+        draft = open_checkpoint(options.draft, progress=progress)
+        method = method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
+        checkpoints["draft"] = with_side_tensors(draft, archs.draft_family(method))
     plan = make_plan(
         source_model(target),
         tp=options.tp,
         pp=options.pp,
         draft=source_model(checkpoints["draft"]) if options.draft else None,
-        draft_method=options.draft_method,
+        draft_method=method,
         partition=options.partition or pp_partition_from_env(),
         stage=options.stage,
         max_part_bytes=options.max_part_bytes,
@@ -73,6 +77,26 @@ def load_and_plan(
         partition_origin="" if options.partition else f"the environment ({ENV_PP_PARTITION})",
     )
     return plan, checkpoints
+
+
+def with_side_tensors(checkpoint: Checkpoint, family: archs.Family) -> Checkpoint:
+    """The checkpoint plus the tensors its family reads from side files (held in memory:
+    they are small, and safetensors is the only format shardprep reads by offset)."""
+    read = getattr(family, "side_tensors", None)
+    found = read(checkpoint.root, checkpoint.config) if read else {}
+    if not found:
+        return checkpoint
+    import torch
+
+    tensors, side = dict(checkpoint.tensors), {}
+    for name, (file, tensor) in sorted(found.items()):
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        dtype = next(k for k, v in TORCH_DTYPE_NAMES.items() if getattr(torch, v) == tensor.dtype)
+        tensors[name] = SourceTensor(
+            name, file, TensorInfo(dtype, tuple(tensor.shape), 0, len(data))
+        )
+        side[name] = data
+    return dataclasses.replace(checkpoint, tensors=tensors, side_tensors=side)
 
 
 def convert(model: str, out: Path, options: Options, *, progress: bool = True) -> mf.Manifest:
@@ -151,6 +175,7 @@ def _copy_extras(checkpoint: Checkpoint, out: Path, role: str) -> list[mf.ExtraF
     folder.mkdir(parents=True, exist_ok=True)
     copied = []
     names = sorted({p.name for pat in COPIED_FILE_PATTERNS for p in checkpoint.root.glob(pat)})
+    names = sorted({*names, *checkpoint.side_files()})
     for name in names:
         src = checkpoint.root / name
         if not src.is_file():

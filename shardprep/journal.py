@@ -122,7 +122,7 @@ def fingerprint(plan: Plan, checkpoints: dict[str, Checkpoint]) -> str:
     stats = {
         f"{role}/{f}": [(cp.root / f).stat().st_size, (cp.root / f).stat().st_mtime_ns]
         for role, cp in checkpoints.items()
-        for f in cp.files
+        for f in (*cp.files, *cp.side_files())
     }
     text = json.dumps([repr(plan), stats], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()

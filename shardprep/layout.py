@@ -20,6 +20,7 @@ class Cut(Enum):
     COLS = "cols"  # row-parallel: dim 1 split evenly
     KV_HEADS = "kv_heads"  # dim 0 in heads; replicated when tp exceeds the heads
     VOCAB = "vocab"  # dim 0 padded to a multiple of 64, split, padding zero-filled
+    PADDED_VOCAB = "padded_vocab"  # dim 0 padded to a multiple of 64, not split
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tu
         head_rows = rows // piece.heads
         first, end = kv_heads_of_rank(piece.heads, tp, rank)
         return (Block(piece.source, (first * head_rows, end * head_rows)),)
+    if piece.cut is Cut.PADDED_VOCAB:
+        return _vocab_blocks(piece.source, rows, 1, 0)
     return _vocab_blocks(piece.source, rows, tp, rank)
 
 

@@ -327,10 +327,13 @@ def shard_path(role: str, pp: int, tp: int, part: int) -> str:
 def is_extra_file_path(path: str, has_draft: bool) -> bool:
     """`NAME` or `draft/NAME`, where NAME is one of the files convert copies from a model
     folder (config, tokenizer, ...): never a hidden name, a shard or the manifest."""
+    from shardprep.archs import draft_side_files
+
     folder, _, name = path.rpartition("/")
+    side = draft_side_files() if folder == DRAFT_DIR else frozenset()
     return (
         folder in (("", DRAFT_DIR) if has_draft else ("",))
-        and any(fnmatchcase(name, pattern) for pattern in COPIED_FILE_PATTERNS)
+        and (name in side or any(fnmatchcase(name, pattern) for pattern in COPIED_FILE_PATTERNS))
         and not name.startswith(".")
         and name != MANIFEST_NAME
         and not name.endswith((".safetensors", ".incomplete", ".tmp"))

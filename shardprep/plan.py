@@ -130,7 +130,7 @@ def make_plan(
     ]
     if draft is not None:
         method = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
-        context = {"target_config": target.config}
+        context = {"target_config": target.config, "draft_names": sorted(draft.tensors)}
         jobs.append(("draft", method, method, archs.draft_family(method), draft, context))
     layouts = []
     for role, arch_name, method, fam, source, context in jobs:
@@ -250,7 +250,7 @@ def _tensor_plan(
         shape = (sum(b.rows[1] - b.rows[0] for b in blocks), *trailing)
     else:
         shape = ()
-    dtype = model_dtype if source_dtype in FLOAT_DTYPES else source_dtype
+    dtype = (param.dtype or model_dtype) if source_dtype in FLOAT_DTYPES else source_dtype
     return TensorPlan(param.name, dtype, shape, tuple(blocks))
 
 

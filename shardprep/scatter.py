@@ -71,6 +71,10 @@ def write_rank_files(
                     )
                 if digest or known:
                     source_hashes[(role, file)] = digest or known  # type: ignore[assignment]
+            for name, data in checkpoint.side_tensors.items():
+                info = checkpoint.tensors[name].info
+                _scatter_chunk(mover, info, 0, memoryview(data), writes.get((role, name), []))
+                bar.update(info.nbytes)
         mover.wait()
     except BaseException:
         for pool in hashers:

@@ -67,9 +67,17 @@ def make_tiny_model(
 
 
 def make_tiny_draft(
-    folder: Path, target: Path, method: str = "eagle3", *, seed: int = 1, **overrides: Any
+    folder: Path,
+    target: Path,
+    method: str = "eagle3",
+    *,
+    seed: int = 1,
+    omit: tuple[str, ...] = (),
+    **overrides: Any,
 ) -> Path:
-    """An EAGLE or EAGLE3 head for the tiny model in `target`."""
+    """An EAGLE, EAGLE3, DFlash or DSpark head for the tiny model in `target`, without
+    the optional tensors named in `omit` (a DFlash-style draft never holds the mask
+    embedding, which comes from a side file, nor vocabulary tables for a full vocabulary)."""
     target_config = json.loads((target / "config.json").read_text())
     config = {
         key: target_config[key]
@@ -95,6 +103,14 @@ def make_tiny_draft(
         num_hidden_layers=1,
         tie_word_embeddings=False,
     )
+    config.update(_DFLASH_STYLE.get(method, {}))
+    if method in _DFLASH_STYLE:
+        # The target layers whose states feed the draft's fc (zero-based), and a mask
+        # token inside the vocabulary.
+        layers = target_config["num_hidden_layers"]
+        ids = [max(0, layers - 3 + i) for i in range(3)]
+        key = "dflash_config" if method == "dflash" else "target_layer_ids"
+        config[key] = {"mask_token_id": 3, "target_layer_ids": ids} if method == "dflash" else ids
     if method == "eagle3":
         layers = target_config["num_hidden_layers"]
         config["draft_vocab_size"] = min(512, target_config["vocab_size"])
@@ -103,10 +119,41 @@ def make_tiny_draft(
     config.update(overrides)
     family = archs.draft_family(method)
     shapes = family.expected_shapes(config, target_config=target_config)
+    if method in _DFLASH_STYLE:
+        omit = (*omit, "mask_embedding", "d2t", "t2d")
+    shapes = {name: shape for name, shape in shapes.items() if name not in omit}
     tensors = _random_tensors(shapes, config["torch_dtype"], seed)
     tensors.update(family.example_tables(config, target_config=target_config, seed=seed))  # type: ignore[attr-defined]
     _write_model(folder, config, tensors, 1)
     return folder
+
+
+_DFLASH_STYLE: dict[str, dict[str, Any]] = {
+    "dflash": {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 4},
+    "dspark": {
+        "architectures": ["Qwen3DSparkModel"],
+        "model_type": "qwen3",
+        "block_size": 4,
+        "markov_rank": 16,
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+    },
+}
+
+
+def write_mask_embedding(folder: Path, seed: int = 2) -> Path:
+    """The side file some DFlash drafts ship: {"embedding", "mask_token_id"}, as vLLM
+    reads it (`torch.load(weights_only=True)`)."""
+    config = json.loads((folder / "config.json").read_text())
+    generator = torch.Generator().manual_seed(seed)
+    embedding = torch.randn(config["hidden_size"], generator=generator)
+    token = config["dflash_config"]["mask_token_id"]
+    path = folder / "mask_embedding.pt"
+    torch.save(
+        {"embedding": embedding.to(TORCH_DTYPES[config["torch_dtype"]]), "mask_token_id": token},
+        path,
+    )
+    return path
 
 
 def _random_tensors(

@@ -11,9 +11,10 @@ from safetensors import safe_open
 
 from shardprep import manifest as mf
 from shardprep.cache import STATE_DIR
+from shardprep.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.progress import Progress as tqdm
-from shardprep.safetensors_io import read_header, sha256_file
+from shardprep.safetensors_io import TORCH_DTYPE_NAMES, read_header, sha256_file
 
 
 @dataclass
@@ -225,10 +226,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
                     if torch.count_nonzero(part):
                         report.problems.append(f"{path}: padding of {tensor.name} is not zero")
                     continue
-                source_tensor = checkpoint.tensors[block.source]
-                source = _open(handles, checkpoint.root / source_tensor.file).get_tensor(
-                    block.source
-                )
+                source = _source_tensor(handles, checkpoint, block.source)
                 expected = source[block.rows[0] : block.rows[1]]
                 if block.cols is not None:
                     expected = expected[:, block.cols[0] : block.cols[1]]
@@ -245,6 +243,14 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         if report.complete and not bool(mask.all()):
             report.problems.append(f"{role}: parts of {name} are in no rank file")
         report.round_trip_tensors += 1
+
+
+def _source_tensor(handles: dict[str, object], checkpoint: Checkpoint, name: str) -> torch.Tensor:
+    info = checkpoint.tensors[name].info
+    if name in checkpoint.side_tensors:
+        raw = torch.frombuffer(bytearray(checkpoint.side_tensors[name]), dtype=torch.uint8)
+        return raw.view(getattr(torch, TORCH_DTYPE_NAMES[info.dtype])).view(info.shape)
+    return _open(handles, checkpoint.root / checkpoint.tensors[name].file).get_tensor(name)
 
 
 def _locate(

@@ -137,7 +137,7 @@ def assert_original_or_refused(tmp: Path, data: bytes, original: bytes | None) -
     stored.write_bytes(data)
     out.unlink(missing_ok=True)
     frame = min(claimed_frame_size(data), 256 * 1024**2)
-    bound = 16 * frame + 8 * len(data) + 32 * 1024**2
+    bound = 24 * frame + 8 * len(data) + 32 * 1024**2
     tracemalloc.start()
     started = time.monotonic()
     try:

@@ -25,6 +25,7 @@ class Param:
     name: str
     pieces: tuple[Piece, ...]
     stages: tuple[int, ...]
+    dtype: str | None = None  # a floating dtype vLLM keeps whatever the model's dtype
 
 
 @dataclass(frozen=True)
@@ -121,16 +122,24 @@ def draft_family(method: str) -> Family:
 
 
 def detect_draft_method(config: Config, names: list[str]) -> str:
-    """The draft method its tensors imply; each draft family decides for itself."""
+    """The draft method its config and tensors imply; each draft family decides for
+    itself, and exactly one must claim the draft."""
     _load_builtin()
-    for method, family in sorted(_DRAFTS.items()):
-        if family.recognizes(config, names):  # type: ignore[attr-defined]
-            return method
+    found = [m for m, f in sorted(_DRAFTS.items()) if f.recognizes(config, names)]  # type: ignore[attr-defined]
+    if len(found) == 1:
+        return found[0]
+    why = "from its config and tensors" if not found else f"(it could be {' or '.join(found)})"
     raise ConfigError(
-        "cannot tell which kind of draft this is from its tensors; pass --draft-method "
+        f"cannot tell which kind of draft this is {why}; pass --draft-method "
         f"({', '.join(sorted(_DRAFTS))})"
     )
 
 
+def draft_side_files() -> frozenset[str]:
+    """Names of the side files (besides config and tokenizer) a draft folder may carry."""
+    _load_builtin()
+    return frozenset(name for f in _DRAFTS.values() for name in getattr(f, "side_files", ()))
+
+
 def _load_builtin() -> None:
-    from shardprep.archs import llama  # noqa: F401  (registers itself)
+    from shardprep.archs import dflash, llama  # noqa: F401  (register themselves)

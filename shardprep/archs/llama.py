@@ -271,7 +271,12 @@ class EagleDraft(_EagleBase):
     }
 
     def recognizes(self, config: Config, names: list[str]) -> bool:
-        return "fc.weight" in names and any(n.startswith("layers.") for n in names)
+        # A top-level hidden_norm belongs to DFlash-style drafts.
+        return (
+            "fc.weight" in names
+            and "hidden_norm.weight" not in names
+            and any(n.startswith("layers.") for n in names)
+        )
 
     def example_tables(self, config: Config, *, target_config: Config, seed: int) -> dict:
         return {}
@@ -308,6 +313,8 @@ class Eagle3Draft(_EagleBase):
     optional_sources: ClassVar[frozenset[str]] = frozenset({"embed_tokens.weight", "t2d", "d2t"})
 
     def recognizes(self, config: Config, names: list[str]) -> bool:
+        if "hidden_norm.weight" in names:  # top-level: a DFlash-style draft
+            return False
         return any(n.startswith("midlayer.") for n in names) or "d2t" in names
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:

@@ -33,7 +33,7 @@ from shardprep.errors import (
     summarize,
 )
 from shardprep.loader.reader import read_rank, torch_dtypes
-from shardprep.manifest import Manifest, ModelEntry, read_manifest
+from shardprep.manifest import Manifest, ModelEntry, rank_key, read_manifest
 from shardprep.safetensors_io import TensorInfo
 
 LOAD_FORMAT = "sharded-fast"
@@ -143,12 +143,19 @@ class ShardedFastLoader(BaseModelLoader):
             device=_device_of(model), verify=self.options.verify, into=Destinations(model),
         )  # fmt: skip
         where = f"{artifact} ({role}, rank pp{place.pp_rank} tp{place.tp_rank})"
+        family = draft_family(entry)
+        if family is not None and hasattr(family, "before_fill"):
+            family.before_fill(
+                model, set(entry.ranks.get(rank_key(place.pp_rank, place.tp_rank), {}))
+            )
         filled = fill_parameters(
             model, tensors, ignorable=_ignorable(entry, place), may_lack=_may_lack(entry),
             where=where, layout=manifest.vllm_layout,
         )  # fmt: skip
         if role == "draft":
             mark_eagle_weights(model, filled)
+        if family is not None and hasattr(family, "after_fill"):
+            family.after_fill(model, set(filled))
         logger.info(
             "shardprep loaded %d tensors of %s in %.2f s",
             len(filled), where, time.perf_counter() - started,
@@ -303,8 +310,22 @@ def _ignorable(entry: ModelEntry, place: RankPlace) -> set[str]:
 
 
 def _may_lack(entry: ModelEntry) -> set[str]:
-    """Draft parameters that vLLM shares with the target when the draft lacks them."""
-    return set(entry.shared_with_target) if entry.role == "draft" else set()
+    """Draft parameters that vLLM shares with the target when the draft lacks them, or
+    leaves at their initial value (the draft family says which)."""
+    if entry.role != "draft":
+        return set()
+    family = draft_family(entry)
+    return set(entry.shared_with_target) | set(getattr(family, "may_stay_unloaded", ()))
+
+
+def draft_family(entry: ModelEntry) -> Any:
+    """The draft's family, whose hooks redo what vLLM's own `load_weights` does besides
+    copying (e.g. DFlash's fused KV buffers); None for a target."""
+    if entry.role != "draft" or not entry.method:
+        return None
+    from shardprep import archs
+
+    return archs.draft_family(entry.method)
 
 
 def _device_of(model: nn.Module) -> str:

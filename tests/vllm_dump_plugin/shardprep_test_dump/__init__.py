@@ -12,8 +12,11 @@ from __future__ import annotations
 DUMP_FORMAT = "dump-default"
 DUMP_SHARDED_FAST_FORMAT = "dump-sharded-fast"
 DUMP_DIR_ENV = "SHARDPREP_DUMP_DIR"
+# "1": every collective fails while the rank loads (see trap.py), and the dump records
+# the calls that were refused.
+TRAP_ENV = "SHARDPREP_TRAP_COLLECTIVES"
 
-__all__ = ["DUMP_DIR_ENV", "DUMP_FORMAT", "DUMP_SHARDED_FAST_FORMAT", "register"]
+__all__ = ["DUMP_DIR_ENV", "DUMP_FORMAT", "DUMP_SHARDED_FAST_FORMAT", "TRAP_ENV", "register"]
 
 
 def register() -> None:

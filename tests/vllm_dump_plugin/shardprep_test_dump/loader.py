@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 from vllm.config import ModelConfig, get_current_vllm_config_or_none
 from vllm.config.load import LoadConfig
@@ -13,7 +14,7 @@ from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from shardprep_test_dump import DUMP_DIR_ENV
+from shardprep_test_dump import DUMP_DIR_ENV, TRAP_ENV
 from shardprep_test_dump.state import save_state
 
 
@@ -55,6 +56,24 @@ def rank_metadata(model: nn.Module, model_config: ModelConfig, role: str) -> dic
         "dtype": str(model_config.dtype),
         "has_own_lm_head": getattr(model, "has_own_lm_head", None),
         "has_own_embed_tokens": getattr(model, "has_own_embed_tokens", None),
+        **draft_side_effects(model),
+    }
+
+
+def draft_side_effects(model: nn.Module) -> dict[str, object]:
+    """What DFlash-style drafts' `load_weights` leaves besides parameters."""
+    inner = getattr(model, "model", None)
+    if not hasattr(inner, "_build_fused_kv_buffers"):
+        return {}
+    fused = getattr(inner, "_fused_kv_weight", None)
+    expected = None
+    if fused is not None:
+        layers = [layer.self_attn for layer in inner.layers]
+        expected = torch.cat([a.qkv_proj.weight[a.q_size :] for a in layers], dim=0)
+    return {
+        "fused_kv_buffers": fused is not None and bool(torch.equal(fused, expected)),
+        "has_separate_mask_embedding": getattr(inner, "has_separate_mask_embedding", None),
+        "has_confidence_head": getattr(inner, "confidence_head", None) is not None,
     }
 
 
@@ -74,9 +93,18 @@ class DumpDefaultLoader(BaseModelLoader):
         self.inner.download_model(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        self.inner.load_weights(model, model_config)
+        extra: dict[str, object] = {}
+        if os.environ.get(TRAP_ENV) == "1":
+            from shardprep_test_dump.trap import collectives_refused
+
+            with collectives_refused() as calls:
+                self.inner.load_weights(model, model_config)
+            extra["collective_calls"] = calls
+        else:
+            self.inner.load_weights(model, model_config)
         role = model_role(model_config)
-        save_state(model, dump_path(role), rank_metadata(model, model_config, role))
+        meta = {**rank_metadata(model, model_config, role), **extra}
+        save_state(model, dump_path(role), meta)
 
 
 class DumpShardedFastLoader(DumpDefaultLoader):
