@@ -13,9 +13,9 @@ from typing import Any
 from shardprep import archs
 from shardprep.constants import DEFAULT_MAX_PART_BYTES, DRAFT_DIR, SHARD_PATTERN, SHARDS_DIR
 from shardprep.errors import ConfigError, PlanError, summarize
-from shardprep.layout import Block, block_shape, piece_blocks
+from shardprep.layout import Block, block_shape, expert_stack_blocks, is_expert_stack, piece_blocks
 from shardprep.safetensors_io import TensorSpec
-from shardprep.topology import Topology, make_topology
+from shardprep.topology import ExpertSplit, Topology, make_topology
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -35,10 +35,18 @@ class TensorPlan:
     dtype: str
     shape: tuple[int, ...]
     blocks: tuple[Block, ...]  # stacked along dim 0; zero blocks where source is None
+    experts: int = 0  # an expert stack [experts, rows per expert, ...] when > 0
 
     @property
     def spec(self) -> TensorSpec:
         return TensorSpec(self.name, self.dtype, self.shape)
+
+    @property
+    def stacked_shape(self) -> tuple[int, ...]:
+        """The shape as the dim-0 concatenation of the blocks (same bytes, row-major)."""
+        if self.experts:
+            return (self.shape[0] * self.shape[1], *self.shape[2:])
+        return self.shape
 
 
 @dataclass(frozen=True)
@@ -166,10 +174,11 @@ def _rank_files(
     max_part_bytes: int,
 ) -> list[FilePlan]:
     files: list[FilePlan] = []
+    experts = ExpertSplit(layout.num_experts, tp)
     for pp_rank in stages:
         for tp_rank in range(tp):
             tensors = [
-                _tensor_plan(param, source, tp, tp_rank, model.dtype)
+                _tensor_plan(param, source, tp, tp_rank, model.dtype, experts)
                 for param in layout.params
                 if pp_rank in param.stages
             ]
@@ -216,22 +225,34 @@ def _checked_layout(
 
 
 def _tensor_plan(
-    param: archs.Param, source: SourceModel, tp: int, rank: int, model_dtype: str
+    param: archs.Param,
+    source: SourceModel,
+    tp: int,
+    rank: int,
+    model_dtype: str,
+    experts: ExpertSplit,
 ) -> TensorPlan:
+    source_dtype = source.tensors[param.pieces[0].source][0]
+    dtype = model_dtype if source_dtype in FLOAT_DTYPES else source_dtype
+    if is_expert_stack(param.pieces):
+        shapes = {p.source: source.tensors[p.source][1] for p in param.pieces}
+        try:
+            stack, shape = expert_stack_blocks(param.pieces, shapes, experts, rank)
+        except PlanError as exc:
+            raise PlanError(f"{param.name}: {exc}") from None
+        return TensorPlan(param.name, dtype, shape, stack, experts=shape[0])
     blocks: list[Block] = []
     for piece in param.pieces:
         try:
             blocks += piece_blocks(piece, source.tensors[piece.source][1], tp, rank)
         except PlanError as exc:
             raise PlanError(f"{param.name}: {exc}") from None
-    first = param.pieces[0].source
-    source_dtype, first_shape = source.tensors[first]
+    first_shape = source.tensors[param.pieces[0].source][1]
     if first_shape:
         trailing = block_shape(blocks[0], first_shape)[1:]
         shape = (sum(b.rows[1] - b.rows[0] for b in blocks), *trailing)
     else:
         shape = ()
-    dtype = model_dtype if source_dtype in FLOAT_DTYPES else source_dtype
     return TensorPlan(param.name, dtype, shape, tuple(blocks))
 
 

@@ -123,6 +123,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         for tensor in file_plan.tensors:
             path = located[(file_plan.role, file_plan.pp, file_plan.tp, tensor.name)]
             dest = _open(handles, out / path).get_tensor(tensor.name)
+            dest = dest.reshape(tensor.stacked_shape)
             checkpoint = checkpoints[file_plan.role]
             row = 0
             for block in tensor.blocks:

@@ -39,6 +39,8 @@ class Layout:
     shared_with_target: frozenset[str] = frozenset()
     # Source tensors that config.json implies but a checkpoint may leave out.
     optional_sources: frozenset[str] = frozenset()
+    # Routed experts per MoE layer (0 for a dense model): sizes the expert stacks.
+    num_experts: int = 0
 
 
 class Family(Protocol):
