@@ -119,4 +119,4 @@ def detect_draft_method(config: Config, names: list[str]) -> str:
 
 
 def _load_builtin() -> None:
-    from shardprep.archs import llama  # noqa: F401  (registers itself)
+    from shardprep.archs import llama, mixtral, qwen3_moe  # noqa: F401  (register themselves)
