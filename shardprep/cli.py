@@ -54,6 +54,8 @@ def _options(args: argparse.Namespace) -> Any:
         max_part_bytes=parse_size(args.max_part_size),
         dtype=args.dtype,
         revision=args.revision,
+        expert_parallel=args.enable_expert_parallel,
+        expert_placement=args.expert_placement_strategy,
     )
 
 
@@ -186,6 +188,17 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-part-size", default=str(DEFAULT_MAX_PART_BYTES), help="e.g. 5GiB")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--revision", help="revision of a Hub model")
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="as vLLM's flag: each rank holds whole experts of its range (MoE models)",
+    )
+    parser.add_argument(
+        "--expert-placement-strategy",
+        choices=["linear", "round_robin"],
+        default="linear",
+        help="as vLLM's flag; round_robin applies only where vLLM applies it (grouped routing)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ from shardprep.constants import (
     pp_partition_from_env,
 )
 from shardprep.journal import Journal, fingerprint
-from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
+from shardprep.plan import FilePlan, ModelPlan, Plan, SourceModel, make_plan
 from shardprep.safetensors_io import DTYPE_SIZES, TensorInfo, encode_header, numel, sha256_file
 
 TORCH_DTYPES = {
@@ -64,6 +64,8 @@ class Options:
     max_part_bytes: int = DEFAULT_MAX_PART_BYTES
     dtype: str = "auto"
     revision: str | None = None
+    expert_parallel: bool = False
+    expert_placement: str = "linear"
 
 
 def source_model(checkpoint: Checkpoint) -> SourceModel:
@@ -87,6 +89,8 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
         stage=options.stage,
         max_part_bytes=options.max_part_bytes,
         dtype=options.dtype,
+        expert_parallel=options.expert_parallel,
+        expert_placement=options.expert_placement,
     )
     return plan, checkpoints
 
@@ -439,12 +443,18 @@ def _manifest(
                 ranks=ranks,
                 spec_decode_only=model.spec_decode_only,
                 shared_with_target=model.shared_with_target,
+                experts=_experts(model),
             )
         )
     files = tuple(
         mf.FileEntry(f.path, f.role, f.pp, f.tp, f.part, _size(f), done[f.path]) for f in plan.files
     )
-    topology = mf.Topology(plan.topology.tp, plan.topology.pp, plan.topology.partition)
+    topology = mf.Topology(
+        plan.topology.tp,
+        plan.topology.pp,
+        plan.topology.partition,
+        expert_parallel=any(m.experts and m.experts.split.expert_parallel for m in plan.models),
+    )
     return mf.Manifest(
         format=FORMAT,
         shardprep_version=shardprep.__version__,
@@ -454,6 +464,20 @@ def _manifest(
         models=tuple(models),
         files=files,
         extra_files=tuple(sorted(extra, key=lambda e: e.path)),
+    )
+
+
+def _experts(model: ModelPlan) -> mf.Experts | None:
+    if model.experts is None:
+        return None
+    split = model.experts.split
+    return mf.Experts(
+        num_experts=split.num_experts,
+        expert_parallel=split.uses_ep,
+        dp=split.dp,
+        placement=split.placement,
+        requested_placement=model.experts.requested_placement,
+        rank_experts=model.experts.rank_experts,
     )
 
 

@@ -15,7 +15,7 @@ from shardprep.constants import DEFAULT_MAX_PART_BYTES, DRAFT_DIR, SHARD_PATTERN
 from shardprep.errors import ConfigError, PlanError, summarize
 from shardprep.layout import Block, block_shape, expert_stack_blocks, is_expert_stack, piece_blocks
 from shardprep.safetensors_io import TensorSpec
-from shardprep.topology import ExpertSplit, Topology, make_topology
+from shardprep.topology import ExpertSplit, Topology, effective_placement, make_topology
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -64,6 +64,19 @@ class FilePlan:
 
 
 @dataclass(frozen=True)
+class ExpertPlan:
+    """How a mixture-of-experts model's routed experts are spread over the ranks."""
+
+    split: ExpertSplit
+    requested_placement: str  # --expert-placement-strategy; `split.placement` is vLLM's
+
+    @property
+    def rank_experts(self) -> tuple[tuple[int, ...], ...]:
+        """The global experts each MoE rank holds, in local order."""
+        return tuple(self.split.experts(rank) for rank in range(self.split.size))
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     role: str
     architecture: str
@@ -74,6 +87,7 @@ class ModelPlan:
     spec_decode_only: tuple[tuple[str, int], ...]
     shared_with_target: tuple[str, ...]
     skipped: tuple[tuple[str, str], ...]
+    experts: ExpertPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -115,9 +129,13 @@ def make_plan(
     stage: int | None = None,
     max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
     dtype: str = "auto",
+    expert_parallel: bool = False,
+    expert_placement: str = "linear",
 ) -> Plan:
     """Validate everything, then lay out every rank file. Raises one PlanError listing
-    every problem found."""
+    every problem found. `expert_parallel` and `expert_placement` are vLLM's
+    --enable-expert-parallel and --expert-placement-strategy."""
+    effective_placement(expert_placement, num_expert_group=None, dp=1)  # a known name
     architecture, family = archs.target_family(target.config)
     num_layers = int(target.config.get("num_hidden_layers", 0))
     topology = make_topology(num_layers, tp, pp, partition)
@@ -126,12 +144,13 @@ def make_plan(
     stages = tuple(range(pp)) if stage is None else (stage,)
     model_dtype = resolve_dtype(dtype, target.config, target)
 
+    moe = {"expert_parallel": expert_parallel, "dp": 1}
     jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
-        ("target", architecture, None, family, target, {"with_draft": draft is not None})
+        ("target", architecture, None, family, target, {"with_draft": draft is not None, **moe})
     ]
     if draft is not None:
         method = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
-        context = {"target_config": target.config}
+        context = {"target_config": target.config, **moe}
         jobs.append(("draft", method, method, archs.draft_family(method), draft, context))
     problems: list[str] = []
     layouts = []
@@ -139,6 +158,11 @@ def make_plan(
         layout, found = _checked_layout(role, fam, source, topology, context)
         problems += found
         layouts.append((role, arch_name, method, source, layout))
+    if expert_parallel and not any(layout and layout.num_experts for *_, layout in layouts):
+        problems.append(
+            f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} has "
+            "no experts, so leave the flag out"
+        )
     if problems:
         raise PlanError(_problem_summary(problems))
     models: list[ModelPlan] = []
@@ -157,12 +181,23 @@ def make_plan(
                 spec_decode_only=tuple(sorted(layout.spec_decode_only)),
                 shared_with_target=tuple(sorted(layout.shared_with_target)),
                 skipped=tuple(sorted(layout.skipped.items())),
+                experts=_expert_plan(layout, tp, expert_parallel, expert_placement),
             )
         )
         # A draft lives on the last stage only.
         model_stages = stages if role == "target" else tuple(s for s in stages if s == pp - 1)
         files += _rank_files(models[-1], layout, source, model_stages, tp, max_part_bytes)
     return Plan(topology, stages, tuple(models), tuple(files))
+
+
+def _expert_plan(
+    layout: archs.Layout, tp: int, expert_parallel: bool, requested: str
+) -> ExpertPlan | None:
+    if not layout.num_experts:
+        return None
+    placement = effective_placement(requested, num_expert_group=layout.num_expert_group, dp=1)
+    split = ExpertSplit(layout.num_experts, tp, 1, expert_parallel, placement)
+    return ExpertPlan(split, requested)
 
 
 def _rank_files(
@@ -174,7 +209,8 @@ def _rank_files(
     max_part_bytes: int,
 ) -> list[FilePlan]:
     files: list[FilePlan] = []
-    experts = ExpertSplit(layout.num_experts, tp)
+    # With dp = 1 the MoE rank of a worker is its tp rank.
+    experts = model.experts.split if model.experts else ExpertSplit(0, tp)
     for pp_rank in stages:
         for tp_rank in range(tp):
             tensors = [

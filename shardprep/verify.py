@@ -114,6 +114,8 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         stage=manifest.stages[0] if len(manifest.stages) == 1 and topo.pp > 1 else None,
         dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[target.dtype],
         revision=target.source.revision,
+        expert_parallel=topo.expert_parallel,
+        expert_placement=target.experts.requested_placement if target.experts else "linear",
     )
     plan, checkpoints = load_and_plan(target.source.repo_id or target.source.model, options)
     located = _locate(out, manifest)

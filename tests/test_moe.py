@@ -77,3 +77,70 @@ def test_expert_intermediate_size_must_divide() -> None:
     config = tiny_config(QWEN3_MOE, moe_intermediate_size=36)
     with pytest.raises(PlanError, match=r"intermediate size \(36\) is not divisible by tp x dp"):
         make_plan(source(config), tp=8, pp=1)
+
+
+def test_expert_parallel_gives_each_rank_whole_experts_remainder_first() -> None:
+    config = tiny_config(QWEN3_MOE, num_experts=7)
+    plan = make_plan(source(config), tp=2, pp=1, expert_parallel=True)
+    name = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    stacks = [tensors_of(plan, 0, tp)[name] for tp in range(2)]
+    assert [s.shape for s in stacks] == [(4, 128, 128), (3, 128, 128)]
+    assert [b.source.split(".")[5] for b in stacks[1].blocks] == ["4", "4", "5", "5", "6", "6"]
+    assert all(b.rows == (0, 64) for s in stacks for b in s.blocks)
+    # Everything else is cut by tp as without expert parallelism.
+    dense = make_plan(source(config), tp=2, pp=1)
+    assert tensors_of(plan, 0, 1)["lm_head.weight"] == tensors_of(dense, 0, 1)["lm_head.weight"]
+    experts = plan.models[0].experts
+    assert experts is not None and experts.rank_experts == ((0, 1, 2, 3), (4, 5, 6))
+
+
+def test_round_robin_falls_back_to_linear_without_grouped_routing() -> None:
+    config = tiny_config(MIXTRAL)
+    plan = make_plan(
+        source(config), tp=2, pp=1, expert_parallel=True, expert_placement="round_robin"
+    )
+    experts = plan.models[0].experts
+    assert experts is not None
+    assert (experts.requested_placement, experts.split.placement) == ("round_robin", "linear")
+    assert experts.rank_experts == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def test_expert_parallel_bad_input() -> None:
+    with pytest.raises(PlanError, match="--enable-expert-parallel needs a mixture-of-experts"):
+        make_plan(source(tiny_config()), tp=2, pp=1, expert_parallel=True)
+    config = tiny_config(MIXTRAL, num_local_experts=3, num_attention_heads=4)
+    with pytest.raises(PlanError, match="over tp x dp = 4 ranks needs at least 4 experts"):
+        make_plan(source(config), tp=4, pp=1, expert_parallel=True)
+    with pytest.raises(PlanError, match="expert placement 'random' is unknown"):
+        make_plan(source(config), tp=1, pp=1, expert_placement="random")
+
+
+def test_moe_manifest_records_experts_and_matches_the_schema(tmp_path) -> None:
+    import json
+
+    import jsonschema
+    from safetensors import safe_open
+    from test_manifest import SCHEMA
+
+    from shardprep.convert import Options, convert
+    from shardprep.manifest import Manifest, read_manifest
+    from shardprep.tiny import make_tiny_model
+    from shardprep.verify import verify
+
+    model = make_tiny_model(tmp_path / "model", MIXTRAL, num_local_experts=5, num_hidden_layers=2)
+    out = tmp_path / "out"
+    convert(str(model), out, Options(tp=2, pp=1, expert_parallel=True), progress=False)
+    jsonschema.validate(json.loads((out / "shardprep.json").read_text()), SCHEMA)
+    manifest = read_manifest(out)
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert manifest.topology.expert_parallel
+    experts = manifest.model("target").experts
+    assert experts is not None
+    assert experts.rank_experts == ((0, 1, 2), (3, 4))
+    assert experts.assumptions == {
+        "moe_intermediate_padding": "none",
+        "fused_shared_experts": "none",
+    }
+    result = verify(out, full=True, progress=False)
+    with safe_open(str(model / "model.safetensors"), "pt") as source_file:
+        assert (result.problems, result.round_trip_tensors) == ([], len(source_file.keys()))

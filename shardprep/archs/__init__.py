@@ -41,6 +41,8 @@ class Layout:
     optional_sources: frozenset[str] = frozenset()
     # Routed experts per MoE layer (0 for a dense model): sizes the expert stacks.
     num_experts: int = 0
+    # Expert groups of grouped routing (config's n_group), which round_robin needs.
+    num_expert_group: int | None = None
 
 
 class Family(Protocol):
