@@ -135,7 +135,7 @@ def make_plan(
     """Validate everything, then lay out every rank file. Raises one PlanError listing
     every problem found. `expert_parallel` and `expert_placement` are vLLM's
     --enable-expert-parallel and --expert-placement-strategy."""
-    effective_placement(expert_placement, num_expert_group=None, dp=1)  # a known name
+    effective_placement(expert_placement, num_expert_group=None, dp=1)  # raises if unknown
     architecture, family = archs.target_family(target.config)
     num_layers = int(target.config.get("num_hidden_layers", 0))
     topology = make_topology(num_layers, tp, pp, partition)

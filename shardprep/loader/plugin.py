@@ -297,8 +297,10 @@ def check_moe(
     artifact: Path, manifest: Manifest, entry: ModelEntry, model: nn.Module, place: RankPlace
 ) -> None:
     """Expert parallelism, placement and the device-dependent expert layout."""
+    if entry.experts is None:
+        return
     running = RunningExperts.current(model, place.tp_rank)
-    if entry.experts is None or running is None:
+    if running is None:
         return
     hint = f"shardprep convert {_source(manifest)} --tp {place.tp_size} --pp {place.pp_size} "
     check_experts(artifact, entry.experts, running, hint + "EP_FLAGS-o NEW")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from torch import nn
@@ -81,10 +83,77 @@ class DumpDefaultLoader(BaseModelLoader):
 
 class DumpShardedFastLoader(DumpDefaultLoader):
     """Loads with shardprep's ``sharded-fast`` loader and dumps the same way, so that what
-    it leaves in vLLM's model can be compared with what the default loader leaves."""
+    it leaves in vLLM's model can be compared with what the default loader leaves. With
+    ``$SHARDPREP_TRAP_COLLECTIVES=1`` every collective (torch.distributed and vLLM's group
+    coordinators) fails during the load; the dump records that the trap was armed."""
 
     @staticmethod
     def make_inner(load_config: LoadConfig) -> BaseModelLoader:
         from shardprep.loader.plugin import ShardedFastLoader
 
         return ShardedFastLoader(replace(load_config, load_format="sharded-fast"))
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        if os.environ.get(TRAP_ENV) != "1":
+            super().load_weights(model, model_config)
+            return
+        with trapped_collectives() as trap:
+            self.inner.load_weights(model, model_config)
+        role = model_role(model_config)
+        meta = rank_metadata(model, model_config, role) | trap
+        save_state(model, dump_path(role), meta)
+
+
+TRAP_ENV = "SHARDPREP_TRAP_COLLECTIVES"
+TORCH_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
+    "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "scatter_object_list", "send", "recv", "isend", "irecv", "send_object_list",
+    "recv_object_list", "batch_isend_irecv", "_all_gather_base", "_reduce_scatter_base",
+)  # fmt: skip
+COORDINATOR_METHODS = (
+    "all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv", "gather",
+    "broadcast", "broadcast_object", "broadcast_object_list", "broadcast_tensor_dict",
+    "send_object", "recv_object", "send_tensor_dict", "recv_tensor_dict", "send", "recv",
+    "barrier",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def trapped_collectives() -> Iterator[dict[str, object]]:
+    """Patch every collective to record its name and raise, check that a real barrier is
+    refused, and restore everything afterwards. Yields the metadata to record."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    calls: list[str] = []
+    saved: list[tuple[object, str, object]] = []
+
+    def refuse(name: str) -> Callable[..., None]:
+        def refused(*args: object, **kwargs: object) -> None:
+            calls.append(name)
+            raise RuntimeError(f"{name} was called during a rank-local load")
+
+        return refused
+
+    targets = [(dist, n, f"torch.distributed.{n}") for n in TORCH_COLLECTIVES]
+    targets += [(GroupCoordinator, n, f"GroupCoordinator.{n}") for n in COORDINATOR_METHODS]
+    for owner, name, label in targets:
+        if hasattr(owner, name):
+            saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, refuse(label))
+    try:
+        try:
+            get_tp_group().barrier()
+            armed = False
+        except RuntimeError:
+            armed = calls == ["GroupCoordinator.barrier"]
+        calls.clear()
+        meta: dict[str, object] = {"collectives_trapped": len(saved), "trap_armed": armed}
+        yield meta
+        meta["collective_calls"] = list(calls)
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
