@@ -56,6 +56,8 @@ def _options(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         revision=args.revision,
         rehash_source=getattr(args, "rehash_source", False),
+        expert_parallel=args.enable_expert_parallel,
+        expert_placement=args.expert_placement_strategy,
     )
 
 
@@ -238,6 +240,18 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
         help="dtype of the rank files (default: auto, what vLLM's auto picks)",
     )
     parser.add_argument("--revision", metavar="REV", help="revision of a Hub model")
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="as vLLM's flag: each rank holds whole experts of its range (MoE models)",
+    )
+    parser.add_argument(
+        "--expert-placement-strategy",
+        choices=["linear", "round_robin"],
+        default="linear",
+        help="as vLLM's flag; round_robin applies only where vLLM applies it (grouped routing) "
+        "(default: linear)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from shardprep.constants import (
 )
 from shardprep.errors import ShardprepError
 from shardprep.journal import Journal, fingerprint
-from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
+from shardprep.plan import FilePlan, ModelPlan, Plan, SourceModel, make_plan
 from shardprep.safetensors_io import TORCH_DTYPE_NAMES, TensorInfo, encode_header, sha256_file
 from shardprep.scatter import write_rank_files
 
@@ -45,6 +45,8 @@ class Options:
     dtype: str = "auto"
     revision: str | None = None
     rehash_source: bool = False  # hash Hugging Face cache blobs instead of trusting their names
+    expert_parallel: bool = False
+    expert_placement: str = "linear"
 
 
 def source_model(checkpoint: Checkpoint) -> SourceModel:
@@ -75,6 +77,8 @@ def load_and_plan(
         max_part_bytes=options.max_part_bytes,
         dtype=options.dtype,
         partition_origin="" if options.partition else f"the environment ({ENV_PP_PARTITION})",
+        expert_parallel=options.expert_parallel,
+        expert_placement=options.expert_placement,
     )
     return plan, checkpoints
 
@@ -229,12 +233,18 @@ def _manifest(
                 ranks=ranks,
                 spec_decode_only=model.spec_decode_only,
                 shared_with_target=model.shared_with_target,
+                experts=_experts(model),
             )
         )
     files = tuple(
         mf.FileEntry(f.path, f.role, f.pp, f.tp, f.part, _size(f), done[f.path]) for f in plan.files
     )
-    topology = mf.Topology(plan.topology.tp, plan.topology.pp, plan.topology.partition)
+    topology = mf.Topology(
+        plan.topology.tp,
+        plan.topology.pp,
+        plan.topology.partition,
+        expert_parallel=any(m.experts and m.experts.split.expert_parallel for m in plan.models),
+    )
     return mf.Manifest(
         format=FORMAT,
         shardprep_version=shardprep.__version__,
@@ -244,6 +254,20 @@ def _manifest(
         models=tuple(models),
         files=files,
         extra_files=tuple(sorted(extra, key=lambda e: e.path)),
+    )
+
+
+def _experts(model: ModelPlan) -> mf.Experts | None:
+    if model.experts is None:
+        return None
+    split = model.experts.split
+    return mf.Experts(
+        num_experts=split.num_experts,
+        expert_parallel=split.uses_ep,
+        dp=split.dp,
+        placement=split.placement,
+        requested_placement=model.experts.requested_placement,
+        rank_experts=model.experts.rank_experts,
     )
 
 

@@ -41,6 +41,27 @@ class ParamSpec:
     shape: tuple[int, ...]
 
 
+# Layouts that some vLLM backends build differently before processing; an artifact holds
+# the layout named here, and the loader names the setting when vLLM built another.
+DEVICE_ASSUMPTIONS = {
+    "moe_intermediate_padding": "none",  # FlashInfer TRT-LLM / ROCm AITER MoE round it up
+    "fused_shared_experts": "none",  # ROCm AITER can append shared experts as routed ones
+}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts of a mixture-of-experts model and how its ranks hold them."""
+
+    num_experts: int
+    expert_parallel: bool  # whole experts per rank (vLLM uses EP: the flag and tp x dp > 1)
+    dp: int
+    placement: str  # what vLLM places by: linear or round_robin
+    requested_placement: str  # --expert-placement-strategy as given
+    rank_experts: tuple[tuple[int, ...], ...]  # EP rank -> its global experts, local order
+    assumptions: dict[str, str] = field(default_factory=lambda: dict(DEVICE_ASSUMPTIONS))
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     role: str
@@ -54,6 +75,7 @@ class ModelEntry:
     ranks: dict[str, dict[str, ParamSpec]] = field(default_factory=dict)
     spec_decode_only: tuple[tuple[str, int], ...] = ()
     shared_with_target: tuple[str, ...] = ()
+    experts: Experts | None = None
 
 
 @dataclass(frozen=True)
@@ -207,16 +229,19 @@ _NESTED: dict[tuple[type, str], type] = {
     (Manifest, "files"): FileEntry,
     (Manifest, "extra_files"): ExtraFile,
     (ModelEntry, "source"): Source,
+    (ModelEntry, "experts"): Experts,
     (Source, "files"): SourceFile,
 }
 
 
 def _convert(cls: type, name: str, value: Any) -> Any:
     nested = _NESTED.get((cls, name))
-    if nested is not None:
+    if nested is not None and value is not None:
         if isinstance(value, list):
             return tuple(_build(nested, v) for v in value)
         return _build(nested, value)
+    if name == "rank_experts":
+        return tuple(tuple(int(e) for e in rank) for rank in value)
     if name == "spec_decode_only":
         return tuple((n, s) for n, s in value)
     if name == "ranks":

@@ -148,6 +148,19 @@ _SOURCE = _object(
         ),
     },
 )
+_PLACEMENT = _enum("linear", "round_robin")
+_EXPERTS = _object(
+    "Experts",
+    {
+        "num_experts": _integer(1),
+        "expert_parallel": _enum(True, False),
+        "dp": _integer(1, MAX_RANKS),
+        "placement": _PLACEMENT,
+        "requested_placement": _PLACEMENT,
+        "rank_experts": _array(_array(_COUNT)),
+        "assumptions": _map(_string(), _string()),
+    },
+)
 _MODEL = _object(
     "ModelEntry",
     {
@@ -161,6 +174,7 @@ _MODEL = _object(
         "ranks": _map(_string(RANK_KEY, "a rank key like pp0-tp1"), _map(_string(), _PARAM)),
         "spec_decode_only": _array(_pair(_string(), _COUNT)),
         "shared_with_target": _array(_string()),
+        "experts": _nullable(_EXPERTS),
     },
 )
 _FILE = _object(

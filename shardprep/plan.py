@@ -13,9 +13,9 @@ from typing import Any
 from shardprep import archs
 from shardprep.constants import DEFAULT_MAX_PART_BYTES, DRAFT_DIR, SHARD_PATTERN, SHARDS_DIR
 from shardprep.errors import ConfigError, PlanError, summarize
-from shardprep.layout import Block, block_shape, piece_blocks
+from shardprep.layout import Block, block_shape, expert_stack_blocks, is_expert_stack, piece_blocks
 from shardprep.safetensors_io import TensorSpec
-from shardprep.topology import Topology, make_topology
+from shardprep.topology import ExpertSplit, Topology, effective_placement, make_topology
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -35,10 +35,18 @@ class TensorPlan:
     dtype: str
     shape: tuple[int, ...]
     blocks: tuple[Block, ...]  # stacked along dim 0; zero blocks where source is None
+    experts: int = 0  # an expert stack [experts, rows per expert, ...] when > 0
 
     @property
     def spec(self) -> TensorSpec:
         return TensorSpec(self.name, self.dtype, self.shape)
+
+    @property
+    def stacked_shape(self) -> tuple[int, ...]:
+        """The shape as the dim-0 concatenation of the blocks (same bytes, row-major)."""
+        if self.experts:
+            return (self.shape[0] * self.shape[1], *self.shape[2:])
+        return self.shape
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,19 @@ class FilePlan:
 
 
 @dataclass(frozen=True)
+class ExpertPlan:
+    """How a mixture-of-experts model's routed experts are spread over the ranks."""
+
+    split: ExpertSplit
+    requested_placement: str  # --expert-placement-strategy; `split.placement` is vLLM's
+
+    @property
+    def rank_experts(self) -> tuple[tuple[int, ...], ...]:
+        """The global experts each MoE rank holds, in local order."""
+        return tuple(self.split.experts(rank) for rank in range(self.split.size))
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     role: str
     architecture: str
@@ -66,6 +87,7 @@ class ModelPlan:
     spec_decode_only: tuple[tuple[str, int], ...]
     shared_with_target: tuple[str, ...]
     skipped: tuple[tuple[str, str], ...]
+    experts: ExpertPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -108,10 +130,14 @@ def make_plan(
     max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
     dtype: str = "auto",
     partition_origin: str = "",
+    expert_parallel: bool = False,
+    expert_placement: str = "linear",
 ) -> Plan:
     """Validate everything, then lay out every rank file. Raises one PlanError listing
     every problem found. `partition_origin` names where `partition` came from when it
-    was not the command line."""
+    was not the command line; `expert_parallel` and `expert_placement` are vLLM's
+    --enable-expert-parallel and --expert-placement-strategy."""
+    effective_placement(expert_placement, num_expert_group=None, dp=1)  # raises if unknown
     architecture, family = archs.target_family(target.config)
     num_layers = archs.config_int(target.config, "num_hidden_layers")
     problems: list[str] = []
@@ -125,18 +151,28 @@ def make_plan(
     stages = tuple(range(pp)) if stage is None else (stage,)
     model_dtype = resolve_dtype(dtype, target.config, target)
 
+    moe = {"expert_parallel": expert_parallel, "dp": 1}
     jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
-        ("target", architecture, None, family, target, {"with_draft": draft is not None})
+        ("target", architecture, None, family, target, {"with_draft": draft is not None, **moe})
     ]
     if draft is not None:
         method = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
-        context = {"target_config": target.config, "draft_names": sorted(draft.tensors)}
+        context = {
+            "target_config": target.config,
+            "draft_names": sorted(draft.tensors),
+            **moe,
+        }
         jobs.append(("draft", method, method, archs.draft_family(method), draft, context))
     layouts = []
     for role, arch_name, method, fam, source, context in jobs:
         layout, found = _checked_layout(role, fam, source, tp, topology, context)
         problems += found
         layouts.append((role, arch_name, method, source, layout))
+    if expert_parallel and not any(layout and layout.num_experts for *_, layout in layouts):
+        problems.append(
+            f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} has "
+            "no experts, so leave the flag out"
+        )
     if problems or topology is None:
         raise PlanError(_problem_summary(problems))
     models: list[ModelPlan] = []
@@ -155,12 +191,23 @@ def make_plan(
                 spec_decode_only=tuple(sorted(layout.spec_decode_only)),
                 shared_with_target=tuple(sorted(layout.shared_with_target)),
                 skipped=tuple(sorted(layout.skipped.items())),
+                experts=_expert_plan(layout, tp, expert_parallel, expert_placement),
             )
         )
         # A draft lives on the last stage only.
         model_stages = stages if role == "target" else tuple(s for s in stages if s == pp - 1)
         files += _rank_files(models[-1], layout, source, model_stages, tp, max_part_bytes)
     return Plan(topology, stages, tuple(models), tuple(files))
+
+
+def _expert_plan(
+    layout: archs.Layout, tp: int, expert_parallel: bool, requested: str
+) -> ExpertPlan | None:
+    if not layout.num_experts:
+        return None
+    placement = effective_placement(requested, num_expert_group=layout.num_expert_group, dp=1)
+    split = ExpertSplit(layout.num_experts, tp, 1, expert_parallel, placement)
+    return ExpertPlan(split, requested)
 
 
 def _rank_files(
@@ -172,10 +219,12 @@ def _rank_files(
     max_part_bytes: int,
 ) -> list[FilePlan]:
     files: list[FilePlan] = []
+    # With dp = 1 the MoE rank of a worker is its tp rank.
+    experts = model.experts.split if model.experts else ExpertSplit(0, tp)
     for pp_rank in stages:
         for tp_rank in range(tp):
             tensors = [
-                _tensor_plan(param, source, tp, tp_rank, model.dtype)
+                _tensor_plan(param, source, tp, tp_rank, model.dtype, experts)
                 for param in layout.params
                 if pp_rank in param.stages
             ]
@@ -235,22 +284,34 @@ def _checked_layout(
 
 
 def _tensor_plan(
-    param: archs.Param, source: SourceModel, tp: int, rank: int, model_dtype: str
+    param: archs.Param,
+    source: SourceModel,
+    tp: int,
+    rank: int,
+    model_dtype: str,
+    experts: ExpertSplit,
 ) -> TensorPlan:
+    source_dtype = source.tensors[param.pieces[0].source][0]
+    dtype = (param.dtype or model_dtype) if source_dtype in FLOAT_DTYPES else source_dtype
+    if is_expert_stack(param.pieces):
+        shapes = {p.source: source.tensors[p.source][1] for p in param.pieces}
+        try:
+            stack, shape = expert_stack_blocks(param.pieces, shapes, experts, rank)
+        except PlanError as exc:
+            raise PlanError(f"{param.name}: {exc}") from None
+        return TensorPlan(param.name, dtype, shape, stack, experts=shape[0])
     blocks: list[Block] = []
     for piece in param.pieces:
         try:
             blocks += piece_blocks(piece, source.tensors[piece.source][1], tp, rank)
         except PlanError as exc:
             raise PlanError(f"{param.name}: {exc}") from None
-    first = param.pieces[0].source
-    source_dtype, first_shape = source.tensors[first]
+    first_shape = source.tensors[param.pieces[0].source][1]
     if first_shape:
         trailing = block_shape(blocks[0], first_shape)[1:]
         shape = (sum(b.rows[1] - b.rows[0] for b in blocks), *trailing)
     else:
         shape = ()
-    dtype = (param.dtype or model_dtype) if source_dtype in FLOAT_DTYPES else source_dtype
     return TensorPlan(param.name, dtype, shape, tuple(blocks))
 
 

@@ -88,7 +88,7 @@ def open_outputs(
         _preallocate(fd, handle.size)
         offset = len(header)
         for tensor in file_plan.tensors:
-            row_bytes = numel(tensor.shape[1:]) * DTYPE_SIZES[tensor.dtype]
+            row_bytes = numel(tensor.stacked_shape[1:]) * DTYPE_SIZES[tensor.dtype]
             dest_row = 0
             for block in tensor.blocks:
                 rows = block.rows[1] - block.rows[0]

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardprep import manifest as mf
-from shardprep.plan import FilePlan, Plan
+from shardprep.plan import ExpertPlan, FilePlan, Plan
 from shardprep.safetensors_io import encode_header
 
 
@@ -91,6 +91,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
                 "architecture": m.architecture,
                 "dtype": m.dtype,
                 "skipped": dict(m.skipped),
+                "experts": _plan_experts(m.experts),
             }
             for m in plan.models
         ],
@@ -128,6 +129,7 @@ def artifact_summary(manifest: mf.Manifest) -> dict[str, Any]:
                 "folder": m.folder,
                 "source": m.source.repo_id or m.source.model,
                 "revision": m.source.revision,
+                "experts": asdict(m.experts) if m.experts else None,
             }
             for m in manifest.models
         ],
@@ -145,4 +147,43 @@ def describe_models(summary: dict[str, Any]) -> str:
         source = model.get("source")
         origin = f" from {source}" if source else ""
         lines.append(f"{model['role']}: {model['architecture']} {model['dtype']}{origin}")
+        if model.get("experts"):
+            lines += expert_lines(model["experts"], topo["tp"])
     return "\n".join(lines)
+
+
+def _plan_experts(experts: ExpertPlan | None) -> dict[str, Any] | None:
+    if experts is None:
+        return None
+    split = experts.split
+    return {
+        "num_experts": split.num_experts,
+        "expert_parallel": split.uses_ep,
+        "dp": split.dp,
+        "placement": split.placement,
+        "requested_placement": experts.requested_placement,
+        "rank_experts": [list(r) for r in experts.rank_experts],
+    }
+
+
+def expert_lines(experts: dict[str, Any], tp: int) -> list[str]:
+    """Which experts each rank holds, one line per EP rank."""
+    count = experts["num_experts"]
+    if not experts["expert_parallel"]:
+        ways = tp * experts["dp"]
+        return [f"  experts: {count} per MoE layer, every rank holds all of them, cut {ways} ways"]
+    lines = [f"  experts: {count} per MoE layer, expert parallel, {experts['placement']} placement"]
+    for rank, held in enumerate(experts["rank_experts"]):
+        lines.append(f"    ep rank {rank}: {len(held)} experts: {_ranges(held)}")
+    return lines
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    spans: list[list[int]] = []
+    for i in ids:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -35,6 +35,7 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    config.update(_ARCH_DEFAULTS.get(architecture, {}))
     config.update(overrides)
     return config
 
@@ -44,6 +45,24 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+# Mixture-of-experts sizes: 8 experts, 2 per token.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen3MoeForCausalLM": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+    "MixtralForCausalLM": {
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 128,
+    },
 }
 
 

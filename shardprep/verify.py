@@ -203,6 +203,8 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         stage=manifest.stages[0] if len(manifest.stages) == 1 and topo.pp > 1 else None,
         dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[target.dtype],
         revision=target.source.revision,
+        expert_parallel=topo.expert_parallel,
+        expert_placement=target.experts.requested_placement if target.experts else "linear",
     )
     plan, checkpoints = load_and_plan(
         target.source.repo_id or target.source.model, options, progress=progress
@@ -216,6 +218,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         for tensor in file_plan.tensors:
             path = located[(file_plan.role, file_plan.pp, file_plan.tp, tensor.name)]
             dest = _open(handles, out / path).get_tensor(tensor.name)
+            dest = dest.reshape(tensor.stacked_shape)
             checkpoint = checkpoints[file_plan.role]
             row = 0
             for block in tensor.blocks:

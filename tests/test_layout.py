@@ -3,7 +3,17 @@ from __future__ import annotations
 import pytest
 
 from shardprep.errors import PlanError
-from shardprep.layout import Block, Cut, Piece, block_shape, piece_blocks
+from shardprep.layout import (
+    Block,
+    Cut,
+    Piece,
+    block_shape,
+    expert_stack_blocks,
+    piece_blocks,
+    w2_pieces,
+    w13_pieces,
+)
+from shardprep.topology import ExpertSplit
 
 
 def test_vocab_32001_at_tp2_pads_the_last_rank() -> None:
@@ -48,3 +58,68 @@ def test_divisibility_is_checked() -> None:
 def test_replicated_scalar_and_vector() -> None:
     assert piece_blocks(Piece("n", Cut.REPLICATE), (7,), 4, 3) == (Block("n", (0, 7)),)
     assert block_shape(Block("s", (0, 1)), ()) == ()
+
+
+def _stack_shapes(experts: int, inter: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for e in range(experts):
+        shapes[f"g{e}"] = shapes[f"u{e}"] = (inter, hidden)
+        shapes[f"d{e}"] = (hidden, inter)
+    return shapes
+
+
+@pytest.mark.parametrize(("experts", "tp", "dp"), [(5, 3, 1), (7, 2, 2), (3, 1, 1), (9, 3, 3)])
+def test_expert_stacks_cut_each_expert_by_moe_rank(experts: int, tp: int, dp: int) -> None:
+    inter, hidden = 6 * tp * dp, 10
+    shapes = _stack_shapes(experts, inter, hidden)
+    w13 = w13_pieces([(f"g{e}", f"u{e}") for e in range(experts)])
+    w2 = w2_pieces([f"d{e}" for e in range(experts)])
+    split = ExpertSplit(experts, tp, dp)
+    share = inter // (tp * dp)
+    for moe_rank in range(tp * dp):
+        blocks, shape = expert_stack_blocks(w13, shapes, split, moe_rank)
+        assert shape == (experts, 2 * share, hidden)
+        rows = (moe_rank * share, (moe_rank + 1) * share)
+        assert blocks == tuple(
+            Block(name, rows) for e in range(experts) for name in (f"g{e}", f"u{e}")
+        )
+        blocks, shape = expert_stack_blocks(w2, shapes, split, moe_rank)
+        assert shape == (experts, hidden, share)
+        assert blocks == tuple(Block(f"d{e}", (0, hidden), rows) for e in range(experts))
+
+
+@pytest.mark.parametrize(("experts", "tp", "dp"), [(7, 2, 1), (10, 2, 2), (5, 5, 1), (11, 3, 2)])
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_expert_parallel_stacks_hold_whole_experts(
+    experts: int, tp: int, dp: int, placement: str
+) -> None:
+    inter, hidden = 6, 4
+    shapes = _stack_shapes(experts, inter, hidden)
+    w13 = w13_pieces([(f"g{e}", f"u{e}") for e in range(experts)])
+    w2 = w2_pieces([f"d{e}" for e in range(experts)])
+    split = ExpertSplit(experts, tp, dp, expert_parallel=True, placement=placement)
+    seen: list[int] = []
+    for moe_rank in range(tp * dp):
+        held = split.experts(moe_rank)
+        seen += held
+        blocks, shape = expert_stack_blocks(w13, shapes, split, moe_rank)
+        assert shape == (len(held), 2 * inter, hidden)
+        assert blocks == tuple(Block(name, (0, inter)) for e in held for name in (f"g{e}", f"u{e}"))
+        blocks, shape = expert_stack_blocks(w2, shapes, split, moe_rank)
+        assert shape == (len(held), hidden, inter)
+        assert blocks == tuple(Block(f"d{e}", (0, hidden), (0, inter)) for e in held)
+    assert sorted(seen) == list(range(experts))  # every expert on exactly one rank
+
+
+def test_expert_stack_bad_input() -> None:
+    shapes = _stack_shapes(4, 6, 4)
+    w13 = w13_pieces([(f"g{e}", f"u{e}") for e in range(4)])
+    with pytest.raises(PlanError, match="g0 has 6 rows, not divisible by 4"):
+        expert_stack_blocks(w13, shapes, ExpertSplit(4, 2, 2), 0)
+    with pytest.raises(PlanError, match="MoE rank 4 of 5 would hold none of the 4 experts"):
+        expert_stack_blocks(w13, shapes, ExpertSplit(4, 5, expert_parallel=True), 4)
+    with pytest.raises(PlanError, match="expert 3 has no tensor in this stack"):
+        expert_stack_blocks(w13[:-2], shapes, ExpertSplit(4, 2), 1)
+    uneven = {**shapes, "g2": (8, 4), "u2": (8, 4)}
+    with pytest.raises(PlanError, match="do not all have the same shape"):
+        expert_stack_blocks(w13, uneven, ExpertSplit(4, 2), 0)

@@ -170,7 +170,8 @@ def test_unsupported_architecture_names_the_supported_ones() -> None:
     with pytest.raises(
         ConfigError,
         match="GPT2LMHeadModel is not supported; shardprep supports "
-        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM, Qwen3MoeForCausalLM",
     ):
         make_plan(SourceModel(config, {}), tp=1, pp=1)
 

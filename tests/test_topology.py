@@ -6,7 +6,10 @@ import pytest
 
 from shardprep.errors import PlanError
 from shardprep.topology import (
+    ExpertSplit,
     default_partition,
+    effective_placement,
+    experts_of_rank,
     kv_heads_of_rank,
     make_topology,
     pad_vocab,
@@ -96,3 +99,59 @@ def test_kv_heads_that_do_not_divide() -> None:
         kv_heads_of_rank(3, 4, 0)
     with pytest.raises(PlanError, match="not divisible by tp=4"):
         kv_heads_of_rank(6, 4, 0)
+
+
+# Read off vLLM's determine_expert_map: remainder experts go to the FIRST ranks.
+@pytest.mark.parametrize(
+    ("experts", "ep", "linear", "round_robin"),
+    [
+        (10, 4, [(0, 1, 2), (3, 4, 5), (6, 7), (8, 9)], [(0, 4, 8), (1, 5, 9), (2, 6), (3, 7)]),
+        (8, 2, [(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 2, 4, 6), (1, 3, 5, 7)]),
+        (7, 3, [(0, 1, 2), (3, 4), (5, 6)], [(0, 3, 6), (1, 4), (2, 5)]),
+        (3, 5, [(0,), (1,), (2,), (), ()], [(0,), (1,), (2,), (), ()]),
+    ],
+)
+def test_expert_placement_matches_vllm(
+    experts: int, ep: int, linear: list[tuple[int, ...]], round_robin: list[tuple[int, ...]]
+) -> None:
+    assert [experts_of_rank(experts, ep, r, "linear") for r in range(ep)] == linear
+    assert [experts_of_rank(experts, ep, r, "round_robin") for r in range(ep)] == round_robin
+
+
+@pytest.mark.parametrize(
+    ("experts", "ep"), list(itertools.product([1, 7, 60, 61, 256], [1, 3, 8, 16]))
+)
+def test_expert_placement_covers_every_expert_once(experts: int, ep: int) -> None:
+    for placement in ("linear", "round_robin"):
+        held = [experts_of_rank(experts, ep, r, placement) for r in range(ep)]
+        assert sorted(e for rank in held for e in rank) == list(range(experts))
+        assert max(map(len, held)) - min(map(len, held)) <= 1
+        assert [len(h) for h in held] == sorted((len(h) for h in held), reverse=True)
+
+
+def test_round_robin_only_where_vllm_applies_it() -> None:
+    assert effective_placement("round_robin", num_expert_group=8, dp=1) == "round_robin"
+    assert effective_placement("round_robin", num_expert_group=1, dp=1) == "linear"
+    assert effective_placement("round_robin", num_expert_group=None, dp=1) == "linear"
+    assert effective_placement("round_robin", num_expert_group=8, dp=2) == "linear"
+    assert (
+        effective_placement(
+            "round_robin", num_expert_group=8, dp=2, all2all_backend="deepep_low_latency"
+        )
+        == "round_robin"
+    )
+    assert effective_placement("linear", num_expert_group=8, dp=1) == "linear"
+    with pytest.raises(PlanError, match="expert placement 'random' is unknown"):
+        effective_placement("random", num_expert_group=8, dp=1)
+
+
+def test_expert_split_ranks() -> None:
+    split = ExpertSplit(num_experts=10, tp=2, dp=2, expert_parallel=True)
+    assert split.size == 4 and split.uses_ep
+    assert [split.moe_rank(t, d) for d in range(2) for t in range(2)] == [0, 1, 2, 3]
+    assert split.experts(3) == (8, 9) and split.cut(3) == (1, 0)
+    dense = ExpertSplit(num_experts=10, tp=2, dp=2)
+    assert dense.experts(3) == tuple(range(10)) and dense.cut(3) == (4, 3)
+    # vLLM turns EP off with a single MoE rank.
+    single = ExpertSplit(num_experts=10, tp=1, expert_parallel=True)
+    assert not single.uses_ep and single.cut(0) == (1, 0)

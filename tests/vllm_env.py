@@ -6,8 +6,9 @@
 
 Keyword arguments of the first three: prompts (list of token-id lists), max_tokens,
 dtype ("float32" unless given), speculative_config (dict), model_loader_extra_config
-(dict), enforce_eager (also at pp > 1), env (extra environment, e.g.
-VLLM_PP_LAYER_PARTITION), timeout (seconds); generate also takes dump_dir, dump_state
+(dict), enforce_eager (also at pp > 1), engine (more vllm.LLM arguments, e.g.
+enable_expert_parallel), env (extra environment, e.g. VLLM_PP_LAYER_PARTITION), timeout
+(seconds); generate also takes dump_dir, dump_state
 also allow_engine_failure. read_dump(path) -> (tensors, metadata) reads one dump file.
 
 The vLLM python is ``$SHARDPREP_VLLM_PYTHON``, else this interpreter if it has vLLM,
@@ -226,6 +227,7 @@ def runner_args(
     dump_dir: Path | str | None = None,
     enforce_eager: bool = False,
     server: bool = False,
+    engine: Mapping[str, Any] | None = None,
 ) -> list[str]:
     args = [str(RUNNER), "--model", str(model_dir), "--tp", str(tp), "--pp", str(pp)]
     args += ["--load-format", load_format, "--dtype", dtype, "--max-tokens", str(max_tokens)]
@@ -238,6 +240,8 @@ def runner_args(
         args += ["--dump-dir", str(dump_dir)]
     if enforce_eager:
         args.append("--enforce-eager")
+    if engine:
+        args += ["--engine-json", json.dumps(dict(engine))]
     if server:
         args.append("--server")
     return args

@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts-json", default="[[1, 2, 3, 4, 5]]")
     parser.add_argument("--speculative-config", default=None, help="JSON object")
     parser.add_argument("--model-loader-extra-config", default=None, help="JSON object")
+    parser.add_argument("--engine-json", default=None, help="more vllm.LLM arguments (JSON)")
     parser.add_argument("--dump-dir", default=None, help=f"sets ${DUMP_DIR_ENV}")
     parser.add_argument("--enforce-eager", action="store_true", help="also at pp > 1")
     parser.add_argument("--server", action="store_true", help="use the OpenAI server")
@@ -66,6 +67,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["speculative_config"] = json.loads(args.speculative_config)
     if args.model_loader_extra_config:
         kwargs["model_loader_extra_config"] = json.loads(args.model_loader_extra_config)
+    if args.engine_json:
+        kwargs.update(json.loads(args.engine_json))
     return kwargs
 
 

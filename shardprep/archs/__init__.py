@@ -40,6 +40,10 @@ class Layout:
     shared_with_target: frozenset[str] = frozenset()
     # Source tensors that config.json implies but a checkpoint may leave out.
     optional_sources: frozenset[str] = frozenset()
+    # Routed experts per MoE layer (0 for a dense model): sizes the expert stacks.
+    num_experts: int = 0
+    # Expert groups of grouped routing (config's n_group), which round_robin needs.
+    num_expert_group: int | None = None
 
 
 class Family(Protocol):
@@ -142,4 +146,4 @@ def draft_side_files() -> frozenset[str]:
 
 
 def _load_builtin() -> None:
-    from shardprep.archs import dflash, llama  # noqa: F401  (register themselves)
+    from shardprep.archs import dflash, llama, mixtral, qwen3_moe  # noqa: F401  (register themselves)

@@ -92,6 +92,9 @@ class Dims:
         return shapes
 
     def check(self, tp: int) -> list[str]:
+        return self.check_attention(tp) + self.check_intermediate(tp) + self.check_vocab(tp)
+
+    def check_attention(self, tp: int) -> list[str]:
         problems = []
         if self.heads % tp:
             problems.append(
@@ -105,17 +108,23 @@ class Dims:
                 f"num_key_value_heads ({self.kv_heads}) and tp={tp} do not divide one another; "
                 "choose a tp that divides or is a multiple of the KV heads"
             )
+        return problems
+
+    def check_intermediate(self, tp: int) -> list[str]:
         if self.intermediate % tp:
-            problems.append(
+            return [
                 f"intermediate_size ({self.intermediate}) is not divisible by tp={tp}; "
                 "choose a tp that divides it"
-            )
+            ]
+        return []
+
+    def check_vocab(self, tp: int) -> list[str]:
         if pad_vocab(self.vocab) % tp:
-            problems.append(
+            return [
                 f"the vocabulary padded to 64 ({pad_vocab(self.vocab)}) is not divisible by "
                 f"tp={tp}; choose a tp that divides it"
-            )
-        return problems
+            ]
+        return []
 
 
 def _piece(source: str, cut: str, dims: Dims) -> Piece:

@@ -32,6 +32,7 @@ from shardprep.errors import (
     WeightMismatchError,
     summarize,
 )
+from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
 from shardprep.loader.reader import read_rank, torch_dtypes
 from shardprep.manifest import Manifest, ModelEntry, rank_key, read_manifest
 from shardprep.safetensors_io import TensorInfo
@@ -138,6 +139,7 @@ class ShardedFastLoader(BaseModelLoader):
         check_topology(artifact, manifest, place)
         if role == "target":
             check_layers(artifact, manifest, place, *vllm_layers(model, model_config, place))
+        check_moe(artifact, manifest, entry, model, place)
         tensors = read_rank(
             artifact, role, place.pp_rank, place.tp_rank, manifest=manifest,
             device=_device_of(model), verify=self.options.verify, into=Destinations(model),
@@ -297,6 +299,22 @@ def check_layers(
         f"there (partition {theirs}); start vLLM with VLLM_PP_LAYER_PARTITION={ours}, or "
         f"convert again with VLLM_PP_LAYER_PARTITION={theirs} set"
     )
+
+
+def check_moe(
+    artifact: Path, manifest: Manifest, entry: ModelEntry, model: nn.Module, place: RankPlace
+) -> None:
+    """Expert parallelism, placement and the device-dependent expert layout."""
+    if entry.experts is None:
+        return
+    running = RunningExperts.current(model, place.tp_rank)
+    if running is None:
+        return
+    hint = f"shardprep convert {_source(manifest)} --tp {place.tp_size} --pp {place.pp_size} "
+    check_experts(artifact, entry.experts, running, hint + "EP_FLAGS-o NEW")
+    files = entry.ranks.get(rank_key(place.pp_rank, place.tp_rank), {})
+    built = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    check_device_layout(artifact, entry.experts, files, built)
 
 
 def _source(manifest: Manifest) -> str:

@@ -99,7 +99,9 @@ class DumpDefaultLoader(BaseModelLoader):
 
             with collectives_refused() as calls:
                 self.inner.load_weights(model, model_config)
-            extra["collective_calls"] = calls
+            # collectives_refused proves on entry that its patch is in force.
+            extra |= {"trap_armed": True, "collectives_trapped": calls.patched}
+            extra["collective_calls"] = list(calls)
         else:
             self.inner.load_weights(model, model_config)
         role = model_role(model_config)
@@ -109,7 +111,9 @@ class DumpDefaultLoader(BaseModelLoader):
 
 class DumpShardedFastLoader(DumpDefaultLoader):
     """Loads with shardprep's ``sharded-fast`` loader and dumps the same way, so that what
-    it leaves in vLLM's model can be compared with what the default loader leaves."""
+    it leaves in vLLM's model can be compared with what the default loader leaves. With
+    ``$SHARDPREP_TRAP_COLLECTIVES=1`` every collective (torch.distributed and vLLM's group
+    coordinators) fails during the load; the dump records that the trap was armed."""
 
     @staticmethod
     def make_inner(load_config: LoadConfig) -> BaseModelLoader:

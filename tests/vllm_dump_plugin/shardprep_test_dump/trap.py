@@ -27,15 +27,21 @@ COORDINATOR_METHODS = (
 )  # fmt: skip
 
 
+class RefusedCalls(list):
+    """Names of the collectives called (and refused); `patched` counts those patched."""
+
+    patched: int = 0
+
+
 @contextlib.contextmanager
-def collectives_refused() -> Iterator[list[str]]:
+def collectives_refused() -> Iterator[RefusedCalls]:
     """Within the block every collective records its name and raises; the list of names
     is yielded. On entry, one tensor-parallel barrier proves the patch is in force."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     from vllm.distributed import parallel_state
 
-    calls: list[str] = []
+    calls = RefusedCalls()
     saved: list[tuple[object, str, object]] = []
 
     def refusing(name: str) -> Callable[..., None]:
@@ -59,6 +65,7 @@ def collectives_refused() -> Iterator[list[str]]:
         if calls != ["GroupCoordinator.barrier"]:
             raise AssertionError(f"the collective trap is not in force: {calls}")
         calls.clear()
+        calls.patched = len(saved)
         yield calls
     finally:
         for owner, name, original in reversed(saved):

@@ -1,0 +1,94 @@
+"""The loader's expert checks, as users see them (no engine: vLLM's side is given)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardprep.errors import TopologyMismatchError
+from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
+from shardprep.manifest import Experts, ParamSpec
+
+OUT = Path("out")
+HINT = "shardprep convert MODEL --tp 2 --pp 1 EP_FLAGS-o NEW"
+EP_ARTIFACT = Experts(
+    num_experts=7,
+    expert_parallel=True,
+    dp=1,
+    placement="linear",
+    requested_placement="linear",
+    rank_experts=((0, 1, 2, 3), (4, 5, 6)),
+)
+TP_ARTIFACT = Experts(7, False, 1, "linear", "linear", ((0, 1, 2, 3, 4, 5, 6),) * 2)
+
+
+def running(**changes: object) -> RunningExperts:
+    fields: dict[str, object] = {
+        "expert_parallel": True,
+        "flag": True,
+        "dp": 1,
+        "placement": "linear",
+        "ep_rank": 1,
+        "held": (4, 5, 6),
+    }
+    return RunningExperts(**(fields | changes))  # type: ignore[arg-type]
+
+
+def message(experts: Experts, run: RunningExperts) -> str:
+    with pytest.raises(TopologyMismatchError) as info:
+        check_experts(OUT, experts, run, HINT)
+    return str(info.value)
+
+
+def test_matching_settings_pass() -> None:
+    check_experts(OUT, EP_ARTIFACT, running(), HINT)
+    check_experts(OUT, TP_ARTIFACT, running(expert_parallel=False, flag=False, held=None), HINT)
+
+
+def test_expert_parallel_off_in_vllm() -> None:
+    run = running(expert_parallel=False, flag=False, held=None)
+    assert message(EP_ARTIFACT, run) == (
+        "artifact out holds experts with expert parallelism on but vLLM runs with it off "
+        "(--enable-expert-parallel not given); start vLLM with --enable-expert-parallel, or "
+        "re-run `shardprep convert MODEL --tp 2 --pp 1 -o NEW`"
+    )
+
+
+def test_expert_parallel_on_in_vllm() -> None:
+    assert message(TP_ARTIFACT, running()) == (
+        "artifact out holds experts with expert parallelism off but vLLM runs with it on "
+        "(--enable-expert-parallel given); start vLLM without --enable-expert-parallel, or "
+        "re-run `shardprep convert MODEL --tp 2 --pp 1 --enable-expert-parallel -o NEW`"
+    )
+
+
+def test_data_parallel_and_placement_and_held_experts() -> None:
+    assert "vLLM runs --data-parallel-size 2" in message(EP_ARTIFACT, running(dp=2))
+    assert message(EP_ARTIFACT, running(placement="round_robin")) == (
+        "artifact out places experts linear but vLLM places them round_robin; start vLLM "
+        "with --expert-placement-strategy linear, or re-run `shardprep convert` with "
+        "--expert-placement-strategy round_robin"
+    )
+    assert message(EP_ARTIFACT, running(held=(4, 5, 6, 7))) == (
+        "vLLM holds experts [4, 5, 6, 7] on EP rank 1 but artifact out holds [4, 5, 6] there; "
+        "start vLLM without --enable-eplb and without redundant experts, as the artifact assumes"
+    )
+
+
+W13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
+
+
+def test_padded_expert_stacks_name_the_backend_setting() -> None:
+    files = {W13: ParamSpec("BF16", (4, 64, 128)), "norm": ParamSpec("BF16", (128,))}
+    check_device_layout(OUT, EP_ARTIFACT, files, {W13: (4, 64, 128), "norm": (128,)})
+    with pytest.raises(TopologyMismatchError) as info:
+        check_device_layout(OUT, EP_ARTIFACT, files, {W13: (4, 256, 128)})
+    assert str(info.value) == (
+        f"vLLM built {W13} as [4, 256, 128] but artifact out holds [4, 64, 128]: this MoE "
+        "backend pads the experts' intermediate size (FlashInfer TRT-LLM, ROCm AITER; the "
+        "artifact assumes moe_intermediate_padding=none); start vLLM with --moe-backend "
+        "triton (on ROCm: VLLM_ROCM_USE_AITER_MOE=0)"
+    )
+    with pytest.raises(TopologyMismatchError, match="VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0"):
+        check_device_layout(OUT, EP_ARTIFACT, files, {W13: (5, 64, 128)})
