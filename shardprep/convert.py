@@ -34,6 +34,7 @@ from shardprep.constants import (
     pp_partition_from_env,
 )
 from shardprep.journal import Journal, fingerprint
+from shardprep.layout import Block
 from shardprep.plan import FilePlan, Plan, SourceModel, make_plan
 from shardprep.safetensors_io import DTYPE_SIZES, TensorInfo, encode_header, numel, sha256_file
 
@@ -128,6 +129,7 @@ class Write:
     cols: tuple[int, int] | None
     dtype: str
     row_bytes: int  # bytes of one destination row
+    repeat: tuple[int, int] = (1, 1)
 
 
 @dataclass
@@ -211,7 +213,14 @@ def _open_outputs(
                 if block.source is not None:
                     writes[(file_plan.role, block.source)].append(
                         Write(
-                            index, offset, dest_row, block.rows, block.cols, tensor.dtype, row_bytes
+                            index,
+                            offset,
+                            dest_row,
+                            block.rows,
+                            block.cols,
+                            tensor.dtype,
+                            row_bytes,
+                            block.repeat,
                         )
                     )
                     remaining += rows * row_bytes
@@ -349,20 +358,36 @@ def _scatter_chunk(
     source = source.view(rows, *shape[1:]) if shape else source
     end = start + rows
     for target in targets:
-        first, last = max(start, target.rows[0]), min(end, target.rows[1])
+        up = target.repeat[0]
+        needed = (target.rows[0] // up, -(-target.rows[1] // up))
+        first, last = max(start, needed[0]), min(end, needed[1])
         if first >= last:
             continue
         block = source[first - start : last - start]
+        # Destination rows [low, high) in the (upsampled) coordinates of target.rows.
+        low, high = max(first * up, target.rows[0]), min(last * up, target.rows[1])
+        if target.repeat != (1, 1):
+            block = block.repeat_interleave(up, 0).repeat_interleave(target.repeat[1], 1)
+            block = block[low - first * up : high - first * up]
         if target.cols is not None:
             block = block[:, target.cols[0] : target.cols[1]]
         if target.dtype != dtype:
             block = block.to(TORCH_DTYPES[target.dtype])
         data = block.contiguous().view(torch.uint8).numpy().data if block.numel() else b""
-        dest_row = target.dest_row + first - target.rows[0]
+        dest_row = target.dest_row + low - target.rows[0]
         handle = files[target.file]
         offset = target.row_offset + dest_row * target.row_bytes
         _pwrite_all(handle.fd, data, offset)
-        handle.remaining -= (last - first) * target.row_bytes
+        handle.remaining -= (high - low) * target.row_bytes
+
+
+def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
+    """The part of a whole source tensor that `block` names (what the scatter writes)."""
+    if block.repeat != (1, 1):
+        source = source.repeat_interleave(block.repeat[0], 0)
+        source = source.repeat_interleave(block.repeat[1], 1)
+    part = source[block.rows[0] : block.rows[1]]
+    return part if block.cols is None else part[:, block.cols[0] : block.cols[1]]
 
 
 def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from shardprep import manifest as mf
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
+from shardprep.layout import Block
 from shardprep.safetensors_io import read_header, sha256_file
 
 
@@ -98,7 +99,7 @@ def _check_coverage(out: Path, manifest: mf.Manifest, report: Report) -> None:
 def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool) -> None:
     """Re-plan from the source and compare every block of every rank file with the source
     bytes it came from; every source element must be covered."""
-    from shardprep.convert import Options, load_and_plan
+    from shardprep.convert import Options, cut_block, load_and_plan
 
     target = manifest.model("target")
     draft = manifest.model("draft")
@@ -138,9 +139,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
                 source = _open(handles, checkpoint.root / source_tensor.file).get_tensor(
                     block.source
                 )
-                expected = source[block.rows[0] : block.rows[1]]
-                if block.cols is not None:
-                    expected = expected[:, block.cols[0] : block.cols[1]]
+                expected = cut_block(source, block)
                 if not _same_bytes(part, expected.to(part.dtype)):
                     report.problems.append(
                         f"{path}: {tensor.name} differs from {block.source} rows {block.rows}"
@@ -149,7 +148,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
                     (file_plan.role, block.source),
                     torch.zeros(_mask_shape(source), dtype=torch.bool),
                 )
-                _mark(mask, block.rows, block.cols)
+                _mark(mask, block)
     for (role, name), mask in covered.items():
         if not bool(mask.all()):
             report.problems.append(f"{role}: parts of {name} are in no rank file")
@@ -177,11 +176,14 @@ def _mask_shape(source: torch.Tensor) -> tuple[int, ...]:
     return tuple(source.shape[:2])
 
 
-def _mark(mask: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int] | None) -> None:
+def _mark(mask: torch.Tensor, block: Block) -> None:
+    """Mark the source rows (and columns) that `block` reads."""
+    (up, across), rows, cols = block.repeat, block.rows, block.cols
+    first, last = rows[0] // up, -(-rows[1] // up)
     if cols is None:
-        mask[rows[0] : rows[1]] = True
+        mask[first:last] = True
     else:
-        mask[rows[0] : rows[1], cols[0] : cols[1]] = True
+        mask[first:last, cols[0] // across : -(-cols[1] // across)] = True
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ class Param:
     name: str
     pieces: tuple[Piece, ...]
     stages: tuple[int, ...]
+    dtype: str | None = None  # a fixed dtype (fp8 weights, float32 scales); None: the model's
 
 
 @dataclass(frozen=True)
@@ -119,4 +120,4 @@ def detect_draft_method(config: Config, names: list[str]) -> str:
 
 
 def _load_builtin() -> None:
-    from shardprep.archs import llama  # noqa: F401  (registers itself)
+    from shardprep.archs import deepseek, llama  # noqa: F401  (register themselves)
