@@ -46,7 +46,7 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
 # MLA with (V3) and without (V2-Lite) q_lora_rank; per-rank sizes are whole 128-blocks at
 # tp2, so an fp8 variant (`quantization_config=TINY_FP8`) loads too.
 _MLA = {
-    "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
     "moe_intermediate_size": 256, "n_routed_experts": 8, "n_shared_experts": 1,
     "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
     "norm_topk_prob": True, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
