@@ -11,14 +11,20 @@ num_hidden_layers) belong to a draft; the target skips them.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from shardprep.archs import Config, Layout, Param, Shapes, register_arch
-from shardprep.archs.fp8 import BlockQuant, LinearShape, block_problems, block_quant
+from shardprep.archs.fp8 import (
+    BlockQuant,
+    LinearShape,
+    block_problems,
+    block_quant,
+    moe_block_problems,
+    refined_block,
+)
 from shardprep.layout import Cut, Piece, ScaleOf, w2_pieces, w13_pieces
 from shardprep.topology import Topology, pad_vocab
 
@@ -164,16 +170,11 @@ def linear_shapes(d: Dims, tp: int) -> list[LinearShape]:
     attn = "self_attn."
     if d.q_lora is not None:
         kv_a = d.kv_lora + d.rope
-        layers.append(
-            LinearShape(attn + "fused_qkv_a_proj", d.hidden, d.q_lora + kv_a, 1, (d.q_lora, kv_a))
-        )
+        layers.append(LinearShape.replicated(attn + "fused_qkv_a_proj", d.hidden, (d.q_lora, kv_a)))
         layers.append(LinearShape.column(attn + "q_b_proj", d.q_lora, d.heads * qk, tp))
     else:
-        layers.append(
-            LinearShape(
-                attn + "kv_a_proj_with_mqa", d.hidden, d.kv_lora + d.rope, 1, (d.kv_lora + d.rope,)
-            )
-        )
+        kv_a_out = (d.kv_lora + d.rope,)
+        layers.append(LinearShape.replicated(attn + "kv_a_proj_with_mqa", d.hidden, kv_a_out))
         layers.append(LinearShape.column(attn + "q_proj", d.hidden, d.heads * qk, tp))
     layers.append(LinearShape.column(attn + "kv_b_proj", d.kv_lora, d.heads * (d.nope + d.v), tp))
     layers.append(LinearShape.row(attn + "o_proj", d.heads * d.v, d.hidden, tp))
@@ -183,37 +184,16 @@ def linear_shapes(d: Dims, tp: int) -> list[LinearShape]:
     for prefix, size in mlps.items():
         layers.append(LinearShape.merged(prefix + "gate_up_proj", d.hidden, (size, size), tp))
         layers.append(LinearShape.row(prefix + "down_proj", size, d.hidden, tp))
-    return layers  # fmt: skip
+    return layers
 
 
-def refined_block(d: Dims, quant: BlockQuant, tp: int) -> tuple[int, int] | None:
-    """vLLM's `refine_fp8_moe_block_shape`: the finer block its fp8 MoE uses when the
-    experts' per-rank intermediate size is not a whole number of checkpoint blocks."""
-    block_n, block_k = quant.block
-    local = d.moe_intermediate // tp
-    if local % block_n == 0 and (tp == 1 or local % block_k == 0):
-        return None
-    refine = math.gcd(block_n, block_k, local, d.hidden)
-    return (refine, refine) if refine >= 32 else None
-
-
-def moe_block_problems(d: Dims, quant: BlockQuant, tp: int) -> list[str]:
-    """vLLM's `validate_fp8_block_shape_moe`, reached when no refined block fits."""
-    if not d.experts or d.moe_intermediate % tp or refined_block(d, quant, tp):
+def _moe_problems(d: Dims, quant: BlockQuant, tp: int) -> list[str]:
+    if not d.experts or d.moe_intermediate % tp:
         return []
-    block_n, block_k = quant.block
-    local = d.moe_intermediate // tp
-    if local % block_n:
-        return [
-            f"mlp.experts: The output_size of gate's and up's weight = {local} is not "
-            f"divisible by weight quantization block_n = {block_n}."
-        ]
-    if tp > 1 and local % block_k:
-        return [
-            f"mlp.experts: The input_size of down's weight = {local} is not divisible by "
-            f"weight quantization block_k = {block_k}."
-        ]
-    return []
+    return [
+        f"mlp.experts: {p}"
+        for p in moe_block_problems(quant, d.moe_intermediate // tp, d.hidden, tp)
+    ]
 
 
 def split_problems(d: Dims, tp: int) -> list[str]:
@@ -277,7 +257,7 @@ class DeepseekFamily:
         problems += split_problems(d, tp)
         if quant is None or problems:
             return problems
-        refusals = block_problems(linear_shapes(d, tp), quant) + moe_block_problems(d, quant, tp)
+        refusals = block_problems(linear_shapes(d, tp), quant) + _moe_problems(d, quant, tp)
         if refusals:
             fine = [t for t in range(1, d.heads + 1) if not self._refused(d, quant, t)]
             works = ", ".join(map(str, fine)) or "none"
@@ -293,7 +273,7 @@ class DeepseekFamily:
         return bool(
             split_problems(d, tp)
             or block_problems(linear_shapes(d, tp), quant)
-            or moe_block_problems(d, quant, tp)
+            or _moe_problems(d, quant, tp)
         )
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
@@ -350,7 +330,7 @@ class DeepseekFamily:
     ) -> Iterator[tuple[str, Piece, str | None]]:
         """FusedMoE's block scales: per expert, this rank's gate then up scale rows; the
         down scale columns. On the refined grid when vLLM refines the blocks."""
-        grid = refined_block(d, quant, tp)
+        grid = refined_block(quant, d.moe_intermediate // tp, d.hidden, tp)
         shapes = expert_shapes(d)
         for e in range(d.experts):
             for proj in ("gate_proj.weight", "up_proj.weight"):

@@ -4,6 +4,7 @@ each has a float32 `weight_scale_inv` of one scale per block."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardprep.archs import Config
@@ -50,6 +51,10 @@ class LinearShape:
         return cls(name, input_size, output_size, tp, (output_size // tp,))
 
     @classmethod
+    def replicated(cls, name: str, input_size: int, outputs: tuple[int, ...]) -> LinearShape:
+        return cls(name, input_size, sum(outputs), 1, outputs)
+
+    @classmethod
     def merged(cls, name: str, input_size: int, outputs: tuple[int, ...], tp: int) -> LinearShape:
         return cls(name, input_size, sum(outputs), tp, tuple(o // tp for o in outputs))
 
@@ -84,3 +89,36 @@ def block_problems(layers: list[LinearShape], quant: BlockQuant) -> list[str]:
                 )
                 break
     return problems
+
+
+def refined_block(
+    quant: BlockQuant, local_intermediate: int, hidden: int, tp: int
+) -> tuple[int, int] | None:
+    """vLLM's `refine_fp8_moe_block_shape`: the finer block its fp8 MoE uses when the
+    experts' per-rank intermediate size is not a whole number of checkpoint blocks
+    (with the default `moe_backend`)."""
+    block_n, block_k = quant.block
+    if local_intermediate % block_n == 0 and (tp == 1 or local_intermediate % block_k == 0):
+        return None
+    refine = math.gcd(block_n, block_k, local_intermediate, hidden)
+    return (refine, refine) if refine >= 32 else None
+
+
+def moe_block_problems(
+    quant: BlockQuant, local_intermediate: int, hidden: int, tp: int
+) -> list[str]:
+    """vLLM's `validate_fp8_block_shape_moe`, reached when no refined block fits."""
+    if refined_block(quant, local_intermediate, hidden, tp):
+        return []
+    block_n, block_k = quant.block
+    if local_intermediate % block_n:
+        return [
+            f"The output_size of gate's and up's weight = {local_intermediate} is not "
+            f"divisible by weight quantization block_n = {block_n}."
+        ]
+    if tp > 1 and local_intermediate % block_k:
+        return [
+            f"The input_size of down's weight = {local_intermediate} is not divisible by "
+            f"weight quantization block_k = {block_k}."
+        ]
+    return []

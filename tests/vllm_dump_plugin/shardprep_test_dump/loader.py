@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from shardprep_test_dump import DUMP_DIR_ENV
 from shardprep_test_dump.state import save_state
+from shardprep_test_dump.trap import TRAP_ENV, collectives_trapped
 
 
 def model_role(model_config: ModelConfig) -> str:
@@ -74,9 +76,13 @@ class DumpDefaultLoader(BaseModelLoader):
         self.inner.download_model(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        self.inner.load_weights(model, model_config)
+        trapped = os.environ.get(TRAP_ENV) == "1"
+        with collectives_trapped() if trapped else contextlib.nullcontext([]) as calls:
+            self.inner.load_weights(model, model_config)
         role = model_role(model_config)
-        save_state(model, dump_path(role), rank_metadata(model, model_config, role))
+        meta = rank_metadata(model, model_config, role)
+        meta |= {"collectives_trapped": trapped, "collective_calls": calls}
+        save_state(model, dump_path(role), meta)
 
 
 class DumpShardedFastLoader(DumpDefaultLoader):
