@@ -12,6 +12,7 @@ the dim-0 concatenation of its [R, C] blocks; only the final shape differs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -51,7 +52,7 @@ class Piece:
     scale_of: ScaleOf | None = None  # for Cut.BLOCK_SCALE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Block:
     """Rows [start, end) of a source tensor (and columns, for row-parallel weights), or
     `end - start` zero rows when `source` is None."""
@@ -65,7 +66,28 @@ class Block:
 
 
 def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
-    """The blocks that rank `rank` of `tp` takes from a source tensor of `shape`."""
+    """The blocks that rank `rank` of `tp` takes from a source tensor of `shape`.
+
+    The geometry depends on the cut and the shape only, so it is computed once for all
+    the tensors that share them (hundreds of experts per layer); a problem is reported
+    under the tensor's own name."""
+    anonymous = Piece("", piece.cut, piece.heads, scale_of=piece.scale_of)
+    try:
+        geometry = _cached_blocks(anonymous, tuple(shape), tp, rank)
+    except PlanError:
+        return _blocks(piece, shape, tp, rank)
+    return tuple(
+        Block(piece.source if b.source is not None else None, b.rows, b.cols, b.repeat)
+        for b in geometry
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
+    return _blocks(piece, shape, tp, rank)
+
+
+def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
     rows = shape[0] if shape else 1
     if piece.cut is Cut.REPLICATE:
         return (Block(piece.source, (0, rows)),)
