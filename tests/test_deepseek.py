@@ -172,3 +172,10 @@ def test_refined_moe_scales_are_upsampled_then_cut(tmp_path: Path) -> None:
     report = verify(out, full=True, progress=False)
     assert not report.problems and report.round_trip_tensors > 0
     jsonschema.validate(json.loads((out / "shardprep.json").read_text()), SCHEMA)
+
+
+def test_a_config_without_mla_sizes_is_one_clear_problem() -> None:
+    model = source(V3, num_hidden_layers=2)
+    config = {k: v for k, v in model.config.items() if k != "kv_lora_rank"}
+    with pytest.raises(PlanError, match="config.json lacks or garbles 'kv_lora_rank'"):
+        make_plan(SourceModel(config, model.tensors), tp=2, pp=1)

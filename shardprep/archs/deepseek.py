@@ -248,7 +248,10 @@ class DeepseekFamily:
         return found
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
-        d, quant = Dims.of(config), block_quant(config)
+        try:
+            d, quant = Dims.of(config), block_quant(config)
+        except (KeyError, ValueError, TypeError):
+            return []  # expected_shapes reports what config.json lacks
         problems = []
         if d.tied:
             problems.append("tie_word_embeddings is not supported for DeepSeek models")
