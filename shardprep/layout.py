@@ -12,6 +12,7 @@ the dim-0 concatenation of its [R, C] blocks; only the final shape differs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -27,6 +28,20 @@ class Cut(Enum):
     KV_HEADS = "kv_heads"  # dim 0 in heads; replicated when tp exceeds the heads
     VOCAB = "vocab"  # dim 0 padded to a multiple of 64, split, padding zero-filled
     PADDED_VOCAB = "padded_vocab"  # dim 0 padded to a multiple of 64, not split
+    BLOCK_SCALE = "block_scale"  # fp8 block scales of a weight: its cut, in whole blocks
+
+
+@dataclass(frozen=True)
+class ScaleOf:
+    """What a block-scale tensor (`weight_scale_inv`) scales: a 2-D weight of `shape`, cut
+    by `cut` (ROWS, COLS or REPLICATE), quantized in blocks of `block` = (rows, cols)."""
+
+    shape: tuple[int, int]
+    cut: Cut
+    block: tuple[int, int]
+    # The finer grid vLLM's parameter uses, when it refines the checkpoint's blocks
+    # (fp8 MoE, `refine_fp8_moe_block_shape`): the scales are upsampled to it first.
+    grid: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -35,9 +50,10 @@ class Piece:
     cut: Cut
     heads: int = 0  # number of KV heads, for Cut.KV_HEADS
     expert: int | None = None  # global expert id, for a piece of an expert stack
+    scale_of: ScaleOf | None = None  # for Cut.BLOCK_SCALE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Block:
     """Rows [start, end) of a source tensor (and columns, for row-parallel weights), or
     `end - start` zero rows when `source` is None."""
@@ -45,10 +61,34 @@ class Block:
     source: str | None
     rows: tuple[int, int]
     cols: tuple[int, int] | None = None
+    # Rows and columns count in the source upsampled this many times along each dim
+    # (every row, then every column, repeated): fp8 MoE scales on a refined block grid.
+    repeat: tuple[int, int] = (1, 1)
 
 
 def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
-    """The blocks that rank `rank` of `tp` takes from a source tensor of `shape`."""
+    """The blocks that rank `rank` of `tp` takes from a source tensor of `shape`.
+
+    The geometry depends on the cut and the shape only, so it is computed once for all
+    the tensors that share them (hundreds of experts per layer); a problem is reported
+    under the tensor's own name."""
+    anonymous = Piece("", piece.cut, piece.heads, scale_of=piece.scale_of)
+    try:
+        geometry = _cached_blocks(anonymous, tuple(shape), tp, rank)
+    except PlanError:
+        return _blocks(piece, shape, tp, rank)
+    return tuple(
+        Block(piece.source if b.source is not None else None, b.rows, b.cols, b.repeat)
+        for b in geometry
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
+    return _blocks(piece, shape, tp, rank)
+
+
+def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
     rows = shape[0] if shape else 1
     if piece.cut is Cut.REPLICATE:
         return (Block(piece.source, (0, rows)),)
@@ -60,6 +100,9 @@ def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tu
             raise PlanError(f"{piece.source} has shape {list(shape)}; a column split needs 2-D")
         _check_divisible(piece.source, shape[1], tp, "columns")
         return (Block(piece.source, (0, rows), rank_range(shape[1], tp, rank)),)
+    if piece.cut is Cut.BLOCK_SCALE:
+        assert piece.scale_of is not None
+        return (_scale_block(piece.source, piece.scale_of, tp, rank),)
     if piece.cut is Cut.KV_HEADS:
         _check_divisible(piece.source, rows, piece.heads, "rows per KV head")
         head_rows = rows // piece.heads
@@ -81,6 +124,29 @@ def _vocab_blocks(source: str, vocab: int, tp: int, rank: int) -> tuple[Block, .
     if end - start > real[1] - real[0]:
         blocks.append(Block(None, (0, end - start - (real[1] - real[0]))))
     return tuple(blocks)
+
+
+def _scale_block(source: str, of: ScaleOf, tp: int, rank: int) -> Block:
+    """The scale rows (and columns) of the weight blocks that rank `rank` holds, as vLLM's
+    `BlockQuantScaleParameter` narrows them: ceil(local size / block) scales, starting at
+    the rank's first block. A rank whose slice starts inside a block has no scales of
+    its own; vLLM refuses that topology (`validate_fp8_block_shape`), and so does this."""
+    grid = of.grid or of.block
+    repeat = (of.block[0] // grid[0], of.block[1] // grid[1])
+    (cut,) = piece_blocks(Piece(source, of.cut), of.shape, tp, rank)
+    rows = _in_blocks(source, cut.rows, grid[0], "rows")
+    if cut.cols is None:
+        return Block(source, rows, (0, -(-of.shape[1] // grid[1])), repeat)
+    return Block(source, rows, _in_blocks(source, cut.cols, grid[1], "columns"), repeat)
+
+
+def _in_blocks(source: str, span: tuple[int, int], block: int, what: str) -> tuple[int, int]:
+    if span[0] % block:
+        raise PlanError(
+            f"{source}: a rank's {what} start at {span[0]}, inside a block of {block}; "
+            "choose a tp whose per-rank size is a whole number of blocks"
+        )
+    return span[0] // block, -(-span[1] // block)
 
 
 def block_shape(block: Block, source_shape: tuple[int, ...]) -> tuple[int, ...]:

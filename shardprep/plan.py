@@ -17,7 +17,8 @@ from shardprep.layout import Block, block_shape, expert_stack_blocks, is_expert_
 from shardprep.safetensors_io import TensorSpec
 from shardprep.topology import ExpertSplit, Topology, effective_placement, make_topology
 
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+# Floating dtypes that follow the model dtype; fp8 weights are quantized and stay fp8.
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
@@ -292,7 +293,7 @@ def _tensor_plan(
     experts: ExpertSplit,
 ) -> TensorPlan:
     source_dtype = source.tensors[param.pieces[0].source][0]
-    dtype = (param.dtype or model_dtype) if source_dtype in FLOAT_DTYPES else source_dtype
+    dtype = param.dtype or (model_dtype if source_dtype in FLOAT_DTYPES else source_dtype)
     if is_expert_stack(param.pieces):
         shapes = {p.source: source.tensors[p.source][1] for p in param.pieces}
         try:

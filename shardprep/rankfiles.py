@@ -39,6 +39,7 @@ class Write:
     cols: tuple[int, int] | None
     dtype: str
     row_bytes: int  # bytes of one destination row
+    repeat: tuple[int, int] = (1, 1)  # source upsampled (rows, columns) before the cut
 
 
 @dataclass
@@ -98,7 +99,14 @@ def open_outputs(
                 else:
                     writes[(file_plan.role, block.source)].append(
                         Write(
-                            index, offset, dest_row, block.rows, block.cols, tensor.dtype, row_bytes
+                            index,
+                            offset,
+                            dest_row,
+                            block.rows,
+                            block.cols,
+                            tensor.dtype,
+                            row_bytes,
+                            block.repeat,
                         )
                     )
                 dest_row += rows

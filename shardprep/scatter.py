@@ -209,7 +209,9 @@ def _scatter_file(
 def _copy_whole_rows(mover: Mover, fd: int, info: TensorInfo, targets: list[Write]) -> bool:
     """Move a tensor whose every block is whole rows of the same dtype file to file, in
     the kernel. False (nothing done) when a block needs the bytes here."""
-    if not targets or any(t.cols is not None or t.dtype != info.dtype for t in targets):
+    if not targets or any(
+        t.cols is not None or t.dtype != info.dtype or t.repeat != (1, 1) for t in targets
+    ):
         return False
     for target in targets:
         first, last = target.rows
@@ -230,6 +232,9 @@ def _scatter_chunk(
     rows = len(chunk) // row_bytes
     end = start + rows
     for target in targets:
+        if target.repeat != (1, 1):
+            _scatter_upsampled(mover, info, start, chunk, target)
+            continue
         first, last = max(start, target.rows[0]), min(end, target.rows[1])
         if first >= last:
             continue
@@ -249,6 +254,31 @@ def _scatter_chunk(
                 data = _cast(data, info.dtype, target.dtype)
         dest_row = target.dest_row + first - target.rows[0]
         mover.write(target.file, data, target.row_offset + dest_row * target.row_bytes)
+
+
+def _scatter_upsampled(
+    mover: Mover, info: TensorInfo, start: int, chunk: memoryview, target: Write
+) -> None:
+    """A block cut from the source upsampled first (fp8 block scales on a finer grid):
+    `target.rows` and `target.cols` are in upsampled coordinates."""
+    up, across = target.repeat
+    rows = len(chunk) // info.row_bytes
+    first = max(start, target.rows[0] // up)
+    last = min(start + rows, -(-target.rows[1] // up))
+    if first >= last:
+        return
+    size = DTYPE_SIZES[info.dtype]
+    block = np.frombuffer(chunk, np.uint8).reshape(rows, -1, size)[first - start : last - start]
+    block = np.repeat(np.repeat(block, up, axis=0), across, axis=1)
+    low, high = max(first * up, target.rows[0]), min(last * up, target.rows[1])
+    block = block[low - first * up : high - first * up]
+    if target.cols is not None:
+        block = block[:, target.cols[0] : target.cols[1]]
+    data = np.ascontiguousarray(block).reshape(high - low, -1)
+    if target.dtype != info.dtype:
+        data = _cast(data, info.dtype, target.dtype)
+    dest_row = target.dest_row + low - target.rows[0]
+    mover.write(target.file, data, target.row_offset + dest_row * target.row_bytes)
 
 
 def _cast(data: np.ndarray, source: str, dest: str) -> np.ndarray:

@@ -36,9 +36,35 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
         "eos_token_id": 2,
     }
     config.update(_ARCH_DEFAULTS.get(architecture, {}))
+    if architecture in DEEPSEEK:
+        for key in ("head_dim", "num_key_value_heads"):
+            del config[key]
+        config.update(DEEPSEEK[architecture], torch_dtype="bfloat16")
     config.update(overrides)
     return config
 
+
+# MLA with (V3) and without (V2-Lite) q_lora_rank; per-rank sizes are whole 128-blocks at
+# tp2, so an fp8 variant (`quantization_config=TINY_FP8`) loads too.
+_MLA = {
+    "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
+    "moe_intermediate_size": 256, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "norm_topk_prob": True, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
+    "rope_scaling": None, "attention_bias": False,
+}  # fmt: skip
+DEEPSEEK: dict[str, dict[str, Any]] = {
+    "DeepseekV2ForCausalLM": _MLA | {
+        "q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "scoring_func": "softmax",
+    },
+    "DeepseekV3ForCausalLM": _MLA | {
+        "q_lora_rank": 128, "topk_method": "noaux_tc", "n_group": 2, "topk_group": 1,
+        "scoring_func": "sigmoid",
+    },
+}  # fmt: skip
+TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}  # fmt: skip
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -47,6 +73,8 @@ _MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Mixture-of-experts sizes: 8 experts, 2 per token.
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -79,6 +107,8 @@ def make_tiny_model(
     config = tiny_config(architecture, **overrides)
     _, family = archs.target_family(config)
     tensors = _random_tensors(family.expected_shapes(config), config["torch_dtype"], seed)
+    if hasattr(family, "source_dtypes"):
+        tensors.update(_quantized(tensors, family.source_dtypes(config), seed))
     _write_model(folder, config, tensors, files)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -186,6 +216,25 @@ def _random_tensors(
         values = 1.0 + 0.1 * values if len(shape) == 1 else 0.05 * values
         tensors[name] = values.to(TORCH_DTYPES[dtype])
     return tensors
+
+
+def _quantized(
+    tensors: dict[str, torch.Tensor], dtypes: dict[str, str], seed: int
+) -> dict[str, torch.Tensor]:
+    """fp8 weights of unit scale (clamped), small positive float32 block scales, and other
+    tensors that the checkpoint keeps in float32."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    changed = {}
+    for name, dtype in sorted(dtypes.items()):
+        shape = tensors[name].shape
+        if dtype == "F8_E4M3":
+            values = torch.randn(shape, generator=generator).clamp(-4, 4)
+            changed[name] = values.to(torch.float8_e4m3fn)
+        elif name.endswith("weight_scale_inv"):
+            changed[name] = 0.01 + 0.02 * torch.rand(shape, generator=generator)
+        else:
+            changed[name] = tensors[name].float()
+    return changed
 
 
 def _write_model(

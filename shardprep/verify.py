@@ -13,6 +13,7 @@ from shardprep import manifest as mf
 from shardprep.cache import STATE_DIR
 from shardprep.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
+from shardprep.layout import Block
 from shardprep.progress import Progress as tqdm
 from shardprep.safetensors_io import TORCH_DTYPE_NAMES, read_header, sha256_file
 
@@ -230,9 +231,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
                         report.problems.append(f"{path}: padding of {tensor.name} is not zero")
                     continue
                 source = _source_tensor(handles, checkpoint, block.source)
-                expected = source[block.rows[0] : block.rows[1]]
-                if block.cols is not None:
-                    expected = expected[:, block.cols[0] : block.cols[1]]
+                expected = cut_block(source, block)
                 if not _same_bytes(part, expected.to(part.dtype)):
                     report.problems.append(
                         f"{path}: {tensor.name} differs from {block.source} rows {block.rows}"
@@ -241,7 +240,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
                     (file_plan.role, block.source),
                     torch.zeros(_mask_shape(source), dtype=torch.bool),
                 )
-                _mark(mask, block.rows, block.cols)
+                _mark(mask, block)
     for (role, name), mask in covered.items():
         if report.complete and not bool(mask.all()):
             report.problems.append(f"{role}: parts of {name} are in no rank file")
@@ -281,11 +280,23 @@ def _mask_shape(source: torch.Tensor) -> tuple[int, ...]:
     return tuple(source.shape[:2])
 
 
-def _mark(mask: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int] | None) -> None:
+def _mark(mask: torch.Tensor, block: Block) -> None:
+    """Mark the source rows (and columns) that `block` reads."""
+    (up, across), rows, cols = block.repeat, block.rows, block.cols
+    first, last = rows[0] // up, -(-rows[1] // up)
     if cols is None:
-        mask[rows[0] : rows[1]] = True
+        mask[first:last] = True
     else:
-        mask[rows[0] : rows[1], cols[0] : cols[1]] = True
+        mask[first:last, cols[0] // across : -(-cols[1] // across)] = True
+
+
+def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
+    """The part of a whole source tensor that `block` names (what the scatter writes)."""
+    if block.repeat != (1, 1):
+        source = source.repeat_interleave(block.repeat[0], 0)
+        source = source.repeat_interleave(block.repeat[1], 1)
+    part = source[block.rows[0] : block.rows[1]]
+    return part if block.cols is None else part[:, block.cols[0] : block.cols[1]]
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ from shardprep.layout import (
     Block,
     Cut,
     Piece,
+    ScaleOf,
     block_shape,
     expert_stack_blocks,
     piece_blocks,
@@ -123,3 +124,41 @@ def test_expert_stack_bad_input() -> None:
     uneven = {**shapes, "g2": (8, 4), "u2": (8, 4)}
     with pytest.raises(PlanError, match="do not all have the same shape"):
         expert_stack_blocks(w13, uneven, ExpertSplit(4, 2), 0)
+
+
+def scale_piece(shape: tuple[int, int], cut: Cut, block: tuple[int, int]) -> Piece:
+    return Piece("w.weight_scale_inv", Cut.BLOCK_SCALE, scale_of=ScaleOf(shape, cut, block))
+
+
+@pytest.mark.parametrize(
+    ("shape", "cut", "block", "tp", "expected"),
+    [
+        # column-parallel 384 x 200 in 128 x 128 blocks at tp3: one row of scales each,
+        # every column (the last column block is partial: 200 = 128 + 72)
+        ((384, 200), Cut.ROWS, (128, 128), 3, [((r, r + 1), (0, 2)) for r in range(3)]),
+        # row-parallel 96 x 384 in 32 x 64 blocks at tp2: 3 rows, 3 of the 6 column blocks
+        ((96, 384), Cut.COLS, (32, 64), 2, [((0, 3), (0, 3)), ((0, 3), (3, 6))]),
+        # replicated 192 x 130: a partial last block either way, whole on every rank
+        ((192, 130), Cut.REPLICATE, (128, 128), 2, [((0, 2), (0, 2))] * 2),
+        # tp1 keeps the partial blocks of a split kind
+        ((200, 72), Cut.ROWS, (128, 128), 1, [((0, 2), (0, 1))]),
+    ],
+)
+def test_block_scales_follow_the_weight_in_whole_blocks(
+    shape: tuple[int, int],
+    cut: Cut,
+    block: tuple[int, int],
+    tp: int,
+    expected: list[tuple[tuple[int, int], tuple[int, int]]],
+) -> None:
+    piece = scale_piece(shape, cut, block)
+    scale_shape = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    got = [piece_blocks(piece, scale_shape, tp, rank) for rank in range(tp)]
+    assert got == [(Block("w.weight_scale_inv", rows, cols),) for rows, cols in expected]
+
+
+def test_a_rank_starting_inside_a_block_has_no_scales() -> None:
+    piece = scale_piece((192, 128), Cut.ROWS, (128, 128))
+    assert piece_blocks(piece, (2, 1), 2, 0) == (Block("w.weight_scale_inv", (0, 1), (0, 1)),)
+    with pytest.raises(PlanError, match="rows start at 96, inside a block of 128"):
+        piece_blocks(piece, (2, 1), 2, 1)

@@ -25,7 +25,7 @@ class Param:
     name: str
     pieces: tuple[Piece, ...]
     stages: tuple[int, ...]
-    dtype: str | None = None  # a floating dtype vLLM keeps whatever the model's dtype
+    dtype: str | None = None  # a fixed dtype (fp8 weights, float32 scales); None: the model's
 
 
 @dataclass(frozen=True)
@@ -146,4 +146,10 @@ def draft_side_files() -> frozenset[str]:
 
 
 def _load_builtin() -> None:
-    from shardprep.archs import dflash, llama, mixtral, qwen3_moe  # noqa: F401  (register themselves)
+    from shardprep.archs import (  # noqa: F401  (register themselves)
+        deepseek,
+        dflash,
+        llama,
+        mixtral,
+        qwen3_moe,
+    )

@@ -1,0 +1,120 @@
+"""Time and peak memory of `shardprep plan` on a DeepSeek-V3-shaped checkpoint.
+
+    python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
+
+The checkpoint has DeepSeek-V3's full shapes (61 layers and an MTP layer, 256 experts,
+fp8 blocks, 163 files) but is made of sparse files: each is a valid safetensors header
+followed by a hole, so it costs headers only on disk. `plan` reads every header, lays out
+every rank file and validates it all; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from shardprep.safetensors_io import TensorSpec, encode_header
+from shardprep.tiny import TINY_FP8, tiny_config
+
+PLAN_CHILD = """
+import json, resource, sys, time
+from shardprep.cli import main
+t = time.perf_counter()
+code = main(["plan", "--tp", sys.argv[2], "--pp", sys.argv[3], "--quiet", sys.argv[1]])
+seconds = time.perf_counter() - t
+print(json.dumps({"code": code, "seconds": seconds,
+                  "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def deepseek_v3_config() -> dict:
+    """DeepSeek-V3's config.json (fp8 blocks of 128 x 128, one MTP layer)."""
+    return tiny_config(
+        "DeepseekV3ForCausalLM", hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
+        topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+        num_nextn_predict_layers=1, quantization_config=TINY_FP8,
+    )  # fmt: skip
+
+
+def write_sparse_deepseek_v3(folder: Path, files: int = 163) -> int:
+    """Headers only: each file is a valid safetensors header followed by a hole."""
+    from shardprep import archs
+
+    config = deepseek_v3_config()
+    family = archs.target_family(config)[1]
+    dtypes = family.source_dtypes(config)  # type: ignore[attr-defined]
+    shapes = dict(family.expected_shapes(config))
+    # The MTP layer: one more decoder layer and its own heads; the target skips them.
+    mtp = {k.replace("layers.60.", "layers.61."): v for k, v in shapes.items() if ".60." in k}
+    dtypes |= {k.replace("layers.60.", "layers.61."): v for k, v in dtypes.items() if ".60." in k}
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    mtp |= {
+        "model.layers.61.enorm.weight": (hidden,),
+        "model.layers.61.hnorm.weight": (hidden,),
+        "model.layers.61.eh_proj.weight": (hidden, 2 * hidden),
+        "model.layers.61.shared_head.norm.weight": (hidden,),
+        "model.layers.61.shared_head.head.weight": (vocab, hidden),
+        "model.layers.61.embed_tokens.weight": (vocab, hidden),
+    }
+    ordered = sorted({**shapes, **mtp}.items(), key=_natural)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    per_file = math.ceil(len(ordered) / files)
+    weight_map, total = {}, 0
+    for index in range(files):
+        name = f"model-{index + 1:05d}-of-{files:05d}.safetensors"
+        specs = [
+            TensorSpec(n, dtypes.get(n, "BF16"), s)
+            for n, s in ordered[index * per_file : (index + 1) * per_file]
+        ]
+        header = encode_header(specs, {"format": "pt"})
+        with open(folder / name, "wb") as handle:
+            handle.write(header)
+            handle.truncate(len(header) + sum(spec.nbytes for spec in specs))
+        weight_map.update({spec.name: name for spec in specs})
+        total += (folder / name).stat().st_size
+    index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index_doc))
+    return total
+
+
+def bench_plan_deepseek_v3(root: Path, tp: int, pp: int) -> None:
+    source = root / "deepseek-v3"
+    shutil.rmtree(source, ignore_errors=True)
+    total = write_sparse_deepseek_v3(source)
+    on_disk = sum(p.stat().st_blocks * 512 for p in source.iterdir())
+    result = subprocess.run(
+        [sys.executable, "-c", PLAN_CHILD, str(source), str(tp), str(pp)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    run = json.loads(result.stdout.strip().splitlines()[-1])
+    shutil.rmtree(source, ignore_errors=True)
+    print(f"DeepSeek-V3 (fp8, 163 files, {total / 1e9:.0f} GB apparent, "
+          f"{on_disk / 1e6:.1f} MB on disk): shardprep plan --tp {tp} --pp {pp}")  # fmt: skip
+    print(f"  exit status {run['code']}, {run['seconds']:.2f} s, "
+          f"peak RSS {run['max_rss'] / 1e6:.0f} MB")  # fmt: skip
+
+
+def _natural(item: tuple[str, tuple[int, ...]]) -> list:
+    return [int(part) if part.isdigit() else part for part in item[0].split(".")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--dir", default="bench-plan")
+    args = parser.parse_args()
+    bench_plan_deepseek_v3(Path(args.dir), args.tp, args.pp)
+
+
+if __name__ == "__main__":
+    main()
