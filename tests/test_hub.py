@@ -28,8 +28,9 @@ from shardprep.cache import STATE_DIR, ensure_stage, fetch, repo_folder
 from shardprep.constants import MANIFEST_NAME
 from shardprep.convert import Options, convert
 from shardprep.errors import ConfigError, CorruptFileError, HubError
-from shardprep.hub import model_card, publish
+from shardprep.hub import publish
 from shardprep.manifest import Manifest, Source, read_manifest, write_manifest
+from shardprep.modelcard import model_card
 from shardprep.verify import verify
 
 # The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
