@@ -25,60 +25,33 @@ exists is served without any request.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
-import sys
-import tempfile
-from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from filelock import FileLock, Timeout
 from huggingface_hub import constants as hf_constants
 
 from shardprep import hub
-from shardprep.constants import INCOMPLETE_SUFFIX, MANIFEST_NAME, cache_root
+from shardprep.cache_state import (
+    STATE_DIR,
+    Part,
+    Wanted,
+    fetch_lock,
+    is_complete,
+    write_atomic,
+    write_marker,
+)
+from shardprep.constants import MANIFEST_NAME, cache_root
 from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
 from shardprep.manifest import Manifest, load_manifest_file
 from shardprep.safetensors_io import sha256_file
 
-STATE_DIR = ".shardprep"
 REFS_DIR = "refs"
 DOWNLOAD_WORKERS = 8
 
 logger = logging.getLogger("shardprep.cache")
-
-
-@dataclass(frozen=True)
-class Part:
-    """What one fetch asks for: a stage, or one tensor parallel rank of it."""
-
-    stage: int
-    rank: int | None = None
-
-    @property
-    def key(self) -> str:
-        return f"stage-{self.stage}" + ("" if self.rank is None else f"-rank-{self.rank}")
-
-    def __str__(self) -> str:
-        return f"stage {self.stage}" + ("" if self.rank is None else f" rank {self.rank}")
-
-
-@dataclass(frozen=True)
-class Wanted:
-    """One file of a part: where its plain bytes go, and what the repo stores."""
-
-    path: str
-    bytes: int
-    sha256: str
-    stored: str
-    stored_bytes: int
-    stored_sha256: str
-    codec: str
 
 
 def repo_folder(repo_id: str, cache_dir: Path | str | None = None) -> Path:
@@ -245,7 +218,7 @@ def _read_ref(repo_dir: Path, revision: str) -> str | None:
 
 def _write_ref(repo_dir: Path, revision: str, commit: str) -> None:
     if _read_ref(repo_dir, revision) != commit:
-        _write_atomic(_ref_path(repo_dir, revision), commit)
+        write_atomic(_ref_path(repo_dir, revision), commit)
 
 
 # ---------------------------------------------------------------------------- the manifest
@@ -263,7 +236,7 @@ def _manifest(folder: Path, repo_id: str, commit: str, remote: hub.Remote | None
                 f"({folder}). Fetch it once with network access: `shardprep fetch {repo_id} "
                 "--stage P`"
             )
-        with _lock(folder, "manifest", f"the manifest of {repo_id}", remote.progress):
+        with fetch_lock(folder, "manifest", f"the manifest of {repo_id}", remote.progress):
             if not path.is_file():
                 _download_manifest(folder, path, commit, remote)
     return load_manifest_file(path, where)
@@ -308,7 +281,7 @@ def _recheck(
     """Re-hash the part's files in the cache; remove any that fail (and a root manifest
     that differs from the fetched one), so that the fetch downloads them again."""
     damaged = []
-    with _lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
+    with fetch_lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
         for item in _wanted(manifest, part):
             final = folder / item.path
             if final.is_file() and _check(final, item.bytes, item.sha256) is not None:
@@ -334,7 +307,7 @@ def _place_manifest(folder: Path) -> None:
     """`shardprep.json` appears in the folder once a first part of it is complete."""
     final = folder / MANIFEST_NAME
     if not final.is_file():
-        _write_atomic(final, (folder / STATE_DIR / "manifest.json").read_text())
+        write_atomic(final, (folder / STATE_DIR / "manifest.json").read_text())
 
 
 # ---------------------------------------------------------------------------- one part
@@ -348,7 +321,7 @@ def _fetch_part(
     remote: hub.Remote | None,
     progress: bool,
 ) -> None:
-    if _complete(folder, part):
+    if is_complete(folder, part):
         return
     if remote is None:
         raise HubError(
@@ -356,14 +329,14 @@ def _fetch_part(
             "Hub is not used (HF_HUB_OFFLINE is set, or it could not be reached). Fetch it "
             f"once with network access: `shardprep fetch {repo_id} --stage {part.stage}`"
         )
-    with _lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
-        if _complete(folder, part):
+    with fetch_lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
+        if is_complete(folder, part):
             return
         wanted = _wanted(manifest, part)
         staging = folder / STATE_DIR / "staging" / f"stage-{part.stage}"
         _download_and_place(folder, staging, wanted, remote)
         _place_manifest(folder)
-        _write_marker(folder, part, wanted)
+        write_marker(folder, part, wanted)
         shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -471,66 +444,3 @@ def _corrupt(repo_id: str, folder: Path, item: Wanted, problem: str) -> CorruptF
         f"artifact again (`shardprep publish OUT {repo_id}`) or tell the repo's owner",
         path=item.stored,
     )
-
-
-# ---------------------------------------------------------------------------- markers, locks
-
-
-def _marker(folder: Path, part: Part) -> Path:
-    return folder / STATE_DIR / "done" / f"{part.key}.json"
-
-
-def _complete(folder: Path, part: Part) -> bool:
-    """The part's marker (or its whole stage's) exists and its files are all in place."""
-    candidates = [part] if part.rank is None else [Part(part.stage), part]
-    if not (folder / MANIFEST_NAME).is_file():
-        return False
-    for candidate in candidates:
-        marker = _marker(folder, candidate)
-        if marker.is_file():
-            try:
-                files = json.loads(marker.read_text())["files"]
-                sizes = {str(p): int(n) for p, n in files.items()}
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # a damaged marker: the part is fetched again (files in place stay)
-            if all(
-                (folder / p).is_file() and (folder / p).stat().st_size == n
-                for p, n in sizes.items()
-            ):
-                return True
-    return False
-
-
-def _write_marker(folder: Path, part: Part, wanted: list[Wanted]) -> None:
-    files = {w.path: w.bytes for w in wanted}
-    record = {"stage": part.stage, "rank": part.rank, "commit": folder.name, "files": files}
-    _write_atomic(_marker(folder, part), json.dumps(record, indent=1, sort_keys=True) + "\n")
-
-
-@contextmanager
-def _lock(folder: Path, name: str, what: str, progress: bool) -> Iterator[None]:
-    """One process of a node fetches `what`; the others wait here, then find it complete."""
-    path = folder / STATE_DIR / "locks" / f"{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(path)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        message = f"another process is fetching {what} into {folder}; waiting for it"
-        logger.info(message)
-        if progress:
-            print(f"shardprep: {message}", file=sys.stderr)
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """A unique temporary name, then a rename: concurrent writers never mix their bytes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=INCOMPLETE_SUFFIX)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
