@@ -26,7 +26,12 @@ from torch import nn
 
 from shardprep.constants import MANIFEST_NAME, VLLM_SHARDED_STATE_PATTERN
 from shardprep.convert import Options, convert
-from shardprep.errors import ConfigError, ManifestError, TopologyMismatchError
+from shardprep.errors import (
+    ConfigError,
+    ManifestError,
+    TopologyMismatchError,
+    WeightMismatchError,
+)
 from shardprep.manifest import read_manifest
 
 pytestmark = [
@@ -34,6 +39,8 @@ pytestmark = [
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
 plugin = pytest.importorskip("shardprep.loader.plugin", reason="needs vLLM importable")
+checks = pytest.importorskip("shardprep.loader.checks", reason="needs vLLM importable")
+filling = pytest.importorskip("shardprep.loader.fill", reason="needs vLLM importable")
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 WITH_DRAFT = {(2, 1), (2, 2)}
@@ -127,7 +134,7 @@ def toy_tensors(**changes: torch.Tensor | None) -> list[tuple[str, torch.Tensor]
 
 def fill(model: nn.Module, tensors, **kw) -> list[str]:
     kw = {"ignorable": set(), "may_lack": set(), "where": "OUT (target, rank pp0 tp0)", **kw}
-    return plugin.fill_parameters(model, tensors, layout="vllm-0.32/1", **kw)
+    return filling.fill_parameters(model, tensors, layout="vllm-0.32/1", **kw)
 
 
 def test_fill_copies_every_parameter_once() -> None:
@@ -156,7 +163,7 @@ def test_destinations_hand_out_each_fitting_parameter_once() -> None:
     from shardprep.safetensors_io import TensorInfo
 
     model = Toy()
-    into = plugin.Destinations(model)
+    into = filling.Destinations(model)
 
     def info(*shape: int) -> TensorInfo:
         return TensorInfo("F32", shape, 0, 4)
@@ -181,7 +188,7 @@ def test_fill_reports_every_problem_once() -> None:
         ("proj.weight", torch.ones(2, 2)),
         ("norm.weight", torch.ones(2, dtype=torch.float64)),
     ]
-    with pytest.raises(plugin.WeightMismatchError) as info:
+    with pytest.raises(WeightMismatchError) as info:
         fill(Toy(), tensors)
     assert str(info.value) == (
         "the rank files of OUT (target, rank pp0 tp0) do not fit the model vLLM built: "
@@ -192,7 +199,7 @@ def test_fill_reports_every_problem_once() -> None:
         "They follow vLLM layout vllm-0.32/1; convert again with a shardprep that matches "
         "this vLLM, or load the original model with --load-format auto"
     )
-    with pytest.raises(plugin.WeightMismatchError) as info:
+    with pytest.raises(WeightMismatchError) as info:
         fill(Toy(), toy_tensors()[:1])
     assert "2 parameter(s) missing from the files (proj.weight, norm.weight)" in str(info.value)
 
@@ -204,44 +211,44 @@ def test_draft_flags_follow_the_files() -> None:
         pass
 
     draft = Draft()
-    plugin.mark_eagle_weights(draft, ["model.layers.0.mlp.down_proj.weight", "lm_head.weight"])
+    filling.mark_eagle_weights(draft, ["model.layers.0.mlp.down_proj.weight", "lm_head.weight"])
     assert draft.has_own_lm_head is True and draft.has_own_embed_tokens is False
 
 
-def place(tp: int, pp: int, pp_rank: int = 0) -> plugin.RankPlace:
-    return plugin.RankPlace(pp_rank=pp_rank, pp_size=pp, tp_rank=0, tp_size=tp)
+def place(tp: int, pp: int, pp_rank: int = 0) -> checks.RankPlace:
+    return checks.RankPlace(pp_rank=pp_rank, pp_size=pp, tp_rank=0, tp_size=tp)
 
 
 def test_topology_mismatch_names_both_sides(artifacts: Artifacts) -> None:
     out = artifacts.get(2, 2)
     with pytest.raises(TopologyMismatchError) as info:
-        plugin.check_topology(out, read_manifest(out), place(4, 2))
+        checks.check_topology(out, read_manifest(out), place(4, 2))
     assert str(info.value) == (
         f"artifact {out} is tp2 x pp2 but vLLM runs tp4 x pp2; re-run `shardprep convert "
         f"{artifacts.model} --tp 4 --pp 2 -o NEW` or start vLLM with "
         "--tensor-parallel-size 2 --pipeline-parallel-size 2"
     )
-    plugin.check_topology(out, read_manifest(out), place(2, 2))
+    checks.check_topology(out, read_manifest(out), place(2, 2))
 
 
 def test_dtype_mismatch_says_which_flag_to_change(artifacts: Artifacts) -> None:
     out = artifacts.get(1, 1)
     entry = read_manifest(out).model("target")
     with pytest.raises(TopologyMismatchError) as info:
-        plugin.check_dtype(out, entry, torch.bfloat16)
+        checks.check_dtype(out, entry, torch.bfloat16)
     assert str(info.value) == (
         f"artifact {out} holds float32 weights but vLLM runs torch.bfloat16; start vLLM "
         "with --dtype float32, or convert again with `shardprep convert --dtype bfloat16`"
     )
-    plugin.check_dtype(out, entry, torch.float32)
+    checks.check_dtype(out, entry, torch.float32)
 
 
 def test_layer_range_mismatch_names_both_partitions(artifacts: Artifacts) -> None:
     out = artifacts.get(1, 2)
     manifest = read_manifest(out)
-    plugin.check_layers(out, manifest, place(1, 2, 1), (2, 4), (2, 2))
+    checks.check_layers(out, manifest, place(1, 2, 1), (2, 4), (2, 2))
     with pytest.raises(TopologyMismatchError) as info:
-        plugin.check_layers(out, manifest, place(1, 2, 1), (3, 4), (3, 1))
+        checks.check_layers(out, manifest, place(1, 2, 1), (3, 4), (3, 1))
     assert str(info.value) == (
         f"artifact {out} puts layers 2-3 on stage 1 (partition 2,2) but vLLM built layers "
         "3-3 there (partition 3,1); start vLLM with VLLM_PP_LAYER_PARTITION=2,2, or convert "

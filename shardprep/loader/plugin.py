@@ -13,29 +13,29 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from shardprep.constants import DRAFT_DIR, MANIFEST_NAME
-from shardprep.errors import (
-    ConfigError,
-    ManifestError,
-    TopologyMismatchError,
-    WeightMismatchError,
-    summarize,
+from shardprep.errors import ConfigError, ManifestError
+from shardprep.loader.checks import (
+    RankPlace,
+    check_dtype,
+    check_layers,
+    check_moe,
+    check_topology,
+    vllm_layers,
 )
-from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
-from shardprep.loader.reader import read_rank, torch_dtypes
+from shardprep.loader.fill import Destinations, fill_parameters, mark_eagle_weights
+from shardprep.loader.reader import read_rank
 from shardprep.manifest import Manifest, ModelEntry, rank_key, read_manifest
-from shardprep.safetensors_io import TensorInfo
 
 LOAD_FORMAT = "sharded-fast"
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -89,32 +89,6 @@ class LoaderOptions:
                     f"for --load-format {LOAD_FORMAT}, found {value!r}"
                 )
         return cls(**extra)
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    """Where this worker sits: its ranks in vLLM's pipeline and tensor parallel groups."""
-
-    pp_rank: int
-    pp_size: int
-    tp_rank: int
-    tp_size: int
-
-    @classmethod
-    def current(cls) -> RankPlace:
-        from vllm.distributed import (
-            get_pp_group,
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        pp = get_pp_group()
-        return cls(
-            pp_rank=pp.rank_in_group,
-            pp_size=pp.world_size,
-            tp_rank=get_tensor_model_parallel_rank(),
-            tp_size=get_tensor_model_parallel_world_size(),
-        )
 
 
 class ShardedFastLoader(BaseModelLoader):
@@ -235,93 +209,6 @@ def model_entry(manifest: Manifest, role: str, artifact: Path) -> ModelEntry:
     return entry
 
 
-TORCH_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-def check_dtype(artifact: Path, entry: ModelEntry, running: torch.dtype) -> None:
-    """The weights' dtype is fixed at conversion; vLLM's must be the same."""
-    stored = TORCH_DTYPE_NAMES.get(entry.dtype, entry.dtype)
-    if str(running).removeprefix("torch.") == stored:
-        return
-    raise TopologyMismatchError(
-        f"artifact {artifact} holds {stored} weights but vLLM runs {running}; start vLLM "
-        f"with --dtype {stored}, or convert again with `shardprep convert --dtype "
-        f"{str(running).removeprefix('torch.')}`"
-    )
-
-
-def check_topology(artifact: Path, manifest: Manifest, place: RankPlace) -> None:
-    topo = manifest.topology
-    if (topo.tp, topo.pp) == (place.tp_size, place.pp_size):
-        return
-    source = _source(manifest)
-    raise TopologyMismatchError(
-        f"artifact {artifact} is tp{topo.tp} x pp{topo.pp} but vLLM runs "
-        f"tp{place.tp_size} x pp{place.pp_size}; re-run `shardprep convert {source} "
-        f"--tp {place.tp_size} --pp {place.pp_size} -o NEW` or start vLLM with "
-        f"--tensor-parallel-size {topo.tp} --pipeline-parallel-size {topo.pp}"
-    )
-
-
-def vllm_layers(
-    model: nn.Module, model_config: ModelConfig, place: RankPlace
-) -> tuple[tuple[int, int], tuple[int, ...]]:
-    """The layer range vLLM built on this stage (from the model when it says so), and
-    vLLM's whole partition (from `get_pp_indices`, which reads VLLM_PP_LAYER_PARTITION)."""
-    from vllm.distributed.utils import get_pp_indices
-
-    total = model_config.get_total_num_hidden_layers()
-    ranges = [get_pp_indices(total, stage, place.pp_size) for stage in range(place.pp_size)]
-    partition = tuple(end - start for start, end in ranges)
-    for module in (getattr(model, "model", None), model):
-        start, end = getattr(module, "start_layer", None), getattr(module, "end_layer", None)
-        if isinstance(start, int) and isinstance(end, int):
-            return (start, end), partition
-    return ranges[place.pp_rank], partition
-
-
-def check_layers(
-    artifact: Path,
-    manifest: Manifest,
-    place: RankPlace,
-    built: tuple[int, int],
-    vllm_partition: tuple[int, ...],
-) -> None:
-    partition = manifest.topology.partition
-    start = sum(partition[: place.pp_rank])
-    expected = (start, start + partition[place.pp_rank])
-    if built == expected:
-        return
-    ours, theirs = ",".join(map(str, partition)), ",".join(map(str, vllm_partition))
-    raise TopologyMismatchError(
-        f"artifact {artifact} puts layers {expected[0]}-{expected[1] - 1} on stage "
-        f"{place.pp_rank} (partition {ours}) but vLLM built layers {built[0]}-{built[1] - 1} "
-        f"there (partition {theirs}); start vLLM with VLLM_PP_LAYER_PARTITION={ours}, or "
-        f"convert again with VLLM_PP_LAYER_PARTITION={theirs} set"
-    )
-
-
-def check_moe(
-    artifact: Path, manifest: Manifest, entry: ModelEntry, model: nn.Module, place: RankPlace
-) -> None:
-    """Expert parallelism, placement and the device-dependent expert layout."""
-    if entry.experts is None:
-        return
-    running = RunningExperts.current(model, place.tp_rank)
-    if running is None:
-        return
-    hint = f"shardprep convert {_source(manifest)} --tp {place.tp_size} --pp {place.pp_size} "
-    check_experts(artifact, entry.experts, running, hint + "EP_FLAGS-o NEW")
-    files = entry.ranks.get(rank_key(place.pp_rank, place.tp_rank), {})
-    built = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    check_device_layout(artifact, entry.experts, files, built)
-
-
-def _source(manifest: Manifest) -> str:
-    target = manifest.model("target")
-    return target.source.model if target is not None and target.source.model else "MODEL"
-
-
 def _ignorable(entry: ModelEntry, place: RankPlace) -> set[str]:
     """File tensors vLLM builds only when an EAGLE draft runs with pp > 1."""
     return {name for name, stage in entry.spec_decode_only if stage == place.pp_rank}
@@ -349,132 +236,3 @@ def draft_family(entry: ModelEntry) -> Any:
 def _device_of(model: nn.Module) -> str:
     param = next(model.parameters(), None)
     return str(param.device) if param is not None else "cpu"
-
-
-class Destinations:
-    """Where the reader may put a tensor directly: the parameter (or buffer) of that
-    name, when it is contiguous, of the exact shape and dtype, and not handed out yet.
-    Anything else gets None, and `fill_parameters` reports it."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.tensors, self.canonical = _parameters(model)
-        self.claimed: set[str] = set()
-
-    def __call__(self, name: str, info: TensorInfo) -> torch.Tensor | None:
-        target = self.tensors.get(name)
-        if target is None or self.canonical[name] in self.claimed:
-            return None
-        data = target.data
-        if tuple(data.shape) != info.shape or data.dtype != torch_dtypes(torch).get(info.dtype):
-            return None
-        if not data.is_contiguous() or data.device.type != "cpu":
-            return None
-        self.claimed.add(self.canonical[name])
-        return data
-
-
-@dataclass
-class Problems:
-    """What did not fit, collected over the whole rank and raised once."""
-
-    missing: list[str] = field(default_factory=list)
-    extra: list[str] = field(default_factory=list)
-    twice: list[str] = field(default_factory=list)
-    shape: list[str] = field(default_factory=list)
-    dtype: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        parts = [
-            (self.missing, "parameter(s) missing from the files"),
-            (self.extra, "tensor(s) the model does not have"),
-            (self.twice, "parameter(s) filled more than once"),
-            (self.shape, "shape mismatch(es)"),
-            (self.dtype, "dtype mismatch(es)"),
-        ]
-        found = [f"{len(items)} {what} ({summarize(items)})" for items, what in parts if items]
-        return "; ".join(found)
-
-
-def fill_parameters(
-    model: nn.Module,
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    *,
-    ignorable: set[str],
-    may_lack: set[str],
-    where: str,
-    layout: str = "",
-) -> list[str]:
-    """Copy each tensor into the parameter of the same name (tied aliases count as the
-    parameter they alias); every parameter must be filled exactly once with the exact
-    shape and dtype, except those in `may_lack`. A tensor may also fill a buffer (e.g.
-    attention scales), which is never required. Tensors in `ignorable` that the model
-    lacks are skipped. Returns the names filled; raises one error listing every problem."""
-    params, canonical = _parameters(model)
-    required = {name for name, _ in model.named_parameters()}
-    problems, filled, seen = Problems(), {}, set()
-    for name, tensor in tensors:
-        if name in params:
-            if _fill_one(name, tensor, params[name], canonical[name] in seen, problems):
-                filled[canonical[name]] = name
-            seen.add(canonical[name])
-        elif name not in ignorable:
-            problems.extra.append(name)
-        del tensor  # let the reader free a part before it stages the next one
-    problems.missing = [
-        key
-        for key, names in _aliases(canonical).items()
-        if key in required and key not in seen and not names & may_lack
-    ]
-    if any(vars(problems).values()):
-        raise WeightMismatchError(
-            f"the rank files of {where} do not fit the model vLLM built: {problems.summary()}. "
-            f"They follow vLLM layout {layout or 'unknown'}; convert again with a shardprep "
-            "that matches this vLLM, or load the original model with --load-format auto"
-        )
-    return list(filled.values())
-
-
-def _fill_one(
-    name: str, tensor: torch.Tensor, target: torch.Tensor, seen: bool, problems: Problems
-) -> bool:
-    """Copy one tensor if it fits; else record why not."""
-    if seen:
-        problems.twice.append(name)
-    elif tuple(tensor.shape) != tuple(target.shape):
-        problems.shape.append(f"{name}: file {tuple(tensor.shape)}, model {tuple(target.shape)}")
-    elif tensor.dtype != target.dtype:
-        problems.dtype.append(f"{name}: file {tensor.dtype}, model {target.dtype}")
-    else:
-        if tensor.data_ptr() != target.data_ptr():  # else it was read straight into it
-            target.data.copy_(tensor)
-        return True
-    return False
-
-
-def _parameters(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every parameter name (tied aliases included), and the first name of each; then the
-    buffers, likewise (they may be filled, they are not required)."""
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    first: dict[int, str] = {}
-    canonical = {name: first.setdefault(id(p), name) for name, p in tensors.items()}
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        tensors[name] = buffer
-        canonical[name] = first.setdefault(id(buffer), name)
-    return tensors, canonical
-
-
-def _aliases(canonical: dict[str, str]) -> dict[str, set[str]]:
-    names: dict[str, set[str]] = {}
-    for name, key in canonical.items():
-        names.setdefault(key, set()).add(name)
-    return names
-
-
-def mark_eagle_weights(model: nn.Module, names: Iterable[str]) -> None:
-    """What EAGLE/EAGLE3 `load_weights` sets as a side effect: `has_own_lm_head` and
-    `has_own_embed_tokens` when the draft's files hold them (else vLLM shares the
-    target's modules)."""
-    from vllm.model_executor.models.utils import process_eagle_weight
-
-    for name in names:
-        process_eagle_weight(model, name)

@@ -1,0 +1,143 @@
+"""Copying the tensors read into the model vLLM built: every parameter exactly once, with
+its exact shape and dtype, or one error that lists every problem."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardprep.errors import WeightMismatchError, summarize
+from shardprep.loader.reader import torch_dtypes
+from shardprep.safetensors_io import TensorInfo
+
+
+class Destinations:
+    """Where the reader may put a tensor directly: the parameter (or buffer) of that
+    name, when it is contiguous, of the exact shape and dtype, and not handed out yet.
+    Anything else gets None, and `fill_parameters` reports it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.tensors, self.canonical = _parameters(model)
+        self.claimed: set[str] = set()
+
+    def __call__(self, name: str, info: TensorInfo) -> torch.Tensor | None:
+        target = self.tensors.get(name)
+        if target is None or self.canonical[name] in self.claimed:
+            return None
+        data = target.data
+        if tuple(data.shape) != info.shape or data.dtype != torch_dtypes(torch).get(info.dtype):
+            return None
+        if not data.is_contiguous() or data.device.type != "cpu":
+            return None
+        self.claimed.add(self.canonical[name])
+        return data
+
+
+@dataclass
+class Problems:
+    """What did not fit, collected over the whole rank and raised once."""
+
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    twice: list[str] = field(default_factory=list)
+    shape: list[str] = field(default_factory=list)
+    dtype: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = [
+            (self.missing, "parameter(s) missing from the files"),
+            (self.extra, "tensor(s) the model does not have"),
+            (self.twice, "parameter(s) filled more than once"),
+            (self.shape, "shape mismatch(es)"),
+            (self.dtype, "dtype mismatch(es)"),
+        ]
+        found = [f"{len(items)} {what} ({summarize(items)})" for items, what in parts if items]
+        return "; ".join(found)
+
+
+def fill_parameters(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    ignorable: set[str],
+    may_lack: set[str],
+    where: str,
+    layout: str = "",
+) -> list[str]:
+    """Copy each tensor into the parameter of the same name (tied aliases count as the
+    parameter they alias); every parameter must be filled exactly once with the exact
+    shape and dtype, except those in `may_lack`. A tensor may also fill a buffer (e.g.
+    attention scales), which is never required. Tensors in `ignorable` that the model
+    lacks are skipped. Returns the names filled; raises one error listing every problem."""
+    params, canonical = _parameters(model)
+    required = {name for name, _ in model.named_parameters()}
+    problems, filled, seen = Problems(), {}, set()
+    for name, tensor in tensors:
+        if name in params:
+            if _fill_one(name, tensor, params[name], canonical[name] in seen, problems):
+                filled[canonical[name]] = name
+            seen.add(canonical[name])
+        elif name not in ignorable:
+            problems.extra.append(name)
+        del tensor  # let the reader free a part before it stages the next one
+    problems.missing = [
+        key
+        for key, names in _aliases(canonical).items()
+        if key in required and key not in seen and not names & may_lack
+    ]
+    if any(vars(problems).values()):
+        raise WeightMismatchError(
+            f"the rank files of {where} do not fit the model vLLM built: {problems.summary()}. "
+            f"They follow vLLM layout {layout or 'unknown'}; convert again with a shardprep "
+            "that matches this vLLM, or load the original model with --load-format auto"
+        )
+    return list(filled.values())
+
+
+def _fill_one(
+    name: str, tensor: torch.Tensor, target: torch.Tensor, seen: bool, problems: Problems
+) -> bool:
+    """Copy one tensor if it fits; else record why not."""
+    if seen:
+        problems.twice.append(name)
+    elif tuple(tensor.shape) != tuple(target.shape):
+        problems.shape.append(f"{name}: file {tuple(tensor.shape)}, model {tuple(target.shape)}")
+    elif tensor.dtype != target.dtype:
+        problems.dtype.append(f"{name}: file {tensor.dtype}, model {target.dtype}")
+    else:
+        if tensor.data_ptr() != target.data_ptr():  # else it was read straight into it
+            target.data.copy_(tensor)
+        return True
+    return False
+
+
+def _parameters(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every parameter name (tied aliases included), and the first name of each; then the
+    buffers, likewise (they may be filled, they are not required)."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    canonical = {name: first.setdefault(id(p), name) for name, p in tensors.items()}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        tensors[name] = buffer
+        canonical[name] = first.setdefault(id(buffer), name)
+    return tensors, canonical
+
+
+def _aliases(canonical: dict[str, str]) -> dict[str, set[str]]:
+    names: dict[str, set[str]] = {}
+    for name, key in canonical.items():
+        names.setdefault(key, set()).add(name)
+    return names
+
+
+def mark_eagle_weights(model: nn.Module, names: Iterable[str]) -> None:
+    """What EAGLE/EAGLE3 `load_weights` sets as a side effect: `has_own_lm_head` and
+    `has_own_embed_tokens` when the draft's files hold them (else vLLM shares the
+    target's modules)."""
+    from vllm.model_executor.models.utils import process_eagle_weight
+
+    for name in names:
+        process_eagle_weight(model, name)
