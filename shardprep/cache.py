@@ -29,26 +29,31 @@ import logging
 import os
 import shutil
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from huggingface_hub import constants as hf_constants
 
 from shardprep import hub
+from shardprep.cache_manifest import (
+    cached_manifest,
+    place_manifest,
+    recheck_manifest,
+    resolve_commit,
+    write_ref,
+)
 from shardprep.cache_state import (
     STATE_DIR,
     Part,
     Wanted,
     fetch_lock,
     is_complete,
-    write_atomic,
     write_marker,
 )
 from shardprep.constants import MANIFEST_NAME, cache_root
 from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
-from shardprep.manifest import Manifest, load_manifest_file
+from shardprep.manifest import Manifest
 from shardprep.safetensors_io import sha256_file
 
-REFS_DIR = "refs"
 DOWNLOAD_WORKERS = 8
 
 logger = logging.getLogger("shardprep.cache")
@@ -82,17 +87,17 @@ def fetch(
     repo_dir = repo_folder(repo_id, cache_dir)
     revision = revision or hf_constants.DEFAULT_REVISION
     remote = None if hub.is_offline() else hub.Remote(repo_id, endpoint, token, progress)
-    commit, remote = _resolve(repo_dir, repo_id, revision, remote)
+    commit, remote = resolve_commit(repo_dir, repo_id, revision, remote)
     folder = repo_dir / commit
     if verify and remote is not None:
-        _recheck_manifest(folder, commit, remote)
-    manifest = _manifest(folder, repo_id, commit, remote)
+        recheck_manifest(folder, commit, remote)
+    manifest = cached_manifest(folder, repo_id, commit, remote)
     for part in _parts(manifest, repo_id, stage, rank, all_stages):
         if verify:
             _recheck(folder, repo_id, manifest, part, remote, progress)
         _fetch_part(folder, repo_id, manifest, part, remote, progress)
     if not hub.is_commit(revision):
-        _write_ref(repo_dir, revision, commit)
+        write_ref(repo_dir, revision, commit)
     return folder
 
 
@@ -175,99 +180,7 @@ def _wanted(manifest: Manifest, part: Part) -> list[Wanted]:
     return items
 
 
-# ---------------------------------------------------------------------------- revisions
-
-
-def _resolve(
-    repo_dir: Path, repo_id: str, revision: str, remote: hub.Remote | None
-) -> tuple[str, hub.Remote | None]:
-    """The commit `revision` names, and the remote to use (None: work from the cache only)."""
-    if hub.is_commit(revision):
-        return revision, remote
-    if remote is not None:
-        try:
-            return remote.resolve(revision), remote
-        except HubError as exc:
-            cached = _read_ref(repo_dir, revision)
-            if cached is None or not hub.is_connection_error(exc.__cause__ or exc):
-                raise
-            logger.warning("%s; using %s@%s from the cache", exc, repo_id, cached[:12])
-            return cached, None
-    cached = _read_ref(repo_dir, revision)
-    if cached is None:
-        raise HubError(
-            f"HF_HUB_OFFLINE is set and the cache ({repo_dir}) has never fetched {repo_id}@"
-            f"{revision}. Fetch it once with network access: `shardprep fetch {repo_id} "
-            "--stage P`"
-        )
-    return cached, None
-
-
-def _ref_path(repo_dir: Path, revision: str) -> Path:
-    parts = PurePosixPath(revision).parts
-    if not parts or ".." in parts or revision.startswith("/"):
-        raise ConfigError(f"revision {revision!r} is not a branch, tag or commit name")
-    return repo_dir.joinpath(REFS_DIR, *parts)
-
-
-def _read_ref(repo_dir: Path, revision: str) -> str | None:
-    path = _ref_path(repo_dir, revision)
-    commit = path.read_text().strip() if path.is_file() else ""
-    return commit if hub.is_commit(commit) else None
-
-
-def _write_ref(repo_dir: Path, revision: str, commit: str) -> None:
-    if _read_ref(repo_dir, revision) != commit:
-        write_atomic(_ref_path(repo_dir, revision), commit)
-
-
-# ---------------------------------------------------------------------------- the manifest
-
-
-def _manifest(folder: Path, repo_id: str, commit: str, remote: hub.Remote | None) -> Manifest:
-    """The commit's manifest: from the cache, else downloaded once (under a lock) and checked
-    against the id the Hub gives the file."""
-    path = folder / STATE_DIR / "manifest.json"
-    where = f"{repo_id}@{commit[:12]}/{MANIFEST_NAME}"
-    if not path.is_file():
-        if remote is None:
-            raise HubError(
-                f"HF_HUB_OFFLINE is set and the cache holds nothing of {repo_id}@{commit[:12]} "
-                f"({folder}). Fetch it once with network access: `shardprep fetch {repo_id} "
-                "--stage P`"
-            )
-        with fetch_lock(folder, "manifest", f"the manifest of {repo_id}", remote.progress):
-            if not path.is_file():
-                _download_manifest(folder, path, commit, remote)
-    return load_manifest_file(path, where)
-
-
-def _download_manifest(folder: Path, path: Path, commit: str, remote: hub.Remote) -> None:
-    staging = folder / STATE_DIR / "staging" / "manifest"
-    file_id = remote.file_id(commit, MANIFEST_NAME)
-    for again in (False, True):
-        staged = remote.download(commit, MANIFEST_NAME, staging, again=again)
-        if hub.matches_file_id(staged, file_id):
-            os.replace(staged, path)
-            shutil.rmtree(staging, ignore_errors=True)
-            return
-        staged.unlink()
-    raise CorruptFileError(
-        f"{remote.repo_id}@{commit[:12]}: {MANIFEST_NAME} does not match the {file_id[0]} the "
-        f"Hub lists for it ({file_id[1][:12]}...), on two downloads in a row. Nothing was "
-        "placed in the cache; try again later, or publish the artifact again",
-        path=MANIFEST_NAME,
-    )
-
-
-def _recheck_manifest(folder: Path, commit: str, remote: hub.Remote) -> None:
-    """The cached manifest against the id the Hub gives it; a damaged one is removed (with
-    the copy at the folder's root) and downloaded again."""
-    path = folder / STATE_DIR / "manifest.json"
-    if path.is_file() and not hub.matches_file_id(path, remote.file_id(commit, MANIFEST_NAME)):
-        logger.warning("%s in the cache does not match the Hub; downloading it again", path)
-        path.unlink()
-        (folder / MANIFEST_NAME).unlink(missing_ok=True)
+# ---------------------------------------------------------------------------- re-verifying
 
 
 def _recheck(
@@ -303,13 +216,6 @@ def _recheck(
         )
 
 
-def _place_manifest(folder: Path) -> None:
-    """`shardprep.json` appears in the folder once a first part of it is complete."""
-    final = folder / MANIFEST_NAME
-    if not final.is_file():
-        write_atomic(final, (folder / STATE_DIR / "manifest.json").read_text())
-
-
 # ---------------------------------------------------------------------------- one part
 
 
@@ -335,7 +241,7 @@ def _fetch_part(
         wanted = _wanted(manifest, part)
         staging = folder / STATE_DIR / "staging" / f"stage-{part.stage}"
         _download_and_place(folder, staging, wanted, remote)
-        _place_manifest(folder)
+        place_manifest(folder)
         write_marker(folder, part, wanted)
         shutil.rmtree(staging, ignore_errors=True)
 
