@@ -34,7 +34,7 @@ from shardprep.errors import (
 )
 from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
 from shardprep.loader.reader import read_rank, torch_dtypes
-from shardprep.manifest import Manifest, ModelEntry, rank_key, read_manifest
+from shardprep.manifest import Manifest, ModelEntry, read_manifest
 from shardprep.safetensors_io import TensorInfo
 
 LOAD_FORMAT = "sharded-fast"
@@ -93,27 +93,31 @@ class LoaderOptions:
 
 @dataclass(frozen=True)
 class RankPlace:
-    """Where this worker sits: its ranks in vLLM's pipeline and tensor parallel groups."""
+    """Where this worker sits: its ranks in vLLM's pipeline, tensor and data parallel
+    groups (the dp rank picks its experts where they are stored per dp rank)."""
 
     pp_rank: int
     pp_size: int
     tp_rank: int
     tp_size: int
+    dp_rank: int = 0
 
     @classmethod
     def current(cls) -> RankPlace:
         from vllm.distributed import (
+            get_dp_group,
             get_pp_group,
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
 
-        pp = get_pp_group()
+        pp, dp = get_pp_group(), get_dp_group()  # FusedMoE reads its dp rank the same way
         return cls(
             pp_rank=pp.rank_in_group,
             pp_size=pp.world_size,
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),
+            dp_rank=dp.rank_in_group if dp.world_size > 1 else 0,
         )
 
 
@@ -143,12 +147,13 @@ class ShardedFastLoader(BaseModelLoader):
         tensors = read_rank(
             artifact, role, place.pp_rank, place.tp_rank, manifest=manifest,
             device=_device_of(model), verify=self.options.verify, into=Destinations(model),
+            dp_rank=place.dp_rank,
         )  # fmt: skip
         where = f"{artifact} ({role}, rank pp{place.pp_rank} tp{place.tp_rank})"
         family = draft_family(entry)
         if family is not None and hasattr(family, "before_fill"):
             family.before_fill(
-                model, set(entry.ranks.get(rank_key(place.pp_rank, place.tp_rank), {}))
+                model, set(entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank))
             )
         filled = fill_parameters(
             model, tensors, ignorable=_ignorable(entry, place), may_lack=_may_lack(entry),
@@ -312,7 +317,7 @@ def check_moe(
         return
     hint = f"shardprep convert {_source(manifest)} --tp {place.tp_size} --pp {place.pp_size} "
     check_experts(artifact, entry.experts, running, hint + "EP_FLAGS-o NEW")
-    files = entry.ranks.get(rank_key(place.pp_rank, place.tp_rank), {})
+    files = entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank)
     built = {name: tuple(p.shape) for name, p in model.named_parameters()}
     check_device_layout(artifact, entry.experts, files, built)
 
