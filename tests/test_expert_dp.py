@@ -267,3 +267,28 @@ def test_expert_stacks_are_the_only_dp_tensors(artifact: tuple[Path, Path]) -> N
     for key, params in target.ranks.items():
         stacked = {n for n in params if n.endswith(("w13_weight", "w2_weight"))}
         assert (key.count("-") == 2) == bool(stacked) == (set(params) == stacked)
+
+
+def test_the_demo_names_the_mixture_of_experts_families() -> None:
+    from shardprep.demo import run_demo
+
+    data, text = run_demo()
+    for family in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM"):
+        assert family in data["supported"]["architectures"]
+    assert "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, LlamaForCausalLM" in text
+    assert "(Kimi-K2 is a DeepseekV3ForCausalLM); drafts: dflash, dspark, eagle, eagle3" in text
+
+
+def test_the_model_card_lists_dp_files_and_serves_with_the_expert_flags(
+    artifact: tuple[Path, Path],
+) -> None:
+    from shardprep.modelcard import model_card
+
+    _, out = artifact
+    card = model_card(read_manifest(out), "org/Model-TP2-PP2-DP2")
+    assert "- target experts: 7 per MoE layer, expert parallel over tp 2 x dp 2" in card
+    assert "| 1 | target | 1 dp 1 | 1 | 2 |" in card
+    assert (
+        "--pipeline-parallel-size 2 --load-format sharded-fast --enable-expert-parallel "
+        "--data-parallel-size 2\n"
+    ) in card
