@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from fnmatch import fnmatchcase
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from shardprep.constants import (
@@ -28,7 +29,7 @@ from shardprep.jsonio import shorten
 from shardprep.safetensors_io import DTYPE_SIZES
 
 if TYPE_CHECKING:
-    from shardprep.manifest import Manifest
+    from shardprep.manifest import Manifest, ModelEntry
 
 # Far above any real model, far below what would make arithmetic or a range() costly.
 MAX_COUNT = 2**48
@@ -290,9 +291,10 @@ def _model_problems(manifest: Manifest) -> list[str]:
     return problems
 
 
-def _dp_keys(manifest: Manifest, model: Any) -> dict[str, tuple[int, int, int]]:
+def _dp_keys(manifest: Manifest, model: ModelEntry) -> dict[str, tuple[int, int, int]]:
     """The rank keys of experts stored per dp rank: every (tp rank, dp rank) of each stage
-    that has any (a stage without MoE layers has none)."""
+    that has any (a stage without MoE layers has none). Never more than one key beyond
+    those present, however large a damaged manifest's dp: one missing key is reported."""
     dp = model.experts.dp if model.experts is not None else 1
     if dp == 1:
         return {}
@@ -300,12 +302,13 @@ def _dp_keys(manifest: Manifest, model: Any) -> dict[str, tuple[int, int, int]]:
     stages = {int(key.split("-")[0][2:]) for key in found}
     valid = {pp for pp, _ in _expected_ranks(manifest, model.role)}
     tp = manifest.topology.tp
-    return {
-        f"{_rank_key(pp, t)}-dp{d}": (pp, t, d)
+    wanted = (
+        (f"{_rank_key(pp, t)}-dp{d}", (pp, t, d))
         for pp in sorted(stages & valid)
         for t in range(tp)
         for d in range(dp)
-    }
+    )
+    return dict(islice(wanted, len(found) + 1))
 
 
 def _file_problems(manifest: Manifest) -> list[str]:

@@ -292,3 +292,14 @@ def test_the_model_card_lists_dp_files_and_serves_with_the_expert_flags(
         "--pipeline-parallel-size 2 --load-format sharded-fast --enable-expert-parallel "
         "--data-parallel-size 2\n"
     ) in card
+
+
+def test_a_huge_dp_in_a_damaged_manifest_is_refused_at_once(artifact: tuple[Path, Path]) -> None:
+    _, out = artifact
+
+    def huge(data: dict[str, Any]) -> None:
+        data["topology"]["tp"] = 2
+        data["models"][0]["experts"]["dp"] = 65536
+
+    with pytest.raises(ManifestError, match="ranks differ"):
+        _manifest_with(out, huge)
