@@ -3,6 +3,7 @@
     python scripts/bench_convert.py --size 4GB [--cache cold,warm] [--layout folder,hub]
                                     [--tp 8 --pp 2] [--repeat 3] [--before CHECKOUT]
                                     [--dir DIR] [--json]
+    python scripts/bench_convert.py --plan-deepseek [--tp 8 --pp 2] [--dir DIR]
 
 Builds a synthetic Llama-shaped bf16 checkpoint of about SIZE (random weights), then, for
 each page-cache state and source layout, takes turns round after round (best of
@@ -24,6 +25,9 @@ shared with other jobs disturbs much less than wall time.
 (every source byte is hashed for the manifest); `hub` converts the same files laid out as
 a Hugging Face cache snapshot (symlinks to blobs named by their sha256, which the
 manifest records as they are). Sha256 of every rank file is included in every case.
+
+`--plan-deepseek` measures `shardprep plan` instead, on a DeepSeek-V3-shaped checkpoint
+made of sparse files (time and peak memory; scripts/bench_plan.py does the work).
 """
 
 from __future__ import annotations
@@ -288,8 +292,19 @@ def main() -> None:
     parser.add_argument("--dir", default="bench-convert")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--plan-deepseek", action="store_true",
+        help="time `shardprep plan` at DeepSeek-V3 scale instead (see bench_plan.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     root = Path(args.dir)
+    if args.plan_deepseek:
+        from bench_plan import bench_plan_deepseek_v3  # this script's folder is on sys.path
+
+        bench_plan_deepseek_v3(root, args.tp, args.pp)
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     shutil.rmtree(root, ignore_errors=True)
     try:
         source = build_source(root / "source", llama_config(parse_size(args.size)))

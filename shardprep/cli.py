@@ -58,6 +58,7 @@ def _options(args: argparse.Namespace) -> Any:
         rehash_source=getattr(args, "rehash_source", False),
         expert_parallel=args.enable_expert_parallel,
         expert_placement=args.expert_placement_strategy,
+        dp=args.dp,
     )
 
 
@@ -244,6 +245,13 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
         "--enable-expert-parallel",
         action="store_true",
         help="as vLLM's flag: each rank holds whole experts of its range (MoE models)",
+    )
+    parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="vLLM's --data-parallel-size, with --enable-expert-parallel: experts spread "
+        "over tp x dp ranks (default: 1)",
     )
     parser.add_argument(
         "--expert-placement-strategy",

@@ -12,6 +12,9 @@ MANIFEST_NAME = "shardprep.json"
 SHARDS_DIR = "shards"
 DRAFT_DIR = "draft"
 SHARD_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"
+# With data parallelism the routed experts differ per dp rank: they go to files of their
+# own, read only by that (stage, tp rank, dp rank); the rest stays shared in SHARD_PATTERN.
+DP_SHARD_PATTERN = "model-pp-{pp}-tp-{tp}-dp-{dp}-part-{part}.safetensors"
 # The same pattern, spelled as vLLM's sharded_state loader expects it.
 VLLM_SHARDED_STATE_PATTERN = "shards/model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 PARTIAL_MARKER = ".shardprep-partial.json"

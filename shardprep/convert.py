@@ -47,6 +47,7 @@ class Options:
     rehash_source: bool = False  # hash Hugging Face cache blobs instead of trusting their names
     expert_parallel: bool = False
     expert_placement: str = "linear"
+    dp: int = 1  # vLLM's --data-parallel-size: with expert parallelism, EP size = tp x dp
 
 
 def source_model(checkpoint: Checkpoint) -> SourceModel:
@@ -79,6 +80,7 @@ def load_and_plan(
         partition_origin="" if options.partition else f"the environment ({ENV_PP_PARTITION})",
         expert_parallel=options.expert_parallel,
         expert_placement=options.expert_placement,
+        dp=options.dp,
     )
     return plan, checkpoints
 
@@ -206,7 +208,7 @@ def _manifest(
         ranks: dict[str, dict[str, mf.ParamSpec]] = {}
         for file in plan.files:
             if file.role == model.role:
-                specs = ranks.setdefault(mf.rank_key(file.pp, file.tp), {})
+                specs = ranks.setdefault(mf.rank_key(file.pp, file.tp, file.dp), {})
                 specs.update({t.name: mf.ParamSpec(t.dtype, t.shape) for t in file.tensors})
         source = mf.Source(
             model=sources[model.role],
@@ -237,7 +239,8 @@ def _manifest(
             )
         )
     files = tuple(
-        mf.FileEntry(f.path, f.role, f.pp, f.tp, f.part, _size(f), done[f.path]) for f in plan.files
+        mf.FileEntry(f.path, f.role, f.pp, f.tp, f.part, _size(f), done[f.path], dp=f.dp)
+        for f in plan.files
     )
     topology = mf.Topology(
         plan.topology.tp,

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from shardprep import report
+from shardprep import archs, report
 from shardprep.convert import Options, convert
 from shardprep.tiny import make_tiny_draft, make_tiny_model
 from shardprep.verify import verify
@@ -33,8 +33,10 @@ def run_demo(keep: bool = False) -> tuple[dict[str, Any], str]:
             source = Path(str(model_summary["source"]))
             if source.is_relative_to(root):
                 model_summary["source"] = str(source.relative_to(root))
+    architectures, drafts = archs.supported()
     data = {
         **summary,
+        "supported": {"architectures": list(architectures), "drafts": list(drafts)},
         "artifact": str(out) if keep else None,
         "verified": {
             "files": result.checked_files,
@@ -54,5 +56,7 @@ def run_demo(keep: bool = False) -> tuple[dict[str, Any], str]:
         f"verified: {result.checked_files} files hashed, {result.checked_params} rank "
         f"parameters present exactly once, {result.round_trip_tensors} source tensors "
         "rebuilt byte for byte",
+        f"supported: {', '.join(architectures)} (Kimi-K2 is a DeepseekV3ForCausalLM); "
+        f"drafts: {', '.join(drafts)}",
     ]
     return data, "\n".join(lines)

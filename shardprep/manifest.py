@@ -71,11 +71,17 @@ class ModelEntry:
     num_layers: int
     source: Source
     method: str | None = None  # the speculative method, for drafts
-    # rank key "pp{P}-tp{T}" -> parameter name -> spec: what vLLM holds on that rank
+    # rank key "pp{P}-tp{T}" -> parameter name -> spec: what vLLM holds on that rank;
+    # with dp > 1 the experts of each dp rank D are under "pp{P}-tp{T}-dp{D}"
     ranks: dict[str, dict[str, ParamSpec]] = field(default_factory=dict)
     spec_decode_only: tuple[tuple[str, int], ...] = ()
     shared_with_target: tuple[str, ...] = ()
     experts: Experts | None = None
+
+    def rank_params(self, pp: int, tp: int, dp: int = 0) -> dict[str, ParamSpec]:
+        """Every parameter the worker (pp, tp, dp) holds: its rank's, plus the experts
+        of its dp rank where they are stored apart."""
+        return {**self.ranks.get(rank_key(pp, tp), {}), **self.ranks.get(rank_key(pp, tp, dp), {})}
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class FileEntry:
     codec: str = "none"
     stored_bytes: int | None = None
     stored_sha256: str | None = None
+    dp: int | None = None  # the dp rank whose experts it holds; None: every dp rank reads it
 
 
 @dataclass(frozen=True)
@@ -123,12 +130,22 @@ class Manifest:
     def model(self, role: str) -> ModelEntry | None:
         return next((m for m in self.models if m.role == role), None)
 
-    def rank_files(self, role: str, pp: int, tp: int) -> list[FileEntry]:
-        found = [f for f in self.files if f.role == role and f.pp == pp and f.tp == tp]
-        return sorted(found, key=lambda f: f.part)
+    def rank_files(self, role: str, pp: int, tp: int, dp: int = 0) -> list[FileEntry]:
+        """The files the worker (pp, tp, dp) reads: its rank's, then its dp rank's experts
+        where they are stored apart."""
+        found = [
+            f
+            for f in self.files
+            if f.role == role and f.pp == pp and f.tp == tp and f.dp in (None, dp)
+        ]
+        return sorted(found, key=lambda f: (f.dp is not None, f.part))
 
     def to_json(self) -> str:
-        return json.dumps(_plain(asdict(self)), indent=1, sort_keys=True) + "\n"
+        data = _plain(asdict(self))
+        for entry in data["files"]:
+            if entry["dp"] is None:  # a file shared by every dp rank, as before dp existed
+                del entry["dp"]
+        return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = MANIFEST_NAME) -> Manifest:
@@ -200,14 +217,20 @@ def write_manifest(folder: Path, manifest: Manifest) -> Path:
     return path
 
 
-def rank_key(pp: int, tp: int) -> str:
-    return f"pp{pp}-tp{tp}"
+def rank_key(pp: int, tp: int, dp: int | None = None) -> str:
+    return f"pp{pp}-tp{tp}" if dp is None else f"pp{pp}-tp{tp}-dp{dp}"
 
 
 def parse_rank_key(key: str) -> tuple[int, int]:
-    """ "pp{P}-tp{T}" -> (P, T)."""
-    pp, tp = key.split("-")
-    return int(pp[2:]), int(tp[2:])
+    """ "pp{P}-tp{T}" (or "pp{P}-tp{T}-dp{D}") -> (P, T)."""
+    pp, tp, _ = split_rank_key(key)
+    return pp, tp
+
+
+def split_rank_key(key: str) -> tuple[int, int, int | None]:
+    """ "pp{P}-tp{T}" -> (P, T, None); "pp{P}-tp{T}-dp{D}" -> (P, T, D)."""
+    pp, tp, *dp = key.split("-")
+    return int(pp[2:]), int(tp[2:]), int(dp[0][2:]) if dp else None
 
 
 def _plain(value: Any) -> Any:

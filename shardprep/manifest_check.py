@@ -12,10 +12,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from fnmatch import fnmatchcase
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from shardprep.constants import (
     COPIED_FILE_PATTERNS,
+    DP_SHARD_PATTERN,
     DRAFT_DIR,
     FORMAT,
     MANIFEST_NAME,
@@ -27,14 +29,14 @@ from shardprep.jsonio import shorten
 from shardprep.safetensors_io import DTYPE_SIZES
 
 if TYPE_CHECKING:
-    from shardprep.manifest import Manifest
+    from shardprep.manifest import Manifest, ModelEntry
 
 # Far above any real model, far below what would make arithmetic or a range() costly.
 MAX_COUNT = 2**48
 MAX_RANKS = 1 << 16
 DTYPES = tuple(DTYPE_SIZES)
 ROLES = ("target", "draft")
-RANK_KEY = re.compile(r"pp(0|[1-9][0-9]{0,4})-tp(0|[1-9][0-9]{0,4})")
+RANK_KEY = re.compile(r"pp(0|[1-9][0-9]{0,4})-tp(0|[1-9][0-9]{0,4})(-dp(0|[1-9][0-9]{0,4}))?")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 CODEC = re.compile(r"[a-z0-9_]{1,32}")
 
@@ -116,7 +118,10 @@ def _map(key: Check, value_check: Check) -> Check:
     return check
 
 
-def _object(name: str, fields: dict[str, Check]) -> Check:
+def _object(name: str, fields: dict[str, Check], optional: frozenset[str] = frozenset()) -> Check:
+    """An object with exactly `fields`; those in `optional` may be absent (newer keys that
+    older manifests lack)."""
+
     def check(value: Any, field: str) -> None:
         if not isinstance(value, dict):
             raise _fail(field, f"an object ({name})", value)
@@ -124,11 +129,12 @@ def _object(name: str, fields: dict[str, Check]) -> Check:
         if unknown:
             shown = [shorten(k, 40) for k in unknown[:3]]
             raise _Bad(field, f"unknown key(s) {shown} in {name} ({FORMAT}) at {field}")
-        missing = [k for k in fields if k not in value]
+        missing = [k for k in fields if k not in value and k not in optional]
         if missing:
             raise _Bad(field, f"{field} ({name}) lacks the key(s) {missing}")
         for key, inner in fields.items():
-            inner(value[key], f"{field}.{key}")
+            if key in value:
+                inner(value[key], f"{field}.{key}")
 
     return check
 
@@ -190,7 +196,9 @@ _FILE = _object(
         "codec": _string(CODEC, "a codec name such as none or zstd"),
         "stored_bytes": _nullable(_COUNT),
         "stored_sha256": _nullable(_SHA),
+        "dp": _nullable(_integer(0, MAX_RANKS)),
     },
+    optional=frozenset({"dp"}),
 )
 _MANIFEST = _object(
     "Manifest",
@@ -270,6 +278,7 @@ def _model_problems(manifest: Manifest) -> list[str]:
                 f"{sum(manifest.topology.partition)}"
             )
         wanted = {_rank_key(pp, tp) for pp, tp in _expected_ranks(manifest, model.role)}
+        wanted |= set(_dp_keys(manifest, model))
         if set(model.ranks) != wanted:
             odd = sorted(set(model.ranks) ^ wanted)
             problems.append(
@@ -282,13 +291,33 @@ def _model_problems(manifest: Manifest) -> list[str]:
     return problems
 
 
+def _dp_keys(manifest: Manifest, model: ModelEntry) -> dict[str, tuple[int, int, int]]:
+    """The rank keys of experts stored per dp rank: every (tp rank, dp rank) of each stage
+    that has any (a stage without MoE layers has none). Never more than one key beyond
+    those present, however large a damaged manifest's dp: one missing key is reported."""
+    dp = model.experts.dp if model.experts is not None else 1
+    if dp == 1:
+        return {}
+    found = [k for k in model.ranks if k.count("-") == 2]
+    stages = {int(key.split("-")[0][2:]) for key in found}
+    valid = {pp for pp, _ in _expected_ranks(manifest, model.role)}
+    tp = manifest.topology.tp
+    wanted = (
+        (f"{_rank_key(pp, t)}-dp{d}", (pp, t, d))
+        for pp in sorted(stages & valid)
+        for t in range(tp)
+        for d in range(dp)
+    )
+    return dict(islice(wanted, len(found) + 1))
+
+
 def _file_problems(manifest: Manifest) -> list[str]:
     problems = []
-    seen: dict[tuple[str, int, int], list[int]] = {}
+    seen: dict[tuple[str, int, int, int | None], list[int]] = {}
     roles = {m.role for m in manifest.models}
     for i, entry in enumerate(manifest.files):
         field = f"files[{i}]"
-        expected = shard_path(entry.role, entry.pp, entry.tp, entry.part)
+        expected = shard_path(entry.role, entry.pp, entry.tp, entry.part, entry.dp)
         if entry.path != expected:
             problems.append(f"{field}.path is {shorten(repr(entry.path), 60)}, not {expected!r}")
         if entry.role not in roles:
@@ -301,19 +330,23 @@ def _file_problems(manifest: Manifest) -> list[str]:
                 f"{field} has codec {entry.codec!r} but stored_bytes and stored_sha256 do not "
                 "fit it (both set for a codec, both null for none)"
             )
-        seen.setdefault((entry.role, entry.pp, entry.tp), []).append(entry.part)
-    for role in sorted(roles):
-        for pp, tp in _expected_ranks(manifest, role):
-            parts = sorted(seen.pop((role, pp, tp), []))
+        seen.setdefault((entry.role, entry.pp, entry.tp, entry.dp), []).append(entry.part)
+    for model in sorted(manifest.models, key=lambda m: m.role):
+        role = model.role
+        ranks = [(pp, tp, None) for pp, tp in _expected_ranks(manifest, role)]
+        ranks += [key for name, key in _dp_keys(manifest, model).items() if name in model.ranks]
+        for pp, tp, dp in ranks:
+            rank = f"stage {pp} tp rank {tp}" + (f" dp rank {dp}" if dp is not None else "")
+            parts = sorted(seen.pop((role, pp, tp, dp), []))
             if not parts:
-                problems.append(f"stage {pp} tp rank {tp} has no {role} file")
+                problems.append(f"{rank} has no {role} file")
             elif parts != list(range(len(parts))):
                 problems.append(
-                    f"the {role} files of stage {pp} tp rank {tp} are parts {parts[:8]}, "
-                    "not 0, 1, ... each once"
+                    f"the {role} files of {rank} are parts {parts[:8]}, not 0, 1, ... each once"
                 )
-    for role, pp, tp in sorted(seen):
-        problems.append(f"files name {role} stage {pp} tp rank {tp}, outside the topology")
+    for role, pp, tp, dp in sorted(seen, key=str):
+        rank = f"stage {pp} tp rank {tp}" + (f" dp rank {dp}" if dp is not None else "")
+        problems.append(f"files name {role} {rank}, outside the topology")
     return problems
 
 
@@ -332,10 +365,11 @@ def _extra_problems(manifest: Manifest) -> list[str]:
     return problems
 
 
-def shard_path(role: str, pp: int, tp: int, part: int) -> str:
-    """The one path a rank file may have."""
+def shard_path(role: str, pp: int, tp: int, part: int, dp: int | None = None) -> str:
+    """The one path a rank file (or a dp rank's expert file) may have."""
     prefix = SHARDS_DIR if role == "target" else f"{DRAFT_DIR}/{SHARDS_DIR}"
-    return f"{prefix}/{SHARD_PATTERN.format(pp=pp, tp=tp, part=part)}"
+    pattern = SHARD_PATTERN if dp is None else DP_SHARD_PATTERN
+    return f"{prefix}/{pattern.format(pp=pp, tp=tp, dp=dp, part=part)}"
 
 
 def is_extra_file_path(path: str, has_draft: bool) -> bool:

@@ -4,6 +4,8 @@ and `vllm serve` commands."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from huggingface_hub import ModelCardData
 
 from shardprep import manifest as mf
@@ -64,14 +66,19 @@ def _topology_lines(manifest: mf.Manifest) -> str:
         lines.append(f"- stage {stage}: layers {first}-{first + count - 1} ({count} layers)")
         first += count
     lines.append(f"- stages in this repo: {', '.join(map(str, manifest.stages))}")
+    for model in manifest.models:
+        if model.experts is not None:
+            described = report.expert_lines(asdict(model.experts), topo.tp)[0].strip()
+            lines.append(f"- {model.role} {described}")
     return "\n".join(lines)
 
 
 def _size_table(manifest: mf.Manifest) -> str:
-    """One row per (stage, role, rank), then the stage's total: what one node downloads."""
-    stored: dict[tuple[str, int, int], int] = {}
+    """One row per (stage, role, rank), then the stage's total: what one node downloads.
+    Experts stored per dp rank have rows of their own ("1 dp 0": tp rank 1, dp rank 0)."""
+    stored: dict[tuple[str, int, int, int | None], int] = {}
     for f in manifest.files:
-        key = (f.role, f.pp, f.tp)
+        key = (f.role, f.pp, f.tp, f.dp)
         stored[key] = stored.get(key, 0) + (f.bytes if f.stored_bytes is None else f.stored_bytes)
     lines = [
         "| stage | role | tp rank | files | tensors | size | download |",
@@ -81,10 +88,11 @@ def _size_table(manifest: mf.Manifest) -> str:
     for stage in manifest.stages:
         raw = packed = 0
         for row in (r for r in rows if r.pp == stage):
-            download = stored[(row.role, row.pp, row.tp)]
+            download = stored[(row.role, row.pp, row.tp, row.dp)]
             raw, packed = raw + row.bytes, packed + download
+            rank = str(row.tp) if row.dp is None else f"{row.tp} dp {row.dp}"
             lines.append(
-                f"| {row.pp} | {row.role} | {row.tp} | {row.files} | {row.tensors} | "
+                f"| {row.pp} | {row.role} | {rank} | {row.files} | {row.tensors} | "
                 f"{report.format_bytes(row.bytes)} | {report.format_bytes(download)} |"
             )
         lines.append(
@@ -129,6 +137,14 @@ def _usage(manifest: mf.Manifest, repo_id: str) -> str:
         f'vllm serve "$MODEL" --tensor-parallel-size {topo.tp} '
         f"--pipeline-parallel-size {topo.pp} --load-format sharded-fast"
     )
+    target = manifest.model("target")
+    experts = target.experts if target is not None else None
+    if experts is not None and experts.expert_parallel:
+        serve += " --enable-expert-parallel"
+        if experts.requested_placement != "linear":
+            serve += f" --expert-placement-strategy {experts.requested_placement}"
+    if experts is not None and experts.dp > 1:
+        serve += f" --data-parallel-size {experts.dp}"
     draft = manifest.model("draft")
     if draft is not None:
         method = draft.method or "eagle3"

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardprep import archs
-from shardprep.constants import DEFAULT_MAX_PART_BYTES, DRAFT_DIR, SHARD_PATTERN, SHARDS_DIR
+from shardprep.constants import (
+    DEFAULT_MAX_PART_BYTES,
+    DP_SHARD_PATTERN,
+    DRAFT_DIR,
+    SHARD_PATTERN,
+    SHARDS_DIR,
+)
 from shardprep.errors import ConfigError, PlanError, summarize
 from shardprep.layout import Block, block_shape, expert_stack_blocks, is_expert_stack, piece_blocks
 from shardprep.safetensors_io import TensorSpec
@@ -58,6 +64,8 @@ class FilePlan:
     tp: int
     part: int
     tensors: tuple[TensorPlan, ...]
+    # The dp rank whose experts this file holds; None: shared by every dp rank.
+    dp: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -133,12 +141,15 @@ def make_plan(
     partition_origin: str = "",
     expert_parallel: bool = False,
     expert_placement: str = "linear",
+    dp: int = 1,
 ) -> Plan:
     """Validate everything, then lay out every rank file. Raises one PlanError listing
     every problem found. `partition_origin` names where `partition` came from when it
-    was not the command line; `expert_parallel` and `expert_placement` are vLLM's
-    --enable-expert-parallel and --expert-placement-strategy."""
+    was not the command line; `expert_parallel`, `expert_placement` and `dp` are vLLM's
+    --enable-expert-parallel, --expert-placement-strategy and --data-parallel-size."""
     effective_placement(expert_placement, num_expert_group=None, dp=1)  # raises if unknown
+    if dp < 1:
+        raise PlanError(f"data parallel size must be at least 1, got --dp {dp}")
     architecture, family = archs.target_family(target.config)
     num_layers = archs.config_int(target.config, "num_hidden_layers")
     problems: list[str] = []
@@ -152,7 +163,8 @@ def make_plan(
     stages = tuple(range(pp)) if stage is None else (stage,)
     model_dtype = resolve_dtype(dtype, target.config, target)
 
-    moe = {"expert_parallel": expert_parallel, "dp": 1}
+    problems += _dp_problems(dp, expert_parallel)
+    moe = {"expert_parallel": expert_parallel, "dp": dp}
     jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
         ("target", architecture, None, family, target, {"with_draft": draft is not None, **moe})
     ]
@@ -174,6 +186,11 @@ def make_plan(
             f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} has "
             "no experts, so leave the flag out"
         )
+    if dp > 1 and not any(layout and layout.num_experts for *_, layout in layouts):
+        problems.append(
+            f"--dp {dp} matters only to a mixture-of-experts model; {architecture} has no "
+            "experts and is the same on every data-parallel rank, so leave --dp out"
+        )
     if problems or topology is None:
         raise PlanError(_problem_summary(problems))
     models: list[ModelPlan] = []
@@ -192,7 +209,7 @@ def make_plan(
                 spec_decode_only=tuple(sorted(layout.spec_decode_only)),
                 shared_with_target=tuple(sorted(layout.shared_with_target)),
                 skipped=tuple(sorted(layout.skipped.items())),
-                experts=_expert_plan(layout, tp, expert_parallel, expert_placement),
+                experts=_expert_plan(layout, tp, dp, expert_parallel, expert_placement),
             )
         )
         # A draft lives on the last stage only.
@@ -201,13 +218,22 @@ def make_plan(
     return Plan(topology, stages, tuple(models), tuple(files))
 
 
+def _dp_problems(dp: int, expert_parallel: bool) -> list[str]:
+    if dp > 1 and not expert_parallel:
+        return [
+            f"--dp {dp} without --enable-expert-parallel cuts every expert tp x dp ways, "
+            "which shardprep does not lay out yet; add --enable-expert-parallel"
+        ]
+    return []
+
+
 def _expert_plan(
-    layout: archs.Layout, tp: int, expert_parallel: bool, requested: str
+    layout: archs.Layout, tp: int, dp: int, expert_parallel: bool, requested: str
 ) -> ExpertPlan | None:
     if not layout.num_experts:
         return None
-    placement = effective_placement(requested, num_expert_group=layout.num_expert_group, dp=1)
-    split = ExpertSplit(layout.num_experts, tp, 1, expert_parallel, placement)
+    placement = effective_placement(requested, num_expert_group=layout.num_expert_group, dp=dp)
+    split = ExpertSplit(layout.num_experts, tp, dp, expert_parallel, placement)
     return ExpertPlan(split, requested)
 
 
@@ -219,19 +245,33 @@ def _rank_files(
     tp: int,
     max_part_bytes: int,
 ) -> list[FilePlan]:
+    """The files of every (stage, tp rank). With dp > 1 the expert stacks differ per dp
+    rank: they go to files of their own per (stage, tp rank, dp rank), each holding the
+    experts of MoE rank dp_rank * tp + tp_rank, and the rest is stored once."""
     files: list[FilePlan] = []
-    # With dp = 1 the MoE rank of a worker is its tp rank.
     experts = model.experts.split if model.experts else ExpertSplit(0, tp)
     for pp_rank in stages:
+        params = [param for param in layout.params if pp_rank in param.stages]
+        stacks = [p for p in params if is_expert_stack(p.pieces)] if experts.dp > 1 else []
+        separate = {id(param) for param in stacks}
         for tp_rank in range(tp):
             tensors = [
-                _tensor_plan(param, source, tp, tp_rank, model.dtype, experts)
-                for param in layout.params
-                if pp_rank in param.stages
+                _tensor_plan(param, source, tp, tp_rank, model.dtype, experts, tp_rank)
+                for param in params
+                if id(param) not in separate
             ]
             files += _split_parts(
                 model.folder, model.role, pp_rank, tp_rank, tensors, max_part_bytes
             )
+            for dp_rank in range(experts.dp) if stacks else ():
+                moe_rank = experts.moe_rank(tp_rank, dp_rank)
+                tensors = [
+                    _tensor_plan(param, source, tp, tp_rank, model.dtype, experts, moe_rank)
+                    for param in stacks
+                ]
+                files += _split_parts(
+                    model.folder, model.role, pp_rank, tp_rank, tensors, max_part_bytes, dp_rank
+                )
     return files
 
 
@@ -291,13 +331,15 @@ def _tensor_plan(
     rank: int,
     model_dtype: str,
     experts: ExpertSplit,
+    moe_rank: int,
 ) -> TensorPlan:
+    """One parameter of tp rank `rank`; an expert stack holds the experts of `moe_rank`."""
     source_dtype = source.tensors[param.pieces[0].source][0]
     dtype = param.dtype or (model_dtype if source_dtype in FLOAT_DTYPES else source_dtype)
     if is_expert_stack(param.pieces):
         shapes = {p.source: source.tensors[p.source][1] for p in param.pieces}
         try:
-            stack, shape = expert_stack_blocks(param.pieces, shapes, experts, rank)
+            stack, shape = expert_stack_blocks(param.pieces, shapes, experts, moe_rank)
         except PlanError as exc:
             raise PlanError(f"{param.name}: {exc}") from None
         return TensorPlan(param.name, dtype, shape, stack, experts=shape[0])
@@ -323,9 +365,11 @@ def _split_parts(
     tp: int,
     tensors: Sequence[TensorPlan],
     max_part_bytes: int,
+    dp: int | None = None,
 ) -> list[FilePlan]:
     """Greedy: a tensor starts a new part when it would push the current one over the
-    limit; a tensor is never split across parts."""
+    limit; a tensor is never split across parts. `dp`: the files of that dp rank's
+    experts (their parts count from 0 too)."""
     parts: list[list[TensorPlan]] = [[]]
     size = 0
     for tensor in tensors:
@@ -336,9 +380,16 @@ def _split_parts(
         parts[-1].append(tensor)
         size += nbytes
     prefix = f"{folder}/{SHARDS_DIR}" if folder else SHARDS_DIR
+    pattern = SHARD_PATTERN if dp is None else DP_SHARD_PATTERN
     return [
         FilePlan(
-            f"{prefix}/{SHARD_PATTERN.format(pp=pp, tp=tp, part=i)}", role, pp, tp, i, tuple(part)
+            f"{prefix}/{pattern.format(pp=pp, tp=tp, dp=dp, part=i)}",
+            role,
+            pp,
+            tp,
+            i,
+            tuple(part),
+            dp,
         )
         for i, part in enumerate(parts)
     ]

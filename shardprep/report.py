@@ -18,16 +18,25 @@ class RankRow:
     files: int
     tensors: int
     bytes: int
+    dp: int | None = None  # the experts of this dp rank; None: what every dp rank reads
+
+
+Key = tuple[str, int, int, "int | None"]
 
 
 def plan_rows(plan: Plan) -> list[RankRow]:
-    rows: dict[tuple[str, int, int], list[int]] = {}
+    rows: dict[Key, list[int]] = {}
     for file in plan.files:
-        counts = rows.setdefault((file.role, file.pp, file.tp), [0, 0, 0])
+        counts = rows.setdefault((file.role, file.pp, file.tp, file.dp), [0, 0, 0])
         counts[0] += 1
         counts[1] += len(file.tensors)
         counts[2] += file_bytes(file)
-    return [RankRow(*key, *counts) for key, counts in sorted(rows.items(), key=_order)]
+    return [_row(key, counts) for key, counts in sorted(rows.items(), key=_order)]
+
+
+def _row(key: Key, counts: list[int]) -> RankRow:
+    role, pp, tp, dp = key
+    return RankRow(role, pp, tp, *counts, dp=dp)
 
 
 def file_bytes(file: FilePlan) -> int:
@@ -36,22 +45,22 @@ def file_bytes(file: FilePlan) -> int:
 
 
 def manifest_rows(manifest: mf.Manifest) -> list[RankRow]:
-    rows: dict[tuple[str, int, int], list[int]] = {}
+    rows: dict[Key, list[int]] = {}
     for file in manifest.files:
-        counts = rows.setdefault((file.role, file.pp, file.tp), [0, 0, 0])
+        counts = rows.setdefault((file.role, file.pp, file.tp, file.dp), [0, 0, 0])
         counts[0] += 1
         counts[2] += file.bytes
     for model in manifest.models:
         for key, params in model.ranks.items():
-            pp, tp = mf.parse_rank_key(key)
-            if (model.role, pp, tp) in rows:
-                rows[(model.role, pp, tp)][1] = len(params)
-    return [RankRow(*key, *counts) for key, counts in sorted(rows.items(), key=_order)]
+            row = (model.role, *mf.split_rank_key(key))
+            if row in rows:
+                rows[row][1] = len(params)
+    return [_row(key, counts) for key, counts in sorted(rows.items(), key=_order)]
 
 
-def _order(item: tuple[tuple[str, int, int], list[int]]) -> tuple[int, int, int]:
-    (role, pp, tp), _ = item
-    return (pp, role != "target", tp)
+def _order(item: tuple[Key, list[int]]) -> tuple[int, bool, int, int]:
+    (role, pp, tp, dp), _ = item
+    return (pp, role != "target", tp, -1 if dp is None else dp)
 
 
 def format_bytes(count: float) -> str:
@@ -63,15 +72,25 @@ def format_bytes(count: float) -> str:
 
 
 def table(rows: list[RankRow]) -> str:
-    lines = [f"{'stage':>5}  {'role':<6}  {'tp':>3}  {'files':>5}  {'tensors':>7}  {'size':>10}"]
+    """One line per rank; with experts stored per dp rank, a dp column says whose they are
+    ("all": the rank's shared files, read by every dp rank)."""
+    with_dp = any(r.dp is not None for r in rows)
+
+    def dp(text: str) -> str:
+        return f"  {text:>3}" if with_dp else ""
+
+    lines = [
+        f"{'stage':>5}  {'role':<6}  {'tp':>3}{dp('dp')}  {'files':>5}  {'tensors':>7}  "
+        f"{'size':>10}"
+    ]
     for row in rows:
         lines.append(
-            f"{row.pp:>5}  {row.role:<6}  {row.tp:>3}  {row.files:>5}  {row.tensors:>7}  "
-            f"{format_bytes(row.bytes):>10}"
+            f"{row.pp:>5}  {row.role:<6}  {row.tp:>3}{dp('all' if row.dp is None else str(row.dp))}"
+            f"  {row.files:>5}  {row.tensors:>7}  {format_bytes(row.bytes):>10}"
         )
     total = sum(r.bytes for r in rows)
     lines.append(
-        f"{'':>5}  {'total':<6}  {'':>3}  {sum(r.files for r in rows):>5}  "
+        f"{'':>5}  {'total':<6}  {'':>3}{dp('')}  {sum(r.files for r in rows):>5}  "
         f"{sum(r.tensors for r in rows):>7}  {format_bytes(total):>10}"
     )
     return "\n".join(lines)
@@ -172,9 +191,14 @@ def expert_lines(experts: dict[str, Any], tp: int) -> list[str]:
     if not experts["expert_parallel"]:
         ways = tp * experts["dp"]
         return [f"  experts: {count} per MoE layer, every rank holds all of them, cut {ways} ways"]
-    lines = [f"  experts: {count} per MoE layer, expert parallel, {experts['placement']} placement"]
+    dp = experts["dp"]
+    ways = f" over tp {tp} x dp {dp}" if dp > 1 else ""
+    lines = [
+        f"  experts: {count} per MoE layer, expert parallel{ways}, {experts['placement']} placement"
+    ]
     for rank, held in enumerate(experts["rank_experts"]):
-        lines.append(f"    ep rank {rank}: {len(held)} experts: {_ranges(held)}")
+        where = f" (dp {rank // tp}, tp {rank % tp})" if dp > 1 else ""
+        lines.append(f"    ep rank {rank}{where}: {len(held)} experts: {_ranges(held)}")
     return lines
 
 

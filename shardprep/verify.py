@@ -126,17 +126,17 @@ def _check_coverage(out: Path, manifest: mf.Manifest, report: Report) -> None:
     """Every parameter each rank needs is present exactly once, with its shape and dtype,
     in headers that pass the strict parser."""
     checked = set(report.checked)
-    by_rank: dict[tuple[str, int, int], list[mf.FileEntry]] = {}
+    by_rank: dict[tuple[str, int, int, int | None], list[mf.FileEntry]] = {}
     for entry in manifest.files:
-        by_rank.setdefault((entry.role, entry.pp, entry.tp), []).append(entry)
+        by_rank.setdefault((entry.role, entry.pp, entry.tp, entry.dp), []).append(entry)
     for model in manifest.models:
         for key, expected in model.ranks.items():
-            pp, tp = mf.parse_rank_key(key)
+            pp, tp, dp = mf.split_rank_key(key)
             if (pp, tp) not in checked:
                 continue
             found: dict[str, list[str]] = {}
             unreadable = False
-            for entry in by_rank.get((model.role, pp, tp), []):
+            for entry in by_rank.get((model.role, pp, tp, dp), []):
                 try:
                     header = read_header(out / entry.path)
                 except ShardprepError as exc:
@@ -172,8 +172,9 @@ def _check_ranks_agree(manifest: mf.Manifest, report: Report) -> None:
     for model in manifest.models:
         by_stage: dict[int, dict[int, frozenset[str]]] = {}
         for key, params in model.ranks.items():
-            pp, tp = mf.parse_rank_key(key)
-            by_stage.setdefault(pp, {})[tp] = frozenset(params)
+            pp, tp, dp = mf.split_rank_key(key)
+            if dp is None:
+                by_stage.setdefault(pp, {})[tp] = frozenset(params)
         for pp, ranks in sorted(by_stage.items()):
             names = ranks[min(ranks)]
             odd = sorted(tp for tp, other in ranks.items() if other != names)
@@ -206,6 +207,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         revision=target.source.revision,
         expert_parallel=topo.expert_parallel,
         expert_placement=target.experts.requested_placement if target.experts else "linear",
+        dp=target.experts.dp if target.experts else 1,
     )
     plan, checkpoints = load_and_plan(
         target.source.repo_id or target.source.model, options, progress=progress
@@ -217,7 +219,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
     planned = [f for f in plan.files if (f.pp, f.tp) in checked]
     for file_plan in tqdm(planned, desc="round trip", disable=not progress):
         for tensor in file_plan.tensors:
-            path = located[(file_plan.role, file_plan.pp, file_plan.tp, tensor.name)]
+            path = located[(file_plan.role, file_plan.pp, file_plan.tp, file_plan.dp, tensor.name)]
             dest = _open(handles, out / path).get_tensor(tensor.name)
             dest = dest.reshape(tensor.stacked_shape)
             checkpoint = checkpoints[file_plan.role]
@@ -257,13 +259,13 @@ def _source_tensor(handles: dict[str, object], checkpoint: Checkpoint, name: str
 
 def _locate(
     out: Path, manifest: mf.Manifest, units: set[tuple[int, int]]
-) -> dict[tuple[str, int, int, str], str]:
+) -> dict[tuple[str, int, int, int | None, str], str]:
     located = {}
     for entry in manifest.files:
         if (entry.pp, entry.tp) not in units:
             continue
         for name in read_header(out / entry.path).tensors:
-            located[(entry.role, entry.pp, entry.tp, name)] = entry.path
+            located[(entry.role, entry.pp, entry.tp, entry.dp, name)] = entry.path
     return located
 
 

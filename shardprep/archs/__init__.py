@@ -139,6 +139,12 @@ def detect_draft_method(config: Config, names: list[str]) -> str:
     )
 
 
+def supported() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The registered target architectures and draft methods, sorted."""
+    _load_builtin()
+    return tuple(sorted(_TARGETS)), tuple(sorted(_DRAFTS))
+
+
 def draft_side_files() -> frozenset[str]:
     """Names of the side files (besides config and tokenizer) a draft folder may carry."""
     _load_builtin()

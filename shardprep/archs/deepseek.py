@@ -255,6 +255,12 @@ class DeepseekFamily:
         problems = []
         if d.tied:
             problems.append("tie_word_embeddings is not supported for DeepSeek models")
+        if d.shared and context.get("expert_parallel") and tp > 1 and context.get("dp", 1) > 1:
+            # vLLM's sequence-parallel MoE (`use_sequence_parallel_moe`) then replicates them.
+            problems.append(
+                "with --enable-expert-parallel, tp > 1 and dp > 1 vLLM replicates the shared "
+                "experts, a layout shardprep does not write yet; use --tp 1 or --dp 1"
+            )
         if quant is not None and quant.problem:
             return [*problems, quant.problem]
         problems += split_problems(d, tp)

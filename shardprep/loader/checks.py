@@ -13,32 +13,36 @@ from vllm.config import ModelConfig
 
 from shardprep.errors import TopologyMismatchError
 from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
-from shardprep.manifest import Manifest, ModelEntry, rank_key
+from shardprep.manifest import Manifest, ModelEntry
 
 
 @dataclass(frozen=True)
 class RankPlace:
-    """Where this worker sits: its ranks in vLLM's pipeline and tensor parallel groups."""
+    """Where this worker sits: its ranks in vLLM's pipeline, tensor and data parallel
+    groups (the dp rank picks its experts where they are stored per dp rank)."""
 
     pp_rank: int
     pp_size: int
     tp_rank: int
     tp_size: int
+    dp_rank: int = 0
 
     @classmethod
     def current(cls) -> RankPlace:
         from vllm.distributed import (
+            get_dp_group,
             get_pp_group,
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
 
-        pp = get_pp_group()
+        pp, dp = get_pp_group(), get_dp_group()  # FusedMoE reads its dp rank the same way
         return cls(
             pp_rank=pp.rank_in_group,
             pp_size=pp.world_size,
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),
+            dp_rank=dp.rank_in_group if dp.world_size > 1 else 0,
         )
 
 
@@ -119,7 +123,7 @@ def check_moe(
         return
     hint = f"shardprep convert {source_of(manifest)} --tp {place.tp_size} --pp {place.pp_size} "
     check_experts(artifact, entry.experts, running, hint + "EP_FLAGS-o NEW")
-    files = entry.ranks.get(rank_key(place.pp_rank, place.tp_rank), {})
+    files = entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank)
     built = {name: tuple(p.shape) for name, p in model.named_parameters()}
     check_device_layout(artifact, entry.experts, files, built)
 

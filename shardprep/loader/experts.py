@@ -71,17 +71,21 @@ def check_experts(
     if experts.expert_parallel != running.expert_parallel:
         flag = "--enable-expert-parallel"
         start = f"with {flag}" if experts.expert_parallel else f"without {flag}"
-        redo = convert_hint.replace("EP_FLAGS", f"{flag} " if running.expert_parallel else "")
+        redo = convert_hint.replace(
+            "EP_FLAGS", _ep_flags(running) if running.expert_parallel else ""
+        )
         raise TopologyMismatchError(
             f"artifact {artifact} holds experts with expert parallelism {ours} but vLLM runs "
             f"with it {theirs} ({flag} {'given' if running.flag else 'not given'}); start vLLM "
             f"{start}, or re-run `{redo}`"
         )
     if experts.dp != running.dp:
+        redo = convert_hint.replace("EP_FLAGS", _ep_flags(running))
+        also = f", or re-run `{redo}`" if running.expert_parallel else ""
         raise TopologyMismatchError(
             f"artifact {artifact} holds experts for --data-parallel-size {experts.dp} but vLLM "
             f"runs --data-parallel-size {running.dp}, which changes which experts each rank "
-            f"holds; start vLLM with --data-parallel-size {experts.dp}"
+            f"holds; start vLLM with --data-parallel-size {experts.dp}{also}"
         )
     if experts.expert_parallel and experts.placement != running.placement:
         raise TopologyMismatchError(
@@ -127,6 +131,12 @@ def check_device_layout(
             f"TRT-LLM, ROCm AITER; the artifact assumes moe_intermediate_padding={assumed}); "
             "start vLLM with --moe-backend triton (on ROCm: VLLM_ROCM_USE_AITER_MOE=0)"
         )
+
+
+def _ep_flags(running: RunningExperts) -> str:
+    """The convert flags that match how vLLM runs the experts."""
+    flags = "--enable-expert-parallel " if running.flag else ""
+    return flags + (f"--dp {running.dp} " if running.dp > 1 else "")
 
 
 def _short(ids: tuple[int, ...] | list[int]) -> str:

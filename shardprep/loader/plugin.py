@@ -35,7 +35,7 @@ from shardprep.loader.checks import (
 )
 from shardprep.loader.fill import Destinations, fill_parameters, mark_eagle_weights
 from shardprep.loader.reader import read_rank
-from shardprep.manifest import Manifest, ModelEntry, rank_key, read_manifest
+from shardprep.manifest import Manifest, ModelEntry, read_manifest
 
 LOAD_FORMAT = "sharded-fast"
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -117,12 +117,13 @@ class ShardedFastLoader(BaseModelLoader):
         tensors = read_rank(
             artifact, role, place.pp_rank, place.tp_rank, manifest=manifest,
             device=_device_of(model), verify=self.options.verify, into=Destinations(model),
+            dp_rank=place.dp_rank,
         )  # fmt: skip
         where = f"{artifact} ({role}, rank pp{place.pp_rank} tp{place.tp_rank})"
         family = draft_family(entry)
         if family is not None and hasattr(family, "before_fill"):
             family.before_fill(
-                model, set(entry.ranks.get(rank_key(place.pp_rank, place.tp_rank), {}))
+                model, set(entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank))
             )
         filled = fill_parameters(
             model, tensors, ignorable=_ignorable(entry, place), may_lack=_may_lack(entry),

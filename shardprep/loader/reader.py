@@ -66,8 +66,10 @@ def read_rank(
     verify: bool = False,
     backend: str = "auto",
     into: Callable[[str, TensorInfo], torch.Tensor | None] | None = None,
+    dp_rank: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of rank (pp_rank, tp_rank) of `role`.
+    """Yield (name, tensor) for every tensor of rank (pp_rank, tp_rank) of `role` (and,
+    where the experts are stored per dp rank, those of `dp_rank`).
 
     All of the rank's files are checked before the first tensor is yielded. Tensors are
     on `device`; each part's memory is released once its tensors are dropped. With
@@ -79,7 +81,9 @@ def read_rank(
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     manifest = manifest if manifest is not None else read_manifest(artifact)
-    files = check_rank_files(artifact, manifest, role, pp_rank, tp_rank, verify=verify)
+    files = check_rank_files(
+        artifact, manifest, role, pp_rank, tp_rank, verify=verify, dp_rank=dp_rank
+    )
     direct = into is not None and device == "cpu" and backend == "auto"
     for rank_file in files:
         if direct:
@@ -130,11 +134,18 @@ def torch_dtypes(torch: Any) -> dict[str, torch.dtype]:
 
 
 def check_rank_files(
-    artifact: Path, manifest: Manifest, role: str, pp_rank: int, tp_rank: int, *, verify: bool
+    artifact: Path,
+    manifest: Manifest,
+    role: str,
+    pp_rank: int,
+    tp_rank: int,
+    *,
+    verify: bool,
+    dp_rank: int = 0,
 ) -> list[RankFile]:
     """The rank's part files, each present, of the recorded size, with a strict header
     that matches the manifest (and the recorded sha256 when `verify`)."""
-    entries = manifest.rank_files(role, pp_rank, tp_rank)
+    entries = manifest.rank_files(role, pp_rank, tp_rank, dp_rank)
     if not entries:
         raise _no_files(artifact, manifest, role, pp_rank, tp_rank)
     missing = [e.path for e in entries if not (artifact / e.path).is_file()]
@@ -146,7 +157,7 @@ def check_rank_files(
             path=str(artifact / missing[0]),
         )
     files = [_check_file(artifact, entry, verify) for entry in entries]
-    _check_against_manifest(artifact, manifest, role, pp_rank, tp_rank, files)
+    _check_against_manifest(artifact, manifest, role, pp_rank, tp_rank, files, dp_rank)
     return files
 
 
@@ -205,12 +216,13 @@ def _check_against_manifest(
     pp_rank: int,
     tp_rank: int,
     files: list[RankFile],
+    dp_rank: int = 0,
 ) -> None:
     """The headers together hold exactly the tensors the manifest gives this rank."""
     model = manifest.model(role)
-    expected = model.ranks.get(rank_key(pp_rank, tp_rank)) if model is not None else None
-    if expected is None:
+    if model is None or rank_key(pp_rank, tp_rank) not in model.ranks:
         return
+    expected = model.rank_params(pp_rank, tp_rank, dp_rank)
     found: dict[str, ParamSpec] = {}
     for rank_file in files:
         for name, info in rank_file.header.tensors.items():

@@ -10,7 +10,7 @@ from torch import nn
 from vllm.config import ModelConfig, get_current_vllm_config_or_none
 from vllm.config.load import LoadConfig
 from vllm.config.utils import replace
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+from vllm.distributed import get_dp_group, get_pp_group, get_tensor_model_parallel_rank
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
@@ -32,13 +32,16 @@ def model_role(model_config: ModelConfig) -> str:
 
 
 def dump_path(role: str) -> Path:
-    """``$SHARDPREP_DUMP_DIR/{role}-pp{P}-tp{T}.safetensors`` for this rank."""
+    """``$SHARDPREP_DUMP_DIR/{role}-pp{P}-tp{T}.safetensors`` for this rank; with data
+    parallelism, ``{role}-pp{P}-tp{T}-dp{D}.safetensors``."""
     root = os.environ.get(DUMP_DIR_ENV)
     if not root:
         raise RuntimeError(f"dump-default needs {DUMP_DIR_ENV} in the environment")
     pp_rank = get_pp_group().rank_in_group
     tp_rank = get_tensor_model_parallel_rank()
-    return Path(root) / f"{role}-pp{pp_rank}-tp{tp_rank}.safetensors"
+    dp_group = get_dp_group()
+    dp = f"-dp{dp_group.rank_in_group}" if dp_group.world_size > 1 else ""
+    return Path(root) / f"{role}-pp{pp_rank}-tp{tp_rank}{dp}.safetensors"
 
 
 def rank_metadata(model: nn.Module, model_config: ModelConfig, role: str) -> dict[str, object]:
