@@ -3,8 +3,10 @@ draft by themselves, named as vLLM's DeepSeekMTP names them, on the last stage."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -17,6 +19,7 @@ from shardprep.tiny import TINY_FP8, make_tiny_model, tiny_config
 
 V3 = "DeepseekV3ForCausalLM"
 MTP = "model.layers.3."  # with three decoder layers, the MTP layer is layer 3
+SCHEMA = json.loads((Path(__file__).parents[1] / "docs/manifest.schema.json").read_text())
 
 
 def rank_files(artifact: Path, role: str, pp: int, tp: int) -> dict[str, torch.Tensor]:
@@ -37,6 +40,7 @@ def test_convert_makes_the_mtp_layer_the_draft_on_the_last_stage(
 ) -> None:
     artifact = tmp_path / "artifact"
     manifest = convert(str(mtp_model), artifact, Options(tp=2, pp=2), progress=False)
+    jsonschema.validate(json.loads((artifact / "shardprep.json").read_text()), SCHEMA)
     draft, target = manifest.model("draft"), manifest.model("target")
     assert (draft.method, draft.folder, draft.num_layers) == ("mtp", "draft", 3)
     assert draft.source.files == target.source.files  # read once, recorded for both
@@ -125,3 +129,20 @@ def test_a_config_claiming_mtp_layers_the_checkpoint_lacks_is_one_line(
     ]
     assert not out.exists()
     assert main(["convert", "--tp", "2", str(model), "-o", str(out), "--no-mtp", "-q"]) == 0
+
+
+def test_the_checkpoint_is_read_once_for_target_and_draft(
+    mtp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardprep import scatter
+
+    reads: list[tuple[str, tuple[str, ...]]] = []
+    original = scatter._scatter_file
+
+    def counting(reader, mover, checkpoint, roles, file, *rest):  # type: ignore[no-untyped-def]
+        reads.append((file, roles))
+        return original(reader, mover, checkpoint, roles, file, *rest)
+
+    monkeypatch.setattr(scatter, "_scatter_file", counting)
+    convert(str(mtp_model), tmp_path / "artifact", Options(tp=2, pp=2), progress=False)
+    assert reads == [("model.safetensors", ("target", "draft"))]

@@ -89,4 +89,6 @@ def test_mtp_speculates_through_sharded_fast_at_tp2_with_collectives_refused(
     for (role, p, t), path in dumps.items():
         state, meta = vllm_env.read_dump(path)
         assert meta["trap_armed"] and meta["collective_calls"] == []
-        assert_same_state(without(state, shared), rank_tensors(artifact, role, p, t))
+        if role == "draft":
+            state = without(state, shared)  # left unfilled: vLLM shares the target's next
+        assert_same_state(state, rank_tensors(artifact, role, p, t))
