@@ -59,6 +59,7 @@ def _options(args: argparse.Namespace) -> Any:
         expert_parallel=args.enable_expert_parallel,
         expert_placement=args.expert_placement_strategy,
         dp=args.dp,
+        mtp_draft=not args.no_mtp,
     )
 
 
@@ -223,6 +224,12 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
         "--draft-method",
         choices=["dflash", "dspark", "eagle", "eagle3"],
         help="default: told from the tensors",
+    )
+    parser.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="leave out the MTP draft layers a DeepSeek-V3 checkpoint carries (by default "
+        "they become the artifact's draft)",
     )
     parser.add_argument(
         "--pp-partition",

@@ -48,6 +48,7 @@ class Options:
     expert_parallel: bool = False
     expert_placement: str = "linear"
     dp: int = 1  # vLLM's --data-parallel-size: with expert parallelism, EP size = tp x dp
+    mtp_draft: bool = True  # the MTP layers a target carries become its draft
 
 
 def source_model(checkpoint: Checkpoint) -> SourceModel:
@@ -67,11 +68,14 @@ def load_and_plan(
         draft = open_checkpoint(options.draft, progress=progress)
         method = method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
         checkpoints["draft"] = with_side_tensors(draft, archs.draft_family(method))
+    elif options.mtp_draft and (internal := archs.internal_draft_method(target.config)):
+        # The draft's tensors are in the target checkpoint, which is read once for both.
+        checkpoints["draft"], method = target, internal
     plan = make_plan(
         source_model(target),
         tp=options.tp,
         pp=options.pp,
-        draft=source_model(checkpoints["draft"]) if options.draft else None,
+        draft=source_model(checkpoints["draft"]) if "draft" in checkpoints else None,
         draft_method=method,
         partition=options.partition or pp_partition_from_env(),
         stage=options.stage,
@@ -120,7 +124,7 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
     """Plan, then execute while holding the output folder's lock. Any failure leaves no
     temporary file behind and is one ShardprepError; a rerun resumes."""
     plan, checkpoints = load_and_plan(model, options, progress=progress)
-    given = {"target": model, "draft": options.draft or ""}
+    given = {"target": model, "draft": options.draft or model}
     sources = {role: _source_name(given[role], cp) for role, cp in checkpoints.items()}
     out = Path(out)
     outdir.prepare(out)

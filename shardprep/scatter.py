@@ -49,7 +49,8 @@ def write_rank_files(
     """Write every file of `todo`; returns the sha256 of each source file read whole."""
     files, writes = open_outputs(todo, out)
     full = plan.stages == tuple(range(plan.topology.pp))
-    total = sum(_bytes_to_read(cp, role, writes, full) for role, cp in checkpoints.items())
+    sources = _distinct(checkpoints)
+    total = sum(_bytes_to_read(cp, roles, writes, full) for roles, cp in sources)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
     hashers = [ThreadPoolExecutor(1) for _ in range(OUTPUT_HASHERS + 1)]
     mover = Mover(files, journal, hashers[1:])
@@ -57,11 +58,11 @@ def write_rank_files(
     try:
         mover.catch_up()
         reader = SourceReader(hashers[0])
-        for role, checkpoint in checkpoints.items():
+        for roles, checkpoint in sources:
             for file in checkpoint.files:
                 known = cached_hub_sha256(checkpoint, file) if full else None
                 hash_it = full and (known is None or rehash_source)
-                digest = _scatter_file(reader, mover, checkpoint, role, file, writes, hash_it, bar)
+                digest = _scatter_file(reader, mover, checkpoint, roles, file, writes, hash_it, bar)
                 if digest and known and digest != known:
                     raise CorruptFileError(
                         f"{checkpoint.root / file} hashes to {digest}, not to the sha256 its "
@@ -70,10 +71,11 @@ def write_rank_files(
                         path=str(checkpoint.root / file),
                     )
                 if digest or known:
-                    source_hashes[(role, file)] = digest or known  # type: ignore[assignment]
+                    for role in roles:
+                        source_hashes[(role, file)] = digest or known  # type: ignore[assignment]
             for name, data in checkpoint.side_tensors.items():
                 info = checkpoint.tensors[name].info
-                _scatter_chunk(mover, info, 0, memoryview(data), writes.get((role, name), []))
+                _scatter_chunk(mover, info, 0, memoryview(data), _targets(writes, roles, name))
                 bar.update(info.nbytes)
         mover.wait()
     except BaseException:
@@ -92,12 +94,31 @@ def write_rank_files(
     return source_hashes
 
 
+def _distinct(checkpoints: dict[str, Checkpoint]) -> list[tuple[tuple[str, ...], Checkpoint]]:
+    """Each checkpoint once, with the roles it feeds: a target that carries its own draft
+    (MTP layers) is read once for both."""
+    found: dict[int, tuple[tuple[str, ...], Checkpoint]] = {}
+    for role, checkpoint in checkpoints.items():
+        roles, _ = found.get(id(checkpoint), ((), checkpoint))
+        found[id(checkpoint)] = ((*roles, role), checkpoint)
+    return list(found.values())
+
+
+def _targets(
+    writes: dict[tuple[str, str], list[Write]], roles: tuple[str, ...], name: str
+) -> list[Write]:
+    return [w for role in roles for w in writes.get((role, name), [])]
+
+
 def _bytes_to_read(
-    checkpoint: Checkpoint, role: str, writes: dict[tuple[str, str], list[Write]], full: bool
+    checkpoint: Checkpoint,
+    roles: tuple[str, ...],
+    writes: dict[tuple[str, str], list[Write]],
+    full: bool,
 ) -> int:
     if full:
         return sum((checkpoint.root / f).stat().st_size for f in checkpoint.files)
-    return sum(t.info.nbytes for n, t in checkpoint.tensors.items() if (role, n) in writes)
+    return sum(t.info.nbytes for n, t in checkpoint.tensors.items() if _targets(writes, roles, n))
 
 
 class SourceReader:
@@ -169,7 +190,7 @@ def _scatter_file(
     reader: SourceReader,
     mover: Mover,
     checkpoint: Checkpoint,
-    role: str,
+    roles: tuple[str, ...],
     file: str,
     writes: dict[tuple[str, str], list[Write]],
     hash_it: bool,
@@ -190,7 +211,7 @@ def _scatter_file(
             reader.hash_bytes(digest, os.pread(fd, header_size, 0))
         bar.update(header_size)
         for tensor in tensors:
-            info, targets = tensor.info, writes.get((role, tensor.name), [])
+            info, targets = tensor.info, _targets(writes, roles, tensor.name)
             if digest is None and _copy_whole_rows(mover, fd, info, targets):
                 bar.update(info.nbytes)
                 continue

@@ -106,9 +106,19 @@ def make_tiny_model(
     index when `files` > 1) into `folder`."""
     config = tiny_config(architecture, **overrides)
     _, family = archs.target_family(config)
-    tensors = _random_tensors(family.expected_shapes(config), config["torch_dtype"], seed)
-    if hasattr(family, "source_dtypes"):
-        tensors.update(_quantized(tensors, family.source_dtypes(config), seed))
+    families = [family]
+    internal = archs.internal_draft_method(config)
+    if internal:  # the draft layers the checkpoint carries (DeepSeek-V3's MTP layers)
+        families.append(archs.draft_family(internal))
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for part in families:
+        shapes |= part.expected_shapes(config)
+        if hasattr(part, "source_dtypes"):
+            dtypes |= part.source_dtypes(config)
+    tensors = _random_tensors(shapes, config["torch_dtype"], seed)
+    if dtypes:
+        tensors.update(_quantized(tensors, dtypes, seed))
     _write_model(folder, config, tensors, files)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

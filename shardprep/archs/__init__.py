@@ -120,9 +120,15 @@ def draft_family(method: str) -> Family:
     _load_builtin()
     if method not in _DRAFTS:
         raise ConfigError(
-            f"draft method {method!r} is not supported; choose one of {', '.join(sorted(_DRAFTS))}"
+            f"draft method {method!r} is not supported; choose one of {', '.join(_standalone())}"
         )
     return _DRAFTS[method]
+
+
+def _standalone() -> list[str]:
+    """Draft methods of drafts that come as their own folder (`--draft`), not inside
+    their target (MTP layers)."""
+    return sorted(m for m, f in _DRAFTS.items() if getattr(f, "standalone", True))
 
 
 def detect_draft_method(config: Config, names: list[str]) -> str:
@@ -135,7 +141,7 @@ def detect_draft_method(config: Config, names: list[str]) -> str:
     why = "from its config and tensors" if not found else f"(it could be {' or '.join(found)})"
     raise ConfigError(
         f"cannot tell which kind of draft this is {why}; pass --draft-method "
-        f"({', '.join(sorted(_DRAFTS))})"
+        f"({', '.join(_standalone())})"
     )
 
 
@@ -143,6 +149,14 @@ def supported() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The registered target architectures and draft methods, sorted."""
     _load_builtin()
     return tuple(sorted(_TARGETS)), tuple(sorted(_DRAFTS))
+
+
+def internal_draft_method(config: Config) -> str | None:
+    """The draft method of the draft a target checkpoint carries inside itself (e.g.
+    DeepSeek-V3's MTP layers), or None."""
+    _, family = target_family(config)
+    internal = getattr(family, "internal_draft", None)
+    return internal(config) if internal else None
 
 
 def draft_side_files() -> frozenset[str]:
@@ -154,6 +168,7 @@ def draft_side_files() -> frozenset[str]:
 def _load_builtin() -> None:
     from shardprep.archs import (  # noqa: F401  (register themselves)
         deepseek,
+        deepseek_mtp,
         dflash,
         llama,
         mixtral,

@@ -164,6 +164,30 @@ def scale_name(weight: str) -> str:
     return weight.removesuffix("weight") + SCALE
 
 
+def layer_sources(
+    d: Dims, quant: BlockQuant | None, layer: int
+) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """{Hugging Face name: (shape, fixed dtype)} of one decoder layer's tensors, routed
+    experts and fp8 block scales included."""
+    found: dict[str, tuple[tuple[int, ...], str | None]] = {}
+
+    def add(name: str, shape: tuple[int, ...], linear: bool, dtype: str | None) -> None:
+        if linear and quant is not None:
+            found[name] = (shape, FP8)
+            found[scale_name(name)] = (quant.scale_shape(shape), F32)  # type: ignore[arg-type]
+        else:
+            found[name] = (shape, dtype)
+
+    prefix = f"model.layers.{layer}."
+    for t in layer_tensors(d, layer):
+        add(prefix + t.hf, t.shape, t.linear, t.dtype)
+    if d.is_moe(layer):
+        for e in range(d.experts):
+            for suffix, shape in expert_shapes(d).items():
+                add(f"{prefix}mlp.experts.{e}.{suffix}", shape, True, None)
+    return found
+
+
 def linear_shapes(d: Dims, tp: int) -> list[LinearShape]:
     """The linear layers as vLLM builds them at `tp`, for its fp8 block-shape check."""
     qk, layers = d.nope + d.rope, []
@@ -219,6 +243,12 @@ class DeepseekFamily:
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config).items()}
 
+    def internal_draft(self, config: Config) -> str | None:
+        """The draft method of the MTP layers the checkpoint carries, if vLLM serves
+        them as a draft: only DeepSeek-V3 configs become MTP drafts (`speculative.py`)."""
+        layers = config.get("num_nextn_predict_layers") or 0
+        return "mtp" if config.get("model_type") == "deepseek_v3" and layers else None
+
     def source_dtypes(self, config: Config) -> dict[str, str]:
         """Tensors whose checkpoint dtype is not the model's: fp8 weights, their scales."""
         return {name: dtype for name, (_, dtype) in self._sources(config).items() if dtype}
@@ -226,22 +256,8 @@ class DeepseekFamily:
     def _sources(self, config: Config) -> dict[str, tuple[tuple[int, ...], str | None]]:
         d, quant = Dims.of(config), block_quant(config)
         found: dict[str, tuple[tuple[int, ...], str | None]] = {}
-
-        def add(name: str, shape: tuple[int, ...], linear: bool, dtype: str | None) -> None:
-            if linear and quant is not None:
-                found[name] = (shape, FP8)
-                found[scale_name(name)] = (quant.scale_shape(shape), F32)  # type: ignore[arg-type]
-            else:
-                found[name] = (shape, dtype)
-
         for layer in range(d.layers):
-            prefix = f"model.layers.{layer}."
-            for t in layer_tensors(d, layer):
-                add(prefix + t.hf, t.shape, t.linear, t.dtype)
-            if d.is_moe(layer):
-                for e in range(d.experts):
-                    for suffix, shape in expert_shapes(d).items():
-                        add(f"{prefix}mlp.experts.{e}.{suffix}", shape, True, None)
+            found |= layer_sources(d, quant, layer)
         found["model.embed_tokens.weight"] = ((d.vocab, d.hidden), None)
         found["model.norm.weight"] = ((d.hidden,), None)
         found["lm_head.weight"] = ((d.vocab, d.hidden), None)

@@ -169,7 +169,8 @@ def resolve_artifact(model_config: ModelConfig, role: str, pp_rank: int) -> Path
     """The local artifact: the model path itself, or, for a Hub repo id, this rank's stage
     fetched into the stage-sharded cache (once per node, under a lock)."""
     path = model_path(model_config)
-    if role == "target" and not path.exists() and REPO_ID.fullmatch(str(path)):
+    # A draft has a repo id for a path when it lives in its target (MTP layers).
+    if not path.exists() and REPO_ID.fullmatch(str(path)):
         from shardprep.cache import ensure_stage
 
         return ensure_stage(str(path), pp_rank, revision=model_config.revision)

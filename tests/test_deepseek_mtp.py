@@ -1,0 +1,148 @@
+"""DeepSeek-V3 MTP drafts: the MTP layers of the target checkpoint become the artifact's
+draft by themselves, named as vLLM's DeepSeekMTP names them, on the last stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardprep.cli import main
+from shardprep.convert import Options, convert
+from shardprep.manifest import read_manifest
+from shardprep.plan import SourceModel, make_plan
+from shardprep.tiny import TINY_FP8, make_tiny_model, tiny_config
+
+V3 = "DeepseekV3ForCausalLM"
+MTP = "model.layers.3."  # with three decoder layers, the MTP layer is layer 3
+SCHEMA = json.loads((Path(__file__).parents[1] / "docs/manifest.schema.json").read_text())
+
+
+def rank_files(artifact: Path, role: str, pp: int, tp: int) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for entry in read_manifest(artifact).rank_files(role, pp, tp):
+        found |= load_file(artifact / entry.path)
+    return found
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mtp")
+    return make_tiny_model(root / "model", V3, num_hidden_layers=3, num_nextn_predict_layers=1)
+
+
+def test_convert_makes_the_mtp_layer_the_draft_on_the_last_stage(
+    mtp_model: Path, tmp_path: Path
+) -> None:
+    artifact = tmp_path / "artifact"
+    manifest = convert(str(mtp_model), artifact, Options(tp=2, pp=2), progress=False)
+    jsonschema.validate(json.loads((artifact / "shardprep.json").read_text()), SCHEMA)
+    draft, target = manifest.model("draft"), manifest.model("target")
+    assert (draft.method, draft.folder, draft.num_layers) == ("mtp", "draft", 3)
+    assert draft.source.files == target.source.files  # read once, recorded for both
+    assert {(f.pp, f.tp) for f in manifest.files if f.role == "draft"} == {(1, 0), (1, 1)}
+    source = load_file(mtp_model / "model.safetensors")
+    ours = rank_files(artifact, "draft", 1, 1)
+    block = MTP + "mtp_block."
+    assert {n for n in ours if not n.startswith(block)} == {
+        MTP + "enorm.weight",
+        MTP + "hnorm.weight",
+        MTP + "eh_proj.weight",
+        MTP + "shared_head.norm.weight",
+        "model.embed_tokens.weight",
+    }
+    assert torch.equal(ours[MTP + "eh_proj.weight"], source[MTP + "eh_proj.weight"])
+    assert ours[block + "self_attn.fused_qkv_a_proj.weight"].shape == (128 + 512 + 64, 128)
+    assert ours[block + "mlp.experts.routed_experts.w13_weight"].shape == (8, 256, 128)
+    assert ours[block + "mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    # vLLM loads the MTP layer's own copy of the embedding (it overwrites the top-level one).
+    embed = ours["model.embed_tokens.weight"]
+    # Vocabulary 1000 padded to 1024: rank 1 holds rows 512-999, then zeros.
+    assert torch.equal(embed[:488], source[MTP + "embed_tokens.weight"][512:])
+    assert not embed[488:].any()
+    for p in range(2):
+        for t in range(2):
+            assert not [n for n in rank_files(artifact, "target", p, t) if n.startswith(MTP)]
+
+
+def test_at_pp1_the_draft_leaves_the_embedding_and_head_to_the_target(mtp_model: Path) -> None:
+    config = tiny_config(V3, num_hidden_layers=3, num_nextn_predict_layers=1)
+    tensors = load_file(mtp_model / "model.safetensors")
+    source = SourceModel(config, {n: ("BF16", tuple(t.shape)) for n, t in tensors.items()})
+    plan = make_plan(source, tp=1, pp=1, draft=source, draft_method="mtp")
+    draft = plan.models[1]
+    assert draft.shared_with_target == (
+        "model.embed_tokens.weight",
+        MTP + "shared_head.head.weight",
+    )
+    names = {t.name for f in plan.files if f.role == "draft" for t in f.tensors}
+    assert "model.embed_tokens.weight" not in names and MTP + "enorm.weight" in names
+
+
+def test_fp8_mtp_layers_stay_fp8_but_eh_proj_does_not() -> None:
+    config = tiny_config(
+        V3, num_hidden_layers=3, num_nextn_predict_layers=1, quantization_config=TINY_FP8
+    )
+    from shardprep import archs
+
+    shapes, dtypes = {}, {}
+    for family in (archs.target_family(config)[1], archs.draft_family("mtp")):
+        shapes |= family.expected_shapes(config)
+        dtypes |= family.source_dtypes(config)  # type: ignore[attr-defined]
+    source = SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
+    plan = make_plan(source, tp=2, pp=1, draft=source, draft_method="mtp")
+    ours = {t.name: t for f in plan.files if (f.role, f.tp) == ("draft", 0) for t in f.tensors}
+    assert ours[MTP + "mtp_block.self_attn.o_proj.weight"].dtype == "F8_E4M3"
+    assert ours[MTP + "mtp_block.self_attn.o_proj.weight_scale_inv"].dtype == "F32"
+    assert ours[MTP + "eh_proj.weight"].dtype == "BF16"
+
+
+def test_no_mtp_leaves_the_draft_out(mtp_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["convert", "--tp", "2", str(mtp_model), "-o", str(out), "--no-mtp", "-q"]) == 0
+    manifest = read_manifest(out)
+    assert manifest.model("draft") is None and not (out / "draft").exists()
+    for key in manifest.model("target").ranks.values():
+        assert not [name for name in key if name.startswith(MTP)]
+
+
+def test_a_config_claiming_mtp_layers_the_checkpoint_lacks_is_one_line(
+    mtp_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_bytes((mtp_model / "config.json").read_bytes())
+    tensors = load_file(mtp_model / "model.safetensors")
+    save_file(
+        {n: t for n, t in tensors.items() if not n.startswith(MTP)}, model / "model.safetensors"
+    )
+    out = tmp_path / "out"
+    assert main(["convert", "--tp", "2", str(model), "-o", str(out), "-q"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "shardprep: error: cannot convert: draft: config.json says num_nextn_predict_layers=1 "
+        "but the checkpoint holds no tensor of MTP layer 3 (model.layers.3.*); convert with "
+        "--no-mtp to leave the MTP draft out, or use a checkpoint that includes its MTP layers"
+    ]
+    assert not out.exists()
+    assert main(["convert", "--tp", "2", str(model), "-o", str(out), "--no-mtp", "-q"]) == 0
+
+
+def test_the_checkpoint_is_read_once_for_target_and_draft(
+    mtp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardprep import scatter
+
+    reads: list[tuple[str, tuple[str, ...]]] = []
+    original = scatter._scatter_file
+
+    def counting(reader, mover, checkpoint, roles, file, *rest):  # type: ignore[no-untyped-def]
+        reads.append((file, roles))
+        return original(reader, mover, checkpoint, roles, file, *rest)
+
+    monkeypatch.setattr(scatter, "_scatter_file", counting)
+    convert(str(mtp_model), tmp_path / "artifact", Options(tp=2, pp=2), progress=False)
+    assert reads == [("model.safetensors", ("target", "draft"))]
