@@ -50,13 +50,17 @@ from shardprep.cli import parse_size
 from shardprep.safetensors_io import StreamingWriter, TensorSpec
 from shardprep.tiny import tiny_config
 
+THIS_CHECKOUT = Path(__file__).resolve().parents[1]
+
 # Runs `shardprep convert ARGS...` in this process, then reports its own counters.
 CHILD = """
 import json, resource, sys
+import shardprep
 from shardprep.cli import main
 status = main(["convert", "--quiet", *sys.argv[1:]])
 io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
 print(json.dumps({"status": status, "read_bytes": int(io["read_bytes"]),
+                  "shardprep": shardprep.__file__,
                   "rchar": int(io["rchar"]),
                   "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -203,11 +207,11 @@ def run_cp(source: Path, dest: Path) -> dict:
 def run_convert(
     checkout: Path | None, source: Path, dest: Path, tp: int, pp: int, extra: list[str]
 ) -> dict:
-    """`shardprep convert` from `checkout` (None: the installed or current one), + sync."""
-    env = dict(os.environ)
-    if checkout is not None:
-        env["PYTHONPATH"] = str(checkout)
-    cmd = [sys.executable, "-c", CHILD, str(source), "-o", str(dest)]
+    """`shardprep convert` from `checkout` (None: the one holding this script), + sync."""
+    env = dict(os.environ, PYTHONPATH=str(checkout or THIS_CHECKOUT))
+    # -P: without it, `-c` puts the working directory first on sys.path, and a checkout
+    # there would be imported whatever PYTHONPATH says.
+    cmd = [sys.executable, "-P", "-c", CHILD, str(source), "-o", str(dest)]
     cmd += ["--tp", str(tp), "--pp", str(pp), *extra]
     start = time.perf_counter()
     result = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
@@ -216,6 +220,9 @@ def run_convert(
     report = json.loads(result.stdout.strip().splitlines()[-1])
     if report["status"] != 0:
         raise SystemExit(f"convert failed: {result.stderr.strip()}")
+    expected = Path(env["PYTHONPATH"]).resolve()
+    if not Path(report["shardprep"]).resolve().is_relative_to(expected):
+        raise SystemExit(f"convert ran shardprep from {report['shardprep']}, not {expected}")
     return {"seconds": seconds, **report}
 
 
