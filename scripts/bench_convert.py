@@ -1,6 +1,6 @@
 """Convert throughput, read amplification and peak memory, side by side with `cp` + `sync`.
 
-    python scripts/bench_convert.py --size 4GB [--cache cold,warm] [--layout folder,hub]
+    python scripts/bench_convert.py --size 4GB [--cache cold,warm] [--layout folder,local,hub]
                                     [--tp 8 --pp 2] [--repeat 3] [--before CHECKOUT]
                                     [--dir DIR] [--json]
     python scripts/bench_convert.py --plan-deepseek [--tp 8 --pp 2] [--dir DIR]
@@ -22,9 +22,11 @@ shared with other jobs disturbs much less than wall time.
 
 `cold` drops the page cache before each contender (needs root; otherwise says so);
 `warm` reads the source files once before each. `folder` converts a plain model folder
-(every source byte is hashed for the manifest); `hub` converts the same files laid out as
-a Hugging Face cache snapshot (symlinks to blobs named by their sha256, which the
-manifest records as they are). Sha256 of every rank file is included in every case.
+(every source byte is hashed for the manifest); `local` the same folder as
+`hf download --local-dir` leaves it (each file's sha256 recorded in
+`.cache/huggingface/download/`, which the manifest records as it is); `hub` the same
+files laid out as a Hugging Face cache snapshot (symlinks to blobs named by their
+sha256, recorded as they are). Sha256 of every rank file is included in every case.
 
 `--plan-deepseek` measures `shardprep plan` instead, on a DeepSeek-V3-shaped checkpoint
 made of sparse files (time and peak memory; scripts/bench_plan.py does the work).
@@ -33,6 +35,7 @@ made of sparse files (time and peak memory; scripts/bench_plan.py does the work)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -51,13 +54,17 @@ from shardprep.cli import parse_size
 from shardprep.safetensors_io import StreamingWriter, TensorSpec
 from shardprep.tiny import tiny_config
 
+THIS_CHECKOUT = Path(__file__).resolve().parents[1]
+
 # Runs `shardprep convert ARGS...` in this process, then reports its own counters.
 CHILD = """
 import json, resource, sys
+import shardprep
 from shardprep.cli import main
 status = main(["convert", "--quiet", *sys.argv[1:]])
 io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
 print(json.dumps({"status": status, "read_bytes": int(io["read_bytes"]),
+                  "shardprep": shardprep.__file__,
                   "rchar": int(io["rchar"]),
                   "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -65,15 +72,17 @@ print(json.dumps({"status": status, "read_bytes": int(io["read_bytes"]),
 
 @dataclass(frozen=True)
 class Source:
-    """A synthetic checkpoint: one set of files, seen as a folder and as a Hub snapshot."""
+    """A synthetic checkpoint: one set of files, seen as a plain folder, as a folder
+    fetched by `hf download --local-dir` and as a Hub snapshot."""
 
     folder: Path  # plain model folder (hard links to the blobs)
+    local: Path  # the same with huggingface_hub's local-dir download metadata
     snapshot: Path  # Hugging Face cache layout: symlinks to blobs named by sha256
     total: int
     largest: int
 
     def path(self, layout: str) -> Path:
-        return self.folder if layout == "folder" else self.snapshot
+        return {"folder": self.folder, "local": self.local, "hub": self.snapshot}[layout]
 
 
 def llama_config(size: int) -> dict:
@@ -134,9 +143,18 @@ def write_checkpoint_files(
 
 def build_source(root: Path, config: dict) -> Source:
     """Write the checkpoint once into Hub-cache blobs; expose it as a plain folder (hard
-    links) and as a snapshot (symlinks), so both layouts read the very same bytes."""
+    links), as a local-dir download (hard links and the metadata file huggingface_hub
+    writes beside each, in its format: commit, etag = sha256, time) and as a snapshot
+    (symlinks), so that every layout reads the very same bytes."""
     folder = root / "folder"
     total, largest, hashes = write_checkpoint_files(folder, config)
+    local = root / "local"
+    metadata = local / ".cache" / "huggingface" / "download"
+    metadata.mkdir(parents=True)
+    for item in sorted(folder.iterdir()):
+        os.link(item, local / item.name)
+        sha256 = hashes.get(item.name) or hashlib.sha256(item.read_bytes()).hexdigest()
+        (metadata / f"{item.name}.metadata").write_text(f"{'0' * 40}\n{sha256}\n{time.time()}\n")
     repo = root / "hub" / "models--bench--synthetic"
     blobs, snapshot = repo / "blobs", repo / "snapshots" / ("0" * 40)
     blobs.mkdir(parents=True)
@@ -148,7 +166,7 @@ def build_source(root: Path, config: dict) -> Source:
             (snapshot / item.name).symlink_to(os.path.relpath(blob, snapshot))
         else:
             shutil.copyfile(item, snapshot / item.name)
-    return Source(folder, snapshot, total, largest)
+    return Source(folder, local, snapshot, total, largest)
 
 
 def _natural(item: tuple[str, tuple[int, ...]]) -> list:
@@ -166,7 +184,7 @@ def drop_caches() -> bool:
 
 def warm_up(folder: Path) -> None:
     """Read every file of `folder` once, so that it sits in the page cache."""
-    for path in sorted(folder.iterdir()):
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
         with open(path, "rb", buffering=0) as f:
             while f.read(64 * 1024**2):
                 pass
@@ -193,11 +211,11 @@ def run_cp(source: Path, dest: Path) -> dict:
 def run_convert(
     checkout: Path | None, source: Path, dest: Path, tp: int, pp: int, extra: list[str]
 ) -> dict:
-    """`shardprep convert` from `checkout` (None: the installed or current one), + sync."""
-    env = dict(os.environ)
-    if checkout is not None:
-        env["PYTHONPATH"] = str(checkout)
-    cmd = [sys.executable, "-c", CHILD, str(source), "-o", str(dest)]
+    """`shardprep convert` from `checkout` (None: the one holding this script), + sync."""
+    env = dict(os.environ, PYTHONPATH=str(checkout or THIS_CHECKOUT))
+    # -P: without it, `-c` puts the working directory first on sys.path, and a checkout
+    # there would be imported whatever PYTHONPATH says.
+    cmd = [sys.executable, "-P", "-c", CHILD, str(source), "-o", str(dest)]
     cmd += ["--tp", str(tp), "--pp", str(pp), *extra]
     start = time.perf_counter()
     result = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
@@ -206,6 +224,9 @@ def run_convert(
     report = json.loads(result.stdout.strip().splitlines()[-1])
     if report["status"] != 0:
         raise SystemExit(f"convert failed: {result.stderr.strip()}")
+    expected = Path(env["PYTHONPATH"]).resolve()
+    if not Path(report["shardprep"]).resolve().is_relative_to(expected):
+        raise SystemExit(f"convert ran shardprep from {report['shardprep']}, not {expected}")
     return {"seconds": seconds, **report}
 
 
@@ -282,7 +303,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--cache", default="cold,warm", help="cold, warm or both")
-    parser.add_argument("--layout", default="folder,hub", help="folder, hub or both")
+    parser.add_argument("--layout", default="folder,local,hub", help="folder, local, hub")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--before", help="another shardprep checkout, timed side by side")
     parser.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -12,6 +13,9 @@ from shardprep.errors import ConfigError, CorruptFileError, summarize
 from shardprep.safetensors_io import TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
+# Where `hf download --local-dir` keeps what it knows of each file it fetched.
+LOCAL_DIR_DOWNLOAD_METADATA = (".cache", "huggingface", "download")
+MAX_METADATA_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,56 @@ def cached_hub_sha256(checkpoint: Checkpoint, file: str) -> str | None:
     if not path.is_symlink():
         return None
     blob = path.resolve()
-    name = blob.name
-    if blob.parent.name != "blobs" or len(name) != 64:
+    if blob.parent.name != "blobs":
         return None
-    return name if all(c in "0123456789abcdef" for c in name) else None
+    return blob.name if _is_sha256(blob.name) else None
+
+
+@dataclass(frozen=True)
+class KnownSha256:
+    """A source file's sha256 as something other than its bytes states it."""
+
+    sha256: str
+    claim: str  # whose word it is, for an error message
+
+
+def known_sha256(checkpoint: Checkpoint, file: str) -> KnownSha256 | None:
+    """The sha256 of a source file, known without reading it: a Hugging Face cache blob's
+    name, or what `hf download --local-dir` recorded when it fetched the file."""
+    blob = cached_hub_sha256(checkpoint, file)
+    if blob is not None:
+        return KnownSha256(blob, "the sha256 its Hugging Face cache blob is named by")
+    recorded = local_dir_sha256(checkpoint.root, file)
+    if recorded is not None:
+        where = local_dir_metadata_path(checkpoint.root, file)
+        return KnownSha256(recorded, f"the sha256 recorded when it was downloaded ({where})")
+    return None
+
+
+def local_dir_metadata_path(root: Path, file: str) -> Path:
+    parts = PurePosixPath(file).parts
+    return root.joinpath(*LOCAL_DIR_DOWNLOAD_METADATA, *parts[:-1], parts[-1] + ".metadata")
+
+
+def local_dir_sha256(root: Path, file: str) -> str | None:
+    """A file fetched by `hf download --local-dir` has a metadata file in
+    `.cache/huggingface/download/`: three lines, the commit, the file's etag (for an LFS
+    file, its sha256; a git sha1 otherwise) and the time they were written. huggingface_hub
+    trusts them while the file's mtime is not past that time, with 1 s of slack (its
+    `read_download_metadata`); so does this. Anything else: None (the file is hashed)."""
+    metadata = local_dir_metadata_path(root, file)
+    try:
+        if not metadata.is_file() or metadata.stat().st_size > MAX_METADATA_BYTES:
+            return None
+        lines = metadata.read_text(encoding="utf-8").splitlines()
+        etag, timestamp = lines[1].strip(), float(lines[2].strip())
+        modified = (root / file).stat().st_mtime
+    except (OSError, ValueError, IndexError):  # UnicodeDecodeError is a ValueError
+        return None
+    if not math.isfinite(timestamp) or modified - 1 > timestamp or not _is_sha256(etag):
+        return None
+    return etag
+
+
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)

@@ -300,8 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument(
                 "--rehash-source",
                 action="store_true",
-                help="hash source files from the Hugging Face cache too (default: their blob "
-                "name, the Hub's sha256, is recorded as it is)",
+                help="hash source files whose sha256 is known too (default: a Hugging Face "
+                "cache blob's name, or the sha256 `hf download --local-dir` recorded, is "
+                "recorded as it is)",
             )
         if name in ("verify", "inspect"):
             command.add_argument("artifact", metavar="OUT", help="artifact folder")

@@ -16,7 +16,7 @@ from pathlib import Path
 import shardprep
 from shardprep import archs, outdir
 from shardprep import manifest as mf
-from shardprep.checkpoint import Checkpoint, SourceTensor, cached_hub_sha256, open_checkpoint
+from shardprep.checkpoint import Checkpoint, SourceTensor, known_sha256, open_checkpoint
 from shardprep.constants import (
     COPIED_FILE_PATTERNS,
     DEFAULT_MAX_PART_BYTES,
@@ -222,7 +222,7 @@ def _manifest(
                 mf.SourceFile(
                     f,
                     (checkpoint.root / f).stat().st_size,
-                    source_hashes.get((model.role, f)) or cached_hub_sha256(checkpoint, f),
+                    source_hashes.get((model.role, f)) or _known_sha256(checkpoint, f),
                 )
                 for f in checkpoint.files
             ),
@@ -262,6 +262,11 @@ def _manifest(
         files=files,
         extra_files=tuple(sorted(extra, key=lambda e: e.path)),
     )
+
+
+def _known_sha256(checkpoint: Checkpoint, file: str) -> str | None:
+    known = known_sha256(checkpoint, file)
+    return known.sha256 if known else None
 
 
 def _experts(model: ModelPlan) -> mf.Experts | None:

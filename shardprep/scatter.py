@@ -6,9 +6,10 @@ needed here anyway to hash the source; other tensors are read in bounded chunks 
 reused buffers and scattered (columns gathered, dtypes cast) to every rank file that
 needs them. Rank files are hashed while they are written (`rankfiles.py`).
 
-A source file that lives in the Hugging Face cache is a blob named by its sha256; that
-name is recorded as its hash without reading it for that purpose (`rehash_source` hashes
-it anyway and fails if it differs).
+A source file that lives in the Hugging Face cache is a blob named by its sha256, and one
+that `hf download --local-dir` fetched has its sha256 recorded beside it: that sha256 is
+recorded as its hash without reading it for that purpose (`rehash_source` hashes it
+anyway and fails if it differs).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from shardprep.checkpoint import Checkpoint, cached_hub_sha256
+from shardprep.checkpoint import Checkpoint, known_sha256
 from shardprep.constants import CHUNK_BYTES
 from shardprep.errors import CorruptFileError
 from shardprep.journal import Journal
@@ -60,19 +61,19 @@ def write_rank_files(
         reader = SourceReader(hashers[0])
         for roles, checkpoint in sources:
             for file in checkpoint.files:
-                known = cached_hub_sha256(checkpoint, file) if full else None
+                known = known_sha256(checkpoint, file) if full else None
                 hash_it = full and (known is None or rehash_source)
                 digest = _scatter_file(reader, mover, checkpoint, roles, file, writes, hash_it, bar)
-                if digest and known and digest != known:
+                if digest and known and digest != known.sha256:
                     raise CorruptFileError(
-                        f"{checkpoint.root / file} hashes to {digest}, not to the sha256 its "
-                        f"Hugging Face cache blob is named by ({known}); the cache is damaged: "
-                        "delete it and download the model again",
+                        f"{checkpoint.root / file} hashes to {digest}, not to {known.claim} "
+                        f"({known.sha256}); the download is damaged or the file was changed "
+                        "since: delete it and download the model again",
                         path=str(checkpoint.root / file),
                     )
                 if digest or known:
                     for role in roles:
-                        source_hashes[(role, file)] = digest or known  # type: ignore[assignment]
+                        source_hashes[(role, file)] = digest or known.sha256  # type: ignore[union-attr]
             for name, data in checkpoint.side_tensors.items():
                 info = checkpoint.tensors[name].info
                 _scatter_chunk(mover, info, 0, memoryview(data), _targets(writes, roles, name))

@@ -1,0 +1,133 @@
+"""A source folder fetched by `hf download --local-dir`: the sha256 huggingface_hub recorded
+beside each file is trusted the way huggingface_hub itself trusts it, checked on request.
+
+The folders are downloaded with the real huggingface_hub client from the test Hub
+(tests/hub_server.py); stale or forged metadata is written with huggingface_hub's own
+writer and read back with its own reader, so both sides agree on the format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+from hub_server import HubServer
+from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub._local_folder import read_download_metadata, write_download_metadata
+
+from shardprep.checkpoint import local_dir_sha256
+from shardprep.constants import MANIFEST_NAME
+from shardprep.convert import Options, convert
+from shardprep.errors import CorruptFileError
+from shardprep.tiny import make_tiny_model
+from shardprep.verify import verify
+
+# The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
+pytestmark = [
+    pytest.mark.usefixtures("hf_client_env"),
+    pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning"),
+]
+
+REPO = "shardprep-test/local-dir"
+
+
+@pytest.fixture
+def downloaded(hub: HubServer, tmp_path: Path) -> tuple[Path, Path]:
+    """(the model as written, the same model fetched with `snapshot_download(local_dir=)`)."""
+    model = make_tiny_model(tmp_path / "model", torch_dtype="bfloat16", files=2)
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo(REPO)
+    api.upload_folder(repo_id=REPO, folder_path=model)
+    local = tmp_path / "local"
+    snapshot_download(REPO, local_dir=local, endpoint=hub.endpoint)
+    return model, local
+
+
+def _weights(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.safetensors"))
+
+
+def _source_hashes(out: Path, options: Options, source: Path) -> list[tuple[str, str | None]]:
+    manifest = convert(str(source), out, options, progress=False)
+    return [(f.path, f.sha256) for f in manifest.model("target").source.files]
+
+
+def test_recorded_sha256_is_trusted_and_rows_move_in_the_kernel(
+    downloaded: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, local = downloaded
+    names = _weights(local)
+    assert len(names) == 2
+    for name in names:  # what huggingface_hub recorded is the real sha256, and it says so
+        real = hashlib.sha256((local / name).read_bytes()).hexdigest()
+        assert read_download_metadata(local, name).etag == real
+        assert local_dir_sha256(local, name) == real
+    kernel_copies = []
+    real_copy = os.copy_file_range
+    monkeypatch.setattr(
+        os, "copy_file_range", lambda *a: kernel_copies.append(a[2]) or real_copy(*a)
+    )
+    options = Options(tp=2, pp=2)
+    from_local = convert(str(local), tmp_path / "local-out", options, progress=False)
+    # Whole-row slices only go file to file when the source is not hashed here.
+    assert kernel_copies, "a source with a recorded sha256 should not be read for hashing"
+    plain = convert(str(model), tmp_path / "plain-out", options, progress=False)
+    assert [(f.path, f.sha256) for f in from_local.files] == [
+        (f.path, f.sha256) for f in plain.files
+    ]
+    assert [(f.path, f.sha256) for f in from_local.model("target").source.files] == [
+        (f.path, f.sha256) for f in plain.model("target").source.files
+    ]
+    assert verify(tmp_path / "local-out", full=True).ok
+
+
+def test_wrong_recorded_sha256_is_caught_by_rehash_source(
+    downloaded: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _, local = downloaded
+    name = _weights(local)[0]
+    write_download_metadata(local, name, commit_hash="c" * 40, etag="0" * 64)
+    assert read_download_metadata(local, name).etag == "0" * 64  # huggingface_hub trusts it
+    hashes = dict(_source_hashes(tmp_path / "a", Options(tp=2, pp=1), local))
+    assert hashes[name] == "0" * 64
+    with pytest.raises(CorruptFileError, match=r"not to the sha256 recorded when it was down"):
+        convert(str(local), tmp_path / "b", Options(tp=2, pp=1, rehash_source=True), progress=False)
+    assert not (tmp_path / "b" / MANIFEST_NAME).exists()
+
+
+def test_file_changed_after_download_is_hashed(
+    downloaded: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _, local = downloaded
+    name = _weights(local)[0]
+    path = local / name
+    write_download_metadata(local, name, commit_hash="c" * 40, etag="0" * 64)
+    later = read_download_metadata(local, name).timestamp + 5
+    os.utime(path, (later, later))  # modified after the metadata was written
+    assert read_download_metadata(local, name) is None  # huggingface_hub would re-hash it
+    assert local_dir_sha256(local, name) is None
+    hashes = dict(_source_hashes(tmp_path / "out", Options(tp=2, pp=1), local))
+    assert hashes[name] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        "c\n" + "1" * 40 + "\n{now}\n",  # a git sha1 etag: a regular (non-LFS) file
+        "c\n" + "A" * 64 + "\n{now}\n",  # not lowercase hex
+        "c\n" + "1" * 64 + "\n",  # no timestamp
+        "c\n" + "1" * 64 + "\nnan\n",
+        "garbage",
+    ],
+)
+def test_metadata_that_is_not_a_sha256_is_ignored(tmp_path: Path, lines: str) -> None:
+    model = make_tiny_model(tmp_path / "model", files=1)
+    name = _weights(model)[0]
+    metadata = model / ".cache" / "huggingface" / "download" / f"{name}.metadata"
+    metadata.parent.mkdir(parents=True)
+    metadata.write_text(lines.format(now=(model / name).stat().st_mtime + 1))
+    assert local_dir_sha256(model, name) is None
+    hashes = dict(_source_hashes(tmp_path / "out", Options(tp=1, pp=1), model))
+    assert hashes[name] == hashlib.sha256((model / name).read_bytes()).hexdigest()
