@@ -260,3 +260,19 @@ def test_no_manifest_suggests_convert(tmp_path: Path) -> None:
 def test_unknown_backend(artifact: Path) -> None:
     with pytest.raises(ValueError, match="auto, fastsafetensors, safetensors"):
         list(read_rank(artifact, "target", 0, 0, backend="mmap"))
+
+
+@pytest.mark.parametrize("window", [1, 4096, 1 << 40])
+def test_read_ahead_of_any_width_reads_the_same_bytes(
+    artifact: Path, window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel is asked to read ahead of each tensor; whatever the window (one byte,
+    a page, past the end of the file), every tensor read straight into its place is exact."""
+    monkeypatch.setattr(reader, "READ_AHEAD_BYTES", window)
+    manifest = read_manifest(artifact)
+    for role, pp, tp in RANKS:
+        want = expected_tensors(artifact, manifest, role, pp, tp)
+        places = {n: torch.full_like(t, 7) for n, t in want.items()}
+        got = dict(read_rank(artifact, role, pp, tp, into=lambda n, _, p=places: p[n]))
+        assert_same_bytes(got, want)
+        assert all(got[name] is place for name, place in places.items())

@@ -97,23 +97,44 @@ def read_into(
     path: Path, header: Header, into: Callable[[str, TensorInfo], torch.Tensor | None]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Read each tensor of one checked file, in file order, with one `pread` straight
-    into its destination (the kernel copies from the page cache into the parameter)."""
+    into its destination (the kernel copies from the page cache into the parameter).
+    The kernel is asked to read ahead `READ_AHEAD_BYTES` past each tensor, so that the
+    disk works on the next tensors while this one is copied."""
     import torch
 
     dtypes = torch_dtypes(torch)
     fd = os.open(path, os.O_RDONLY)
     try:
-        if hasattr(os, "POSIX_FADV_SEQUENTIAL"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        ahead = _ReadAhead(fd)
         for name, info in sorted(header.tensors.items(), key=lambda item: item[1].offset):
             dest = into(name, info)
             if dest is None:
                 dest = torch.empty(info.shape, dtype=dtypes[info.dtype])
             if info.nbytes:
+                ahead.up_to(info.offset + info.nbytes + READ_AHEAD_BYTES)
                 _pread_into(fd, dest, info.offset, path)
             yield name, dest
     finally:
         os.close(fd)
+
+
+READ_AHEAD_BYTES = 512 << 20
+"""How far past the tensor being read the kernel is asked to read ahead (a bound on the
+page cache a rank claims ahead of its reads)."""
+
+
+class _ReadAhead:
+    """`POSIX_FADV_WILLNEED` over the part of a file not yet requested: the kernel queues
+    the reads at once, instead of in the small windows of its sequential read-ahead."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.requested = fd, 0
+
+    def up_to(self, end: int) -> None:
+        if end <= self.requested or not hasattr(os, "POSIX_FADV_WILLNEED"):
+            return
+        os.posix_fadvise(self.fd, self.requested, end - self.requested, os.POSIX_FADV_WILLNEED)
+        self.requested = end
 
 
 def _pread_into(fd: int, dest: torch.Tensor, offset: int, path: Path) -> None:
