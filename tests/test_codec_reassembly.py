@@ -1,0 +1,116 @@
+"""The joins that rebuild float words from their planes: the compiled (numba) and the numpy
+form write the same bytes for any input, and both round-trip real files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save
+
+from shardprep.codec import compress_file, decompress_buffer, reassembly
+from shardprep.errors import CorruptFileError
+
+EXAMPLES = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def compiled_or_skip() -> ModuleType:
+    fast = reassembly.compiled()
+    if fast is None:
+        pytest.skip("numba is not installed: only the numpy joins exist")
+    return fast
+
+
+def both_ways(join, *args: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+    """`join` into a fresh output, compiled then numpy, from the same inputs."""
+    outs = []
+    for enabled in (True, False):
+        reassembly.use_compiled(enabled)
+        out = args[0].copy()
+        join(out, *args[1:])
+        outs.append(out)
+    reassembly.use_compiled(True)
+    return outs[0], outs[1]
+
+
+planes = (
+    st.integers(0, 64)
+    .map(lambda k: 32 * k)
+    .flatmap(lambda n: st.tuples(st.just(n), st.binary(min_size=2 * n, max_size=2 * n)))
+)
+
+
+@EXAMPLES
+@given(sized=planes, base=st.integers(0, 192), unaligned=st.booleans())
+def test_bf16_join_is_the_same_compiled_or_not(
+    sized: tuple[int, bytes], base: int, unaligned: bool
+) -> None:
+    compiled_or_skip()
+    n, noise = sized
+    data = np.frombuffer(noise, np.uint8)
+    sym, packed = data[:n], data[n : n + n // 4 * 3]
+    # An output at an odd address, as a tensor after an odd-sized header lands.
+    backing = np.zeros(2 * n + 1, np.uint8)
+    out = backing[int(unaligned) : int(unaligned) + 2 * n].view("<u2")
+    fast, slow = both_ways(reassembly.join_bf16, out, sym, packed, base)
+    assert fast.tobytes() == slow.tobytes()
+
+
+@EXAMPLES
+@given(sized=planes)
+def test_f16_and_f32_joins_are_the_same_compiled_or_not(sized: tuple[int, bytes]) -> None:
+    compiled_or_skip()
+    n, noise = sized
+    data = np.frombuffer(noise, np.uint8)
+    fast, slow = both_ways(reassembly.join_f16, np.zeros(n, "<u2"), data[:n], data[n:])
+    assert fast.tobytes() == slow.tobytes()
+    high = data.view("<u2")[: n // 2]
+    low = data[: n // 2], data[n // 2 : n]
+    fast, slow = both_ways(reassembly.join_f32, np.zeros(n // 2, "<u4"), high, *low)
+    assert fast.tobytes() == slow.tobytes()
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "numpy"])
+def test_planes_of_other_sizes_are_refused(enabled: bool) -> None:
+    reassembly.use_compiled(enabled)
+    try:
+        out, short = np.zeros(64, "<u2"), np.zeros(63, np.uint8)
+        with pytest.raises(CorruptFileError, match="differ in size"):
+            reassembly.join_bf16(out, short, np.zeros(48, np.uint8), 100)
+        with pytest.raises(CorruptFileError, match="differ in size"):
+            reassembly.join_f16(out, np.zeros(64, np.uint8), short)
+        with pytest.raises(CorruptFileError, match="differ in size"):
+            reassembly.join_f32(np.zeros(64, "<u4"), np.zeros(64, "<u2"), short, short)
+    finally:
+        reassembly.use_compiled(True)
+
+
+def weights(dtype: torch.dtype, seed: int) -> bytes:
+    """A small checkpoint: weight-like values, exact zeros, extremes, an odd-sized tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(70_001, generator=generator) * 0.02
+    values[:50] = torch.tensor([0.0, -0.0, 1e-30, -1e30, float("inf"), float("nan")] * 8 + [2, 3])
+    return save({"w": values.to(dtype), "ln": torch.ones(384).to(dtype)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "numpy"])
+def test_both_joins_round_trip_real_files(
+    tmp_path: Path, dtype: torch.dtype, enabled: bool
+) -> None:
+    raw = weights(dtype, seed=3)
+    source, stored = tmp_path / "w.safetensors", tmp_path / "w.zst"
+    source.write_bytes(raw)
+    compress_file(source, stored, threads=2, frame_size=65536)
+    reassembly.use_compiled(enabled)
+    try:
+        assert decompress_buffer(stored.read_bytes(), threads=2).tobytes() == raw
+    finally:
+        reassembly.use_compiled(True)
