@@ -64,16 +64,17 @@ def test_bf16_join_is_the_same_compiled_or_not(
 
 
 @EXAMPLES
-@given(sized=planes)
-def test_f16_and_f32_joins_are_the_same_compiled_or_not(sized: tuple[int, bytes]) -> None:
+@given(sized=planes, base=st.integers(0, 192))
+def test_f16_and_f32_joins_are_the_same_compiled_or_not(
+    sized: tuple[int, bytes], base: int
+) -> None:
     compiled_or_skip()
     n, noise = sized
     data = np.frombuffer(noise, np.uint8)
     fast, slow = both_ways(reassembly.join_f16, np.zeros(n, "<u2"), data[:n], data[n:])
     assert fast.tobytes() == slow.tobytes()
-    high = data.view("<u2")[: n // 2]
-    low = data[: n // 2], data[n // 2 : n]
-    fast, slow = both_ways(reassembly.join_f32, np.zeros(n // 2, "<u4"), high, *low)
+    sym, packed, low = data[:n], data[n : n + n // 4 * 3], (data[n:], data[:n])
+    fast, slow = both_ways(reassembly.join_f32, np.zeros(n, "<u4"), sym, packed, base, *low)
     assert fast.tobytes() == slow.tobytes()
 
 
@@ -87,7 +88,7 @@ def test_planes_of_other_sizes_are_refused(enabled: bool) -> None:
         with pytest.raises(CorruptFileError, match="differ in size"):
             reassembly.join_f16(out, np.zeros(64, np.uint8), short)
         with pytest.raises(CorruptFileError, match="differ in size"):
-            reassembly.join_f32(np.zeros(64, "<u4"), np.zeros(64, "<u2"), short, short)
+            reassembly.join_f32(np.zeros(64, "<u4"), short, np.zeros(48, np.uint8), 0, out, out)
     finally:
         reassembly.use_compiled(True)
 

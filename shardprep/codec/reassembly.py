@@ -73,13 +73,24 @@ def join_f16(out: np.ndarray, sym: np.ndarray, rem: np.ndarray) -> None:
         _or_remainder(part, rem[i : i + part.size], 0x7F, wide)
 
 
-def join_f32(out: np.ndarray, high: np.ndarray, byte1: np.ndarray, byte0: np.ndarray) -> None:
-    """u32 `out` = high << 16 | byte1 << 8 | byte0."""
-    _check("F32", out.size, high.size, byte1.size, byte0.size)
+def join_f32(
+    out: np.ndarray,
+    sym: np.ndarray,
+    packed: np.ndarray,
+    base: int,
+    byte1: np.ndarray,
+    byte0: np.ndarray,
+) -> None:
+    """u32 `out` = high << 16 | byte1 << 8 | byte0, the high halves joined as `join_bf16`
+    (escapes not yet patched)."""
+    _check("F32", out.size - out.size % 4, out.size, sym.size, packed.size // 3 * 4)
+    _check("F32", out.size, byte1.size, byte0.size)
     fast = compiled()
     if fast is not None:
-        fast.join_f32(out, high, byte1, byte0)
+        fast.join_f32(out, sym, packed, base, byte1, byte0)
         return
+    high = np.empty(out.size, "<u2")
+    _numpy_join_bf16(high, sym, packed, base)
     # Widen and multiply: numpy does these in SIMD, strided byte stores one at a time.
     low = np.empty(min(_DECODE_CHUNK, out.size), np.uint32)
     for i in range(0, out.size, _DECODE_CHUNK):

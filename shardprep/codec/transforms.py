@@ -289,10 +289,8 @@ def _decode_f16(dest: np.ndarray, param: int, planes: list[np.ndarray]) -> None:
 
 
 def _decode_f32(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:
-    high = np.empty(dest.size // 4, "<u2")
-    join_bf16(high, planes[0], planes[1], base)
-    _patch_escapes(high, planes[2])
-    join_f32(dest.view("<u4"), high, planes[3], planes[4])
+    join_f32(dest.view("<u4"), planes[0], planes[1], base, planes[3], planes[4])
+    _patch_escapes(dest.view("<u2")[1::2], planes[2])  # the high halves
 
 
 def _patch_escapes(words: np.ndarray, escapes: np.ndarray) -> None:
