@@ -29,8 +29,9 @@ mantissa bits along with the exponent. Segment kinds (stored as a byte):
 A stream is stored raw unless zstd saves 2 %. The Huffman-only setting is zstd's `fast`
 strategy with min_match 7 and a 64-entry hash table: it finds almost no matches, so each
 128 KiB block is literals under their own Huffman table (like ZipNN's 256 KiB chunks).
-Decoders write into the caller's buffer; bit fields are cut from u64 lanes, since numpy
-shifts 8- and 16-bit integers one at a time but 64-bit lanes in bulk.
+Decoders write into the caller's buffer, the float words rebuilt by `reassembly` (compiled
+loops with numba, else numpy); bit fields are cut from u64 lanes, since numpy shifts 8-
+and 16-bit integers one at a time but 64-bit lanes in bulk.
 """
 
 from __future__ import annotations
