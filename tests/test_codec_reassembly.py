@@ -3,6 +3,7 @@ form write the same bytes for any input, and both round-trip real files."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -112,6 +113,23 @@ def test_both_joins_round_trip_real_files(
     compress_file(source, stored, threads=2, frame_size=65536)
     reassembly.use_compiled(enabled)
     try:
+        assert decompress_buffer(stored.read_bytes(), threads=2).tobytes() == raw
+    finally:
+        reassembly.use_compiled(True)
+
+
+def test_without_numba_the_numpy_joins_decode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    monkeypatch.delitem(sys.modules, "shardprep.codec.compiled", raising=False)
+    reassembly.use_compiled(True)
+    try:
+        assert reassembly.compiled() is None
+        raw = weights(torch.bfloat16, seed=4)
+        source, stored = tmp_path / "w.safetensors", tmp_path / "w.zst"
+        source.write_bytes(raw)
+        compress_file(source, stored, threads=1)
         assert decompress_buffer(stored.read_bytes(), threads=2).tobytes() == raw
     finally:
         reassembly.use_compiled(True)

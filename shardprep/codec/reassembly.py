@@ -8,6 +8,7 @@ does not depend on which one ran. `use_compiled(False)` forces numpy.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from types import ModuleType
 
@@ -29,7 +30,7 @@ def compiled() -> ModuleType | None:
         try:
             if sys.byteorder != "little":
                 raise ImportError("the compiled joins assume little-endian words")
-            from shardprep.codec import compiled as module
+            module = importlib.import_module("shardprep.codec.compiled")
         except ImportError:
             _compiled = False
         else:
