@@ -133,3 +133,22 @@ def test_without_numba_the_numpy_joins_decode(
         assert decompress_buffer(stored.read_bytes(), threads=2).tobytes() == raw
     finally:
         reassembly.use_compiled(True)
+
+
+def test_a_numba_that_fails_falls_back_to_numpy_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(name: str) -> ModuleType:
+        raise RuntimeError("cannot cache function 'join_bf16': no locator available")
+
+    monkeypatch.setattr(reassembly.importlib, "import_module", broken)
+    reassembly.use_compiled(True)
+    try:
+        with caplog.at_level("WARNING", logger="shardprep.codec"):
+            assert reassembly.compiled() is None
+        assert "Decoding with numpy: numba could not compile the joins" in caplog.text
+        out = np.zeros(32, "<u2")
+        reassembly.join_f16(out, np.ones(32, np.uint8), np.full(32, 0x81, np.uint8))
+        assert set(out.tolist()) == {0x8000 | 1 << 7 | 1}
+    finally:
+        reassembly.use_compiled(True)

@@ -9,6 +9,7 @@ does not depend on which one ran. `use_compiled(False)` forces numpy.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from types import ModuleType
 
@@ -19,6 +20,8 @@ from shardprep.errors import CorruptFileError
 # Passes of 256 Ki elements: a typical tensor segment (up to 256 Ki elements) is then one
 # chunk, not one and a sliver; 5 % less CPU on MiniLM than 128 Ki, no slower on 1 GiB.
 _DECODE_CHUNK = 1 << 18
+
+logger = logging.getLogger("shardprep.codec")
 
 _compiled: ModuleType | bool | None = None  # None: not tried yet; False: numpy only
 
@@ -32,6 +35,9 @@ def compiled() -> ModuleType | None:
                 raise ImportError("the compiled joins assume little-endian words")
             module = importlib.import_module("shardprep.codec.compiled")
         except ImportError:
+            _compiled = False
+        except Exception as exc:  # numba present but unusable here (say, no cache dir)
+            logger.warning("Decoding with numpy: numba could not compile the joins (%s).", exc)
             _compiled = False
         else:
             _compiled = module
