@@ -29,15 +29,19 @@ def compiled_or_skip() -> ModuleType:
     return fast
 
 
-def both_ways(join, *args: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
-    """`join` into a fresh output, compiled then numpy, from the same inputs."""
+def both_ways(join, out: np.ndarray, *args: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+    """`join` into two copies of `out` (at the same alignment), compiled then numpy."""
     outs = []
-    for enabled in (True, False):
-        reassembly.use_compiled(enabled)
-        out = args[0].copy()
-        join(out, *args[1:])
-        outs.append(out)
-    reassembly.use_compiled(True)
+    try:
+        for enabled in (True, False):
+            reassembly.use_compiled(enabled)
+            shift = out.ctypes.data % out.itemsize
+            copy = np.zeros(out.nbytes + shift, np.uint8)[shift:].view(out.dtype)
+            copy[:] = out
+            join(copy, *args)
+            outs.append(copy)
+    finally:
+        reassembly.use_compiled(True)
     return outs[0], outs[1]
 
 
