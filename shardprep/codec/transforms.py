@@ -29,8 +29,9 @@ mantissa bits along with the exponent. Segment kinds (stored as a byte):
 A stream is stored raw unless zstd saves 2 %. The Huffman-only setting is zstd's `fast`
 strategy with min_match 7 and a 64-entry hash table: it finds almost no matches, so each
 128 KiB block is literals under their own Huffman table (like ZipNN's 256 KiB chunks).
-Decoders write into the caller's buffer; bit fields are cut from u64 lanes, since numpy
-shifts 8- and 16-bit integers one at a time but 64-bit lanes in bulk.
+Decoders write into the caller's buffer, the float words rebuilt by `reassembly` (compiled
+loops with numba, else numpy); bit fields are cut from u64 lanes, since numpy shifts 8-
+and 16-bit integers one at a time but 64-bit lanes in bulk.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from collections.abc import Callable
 import numpy as np
 import zstandard
 
+from shardprep.codec.reassembly import join_bf16, join_f16, join_f32, spread
 from shardprep.errors import CorruptFileError
 
 PLAIN, PLANES, BF16, F16, F32 = range(5)  # segment kinds, as stored
@@ -58,9 +60,6 @@ DTYPE_KINDS = {
 
 _PAYS = 0.98  # keep a zstd stream only if it saves at least 2 %
 _CHUNK = 1 << 17  # elements per numpy pass: keeps the temporaries in L2
-# Decoding runs fewer, larger passes: a typical tensor segment (up to 256 Ki elements)
-# is then one chunk, not one and a sliver; 5 % less CPU on MiniLM, no slower on 1 GiB.
-_DECODE_CHUNK = 1 << 18
 _WINDOW = 63  # binades covered by a BF16 symbol; symbol 63 << 2 marks an escape
 _ESCAPE = _WINDOW << 2
 _MAX_ESCAPE_SHARE = 1 / 32
@@ -231,23 +230,19 @@ def _split_bf16(words: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, n
     return sym, _pack6(rem), np.concatenate([where.astype("<u4").view(np.uint8), exponents])
 
 
-def _spread(byte_mask: int, width: int) -> np.uint64:
-    return np.uint64(int.from_bytes(byte_mask.to_bytes(width, "little") * (8 // width), "little"))
-
-
 def _lanes(words: np.ndarray, shift: int, mask: int) -> np.ndarray:
     """(words >> shift) & mask for u16 words (a multiple of 4), as a new u16 array."""
     lanes = words.view(np.uint64) >> np.uint64(shift)
-    lanes &= _spread(mask, 2)
+    lanes &= spread(mask, 2)
     return lanes.view(np.uint16)
 
 
 def _remainder(words: np.ndarray, shift: int, out: np.ndarray) -> None:
     """Sign in bit 7 and the low `shift` bits of each u16 word, as bytes."""
     lanes = words.view(np.uint64)
-    low = lanes & _spread((1 << shift) - 1, 2)
+    low = lanes & spread((1 << shift) - 1, 2)
     sign = lanes >> np.uint64(8)
-    sign &= _spread(0x80, 2)
+    sign &= spread(0x80, 2)
     low |= sign
     np.copyto(out, low.view(np.uint16), casting="unsafe")
 
@@ -263,10 +258,10 @@ def _pack6(rem: np.ndarray) -> np.ndarray:
     quarter = rem.size // 4
     tail = rem[3 * quarter :].view(np.uint64)
     heads = [rem[k * quarter : (k + 1) * quarter].view(np.uint64) for k in range(3)]
-    heads[0] |= (tail << np.uint64(5)) & _spread(0x60, 1)
-    heads[1] |= (tail << np.uint64(3)) & _spread(0x60, 1)
-    heads[2] |= (tail << np.uint64(1)) & _spread(0x20, 1)
-    heads[2] |= (tail >> np.uint64(1)) & _spread(0x40, 1)
+    heads[0] |= (tail << np.uint64(5)) & spread(0x60, 1)
+    heads[1] |= (tail << np.uint64(3)) & spread(0x60, 1)
+    heads[2] |= (tail << np.uint64(1)) & spread(0x20, 1)
+    heads[2] |= (tail >> np.uint64(1)) & spread(0x40, 1)
     return rem[: 3 * quarter]
 
 
@@ -286,85 +281,17 @@ def _decode_planes(dest: np.ndarray, param: int, planes: list[np.ndarray]) -> No
 
 def _decode_bf16(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:
     words = dest.view("<u2")
-    _join_bf16(words, planes[0], planes[1], base)
+    join_bf16(words, planes[0], planes[1], base)
     _patch_escapes(words, planes[2])
 
 
 def _decode_f16(dest: np.ndarray, param: int, planes: list[np.ndarray]) -> None:
-    out, sym, rem = dest.view("<u2"), planes[0], planes[1]
-    wide = np.empty(min(_DECODE_CHUNK, out.size), np.int16)
-    for i in range(0, out.size, _DECODE_CHUNK):
-        part = out[i : i + _DECODE_CHUNK]
-        np.copyto(part, sym[i : i + part.size])
-        part *= np.uint16(1 << 7)
-        _or_remainder(part, rem[i : i + part.size], 0x7F, wide)
+    join_f16(dest.view("<u2"), planes[0], planes[1])
 
 
 def _decode_f32(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:
-    high = np.empty(dest.size // 4, "<u2")
-    _join_bf16(high, planes[0], planes[1], base)
-    _patch_escapes(high, planes[2])
-    # Widen and multiply: numpy does these in SIMD, strided byte stores one at a time.
-    out = dest.view("<u4")
-    low = np.empty(min(_DECODE_CHUNK, out.size), np.uint32)
-    for i in range(0, out.size, _DECODE_CHUNK):
-        part = out[i : i + _DECODE_CHUNK]
-        end, tmp = i + part.size, low[: part.size]
-        np.copyto(part, high[i:end])
-        part *= np.uint32(1 << 16)
-        np.copyto(tmp, planes[3][i:end])
-        tmp *= np.uint32(1 << 8)
-        part |= tmp
-        np.copyto(tmp, planes[4][i:end])
-        part |= tmp
-
-
-def _unpack6_tail(
-    packed: np.ndarray, quarter: int, lo: int, hi: int, out: np.ndarray, scratch: np.ndarray
-) -> None:
-    """Remainder bytes 's00mmmmm' of tail elements lo..hi (multiples of 8), into `out`."""
-    heads = [packed[k * quarter + lo : k * quarter + hi].view(np.uint64) for k in range(3)]
-    lanes = out.view(np.uint64)
-    tmp = scratch[: lanes.size]
-    np.right_shift(heads[0], np.uint64(5), out=lanes)
-    lanes &= _spread(0x03, 1)
-    for source, shift, mask in ((1, 3, 0x0C), (2, 1, 0x10)):
-        np.right_shift(heads[source], np.uint64(shift), out=tmp)
-        tmp &= _spread(mask, 1)
-        lanes |= tmp
-    np.left_shift(heads[2], np.uint64(1), out=tmp)
-    tmp &= _spread(0x80, 1)
-    lanes |= tmp
-
-
-def _join_bf16(out: np.ndarray, sym: np.ndarray, packed: np.ndarray, base: int) -> None:
-    """Inverse of `_split_bf16` without the escapes, in cache-sized chunks."""
-    quarter = out.size // 4
-    head = 3 * quarter
-    offset = np.uint16(base << 7)
-    wide = np.empty(min(_DECODE_CHUNK, out.size), np.int16)
-    tail = np.empty(min(_DECODE_CHUNK, quarter), np.uint8)
-    lanes = np.empty(tail.size // 8, np.uint64)
-    for i in range(0, out.size, _DECODE_CHUNK):
-        part = out[i : i + _DECODE_CHUNK]
-        end = i + part.size
-        np.copyto(part, sym[i:end])
-        part *= np.uint16(1 << 5)  # numpy multiplies u16 in SIMD but shifts them one by one
-        part += offset
-        if i < head:
-            _or_remainder(part, packed[i : min(end, head)], 0x1F, wide)
-        if end > head:
-            lo, hi = max(i, head) - head, end - head
-            _unpack6_tail(packed, quarter, lo, hi, tail[: hi - lo], lanes)
-            _or_remainder(out[head + lo : head + hi], tail[: hi - lo], 0x1F, wide)
-
-
-def _or_remainder(out: np.ndarray, rem: np.ndarray, low_mask: int, wide: np.ndarray) -> None:
-    """out[:len(rem)] |= sign << 15 | (rem & low_mask), for bytes with the sign in bit 7."""
-    tmp = wide[: rem.size]
-    np.copyto(tmp, rem.view(np.int8))  # widening an int8 copies the sign into bits 8..15
-    tmp &= np.int16(-0x8000 | low_mask)
-    out[: rem.size] |= tmp.view(np.uint16)
+    join_f32(dest.view("<u4"), planes[0], planes[1], base, planes[3], planes[4])
+    _patch_escapes(dest.view("<u2")[1::2], planes[2])  # the high halves
 
 
 def _patch_escapes(words: np.ndarray, escapes: np.ndarray) -> None:

@@ -1,0 +1,158 @@
+"""The joins that rebuild float words from their planes: the compiled (numba) and the numpy
+form write the same bytes for any input, and both round-trip real files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save
+
+from shardprep.codec import compress_file, decompress_buffer, reassembly
+from shardprep.errors import CorruptFileError
+
+EXAMPLES = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def compiled_or_skip() -> ModuleType:
+    fast = reassembly.compiled()
+    if fast is None:
+        pytest.skip("numba is not installed: only the numpy joins exist")
+    return fast
+
+
+def both_ways(join, out: np.ndarray, *args: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+    """`join` into two copies of `out` (at the same alignment), compiled then numpy."""
+    outs = []
+    try:
+        for enabled in (True, False):
+            reassembly.use_compiled(enabled)
+            shift = out.ctypes.data % out.itemsize
+            copy = np.zeros(out.nbytes + shift, np.uint8)[shift:].view(out.dtype)
+            copy[:] = out
+            join(copy, *args)
+            outs.append(copy)
+    finally:
+        reassembly.use_compiled(True)
+    return outs[0], outs[1]
+
+
+planes = (
+    st.integers(0, 64)
+    .map(lambda k: 32 * k)
+    .flatmap(lambda n: st.tuples(st.just(n), st.binary(min_size=2 * n, max_size=2 * n)))
+)
+
+
+@EXAMPLES
+@given(sized=planes, base=st.integers(0, 192), unaligned=st.booleans())
+def test_bf16_join_is_the_same_compiled_or_not(
+    sized: tuple[int, bytes], base: int, unaligned: bool
+) -> None:
+    compiled_or_skip()
+    n, noise = sized
+    data = np.frombuffer(noise, np.uint8)
+    sym, packed = data[:n], data[n : n + n // 4 * 3]
+    # An output at an odd address, as a tensor after an odd-sized header lands.
+    backing = np.zeros(2 * n + 1, np.uint8)
+    out = backing[int(unaligned) : int(unaligned) + 2 * n].view("<u2")
+    fast, slow = both_ways(reassembly.join_bf16, out, sym, packed, base)
+    assert fast.tobytes() == slow.tobytes()
+
+
+@EXAMPLES
+@given(sized=planes, base=st.integers(0, 192))
+def test_f16_and_f32_joins_are_the_same_compiled_or_not(
+    sized: tuple[int, bytes], base: int
+) -> None:
+    compiled_or_skip()
+    n, noise = sized
+    data = np.frombuffer(noise, np.uint8)
+    fast, slow = both_ways(reassembly.join_f16, np.zeros(n, "<u2"), data[:n], data[n:])
+    assert fast.tobytes() == slow.tobytes()
+    sym, packed, low = data[:n], data[n : n + n // 4 * 3], (data[n:], data[:n])
+    fast, slow = both_ways(reassembly.join_f32, np.zeros(n, "<u4"), sym, packed, base, *low)
+    assert fast.tobytes() == slow.tobytes()
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "numpy"])
+def test_planes_of_other_sizes_are_refused(enabled: bool) -> None:
+    reassembly.use_compiled(enabled)
+    try:
+        out, short = np.zeros(64, "<u2"), np.zeros(63, np.uint8)
+        with pytest.raises(CorruptFileError, match="differ in size"):
+            reassembly.join_bf16(out, short, np.zeros(48, np.uint8), 100)
+        with pytest.raises(CorruptFileError, match="differ in size"):
+            reassembly.join_f16(out, np.zeros(64, np.uint8), short)
+        with pytest.raises(CorruptFileError, match="differ in size"):
+            reassembly.join_f32(np.zeros(64, "<u4"), short, np.zeros(48, np.uint8), 0, out, out)
+    finally:
+        reassembly.use_compiled(True)
+
+
+def weights(dtype: torch.dtype, seed: int) -> bytes:
+    """A small checkpoint: weight-like values, exact zeros, extremes, an odd-sized tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(70_001, generator=generator) * 0.02
+    values[:50] = torch.tensor([0.0, -0.0, 1e-30, -1e30, float("inf"), float("nan")] * 8 + [2, 3])
+    return save({"w": values.to(dtype), "ln": torch.ones(384).to(dtype)})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "numpy"])
+def test_both_joins_round_trip_real_files(
+    tmp_path: Path, dtype: torch.dtype, enabled: bool
+) -> None:
+    raw = weights(dtype, seed=3)
+    source, stored = tmp_path / "w.safetensors", tmp_path / "w.zst"
+    source.write_bytes(raw)
+    compress_file(source, stored, threads=2, frame_size=65536)
+    reassembly.use_compiled(enabled)
+    try:
+        assert decompress_buffer(stored.read_bytes(), threads=2).tobytes() == raw
+    finally:
+        reassembly.use_compiled(True)
+
+
+def test_without_numba_the_numpy_joins_decode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    monkeypatch.delitem(sys.modules, "shardprep.codec.compiled", raising=False)
+    reassembly.use_compiled(True)
+    try:
+        assert reassembly.compiled() is None
+        raw = weights(torch.bfloat16, seed=4)
+        source, stored = tmp_path / "w.safetensors", tmp_path / "w.zst"
+        source.write_bytes(raw)
+        compress_file(source, stored, threads=1)
+        assert decompress_buffer(stored.read_bytes(), threads=2).tobytes() == raw
+    finally:
+        reassembly.use_compiled(True)
+
+
+def test_a_numba_that_fails_falls_back_to_numpy_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(name: str) -> ModuleType:
+        raise RuntimeError("cannot cache function 'join_bf16': no locator available")
+
+    monkeypatch.setattr(reassembly.importlib, "import_module", broken)
+    reassembly.use_compiled(True)
+    try:
+        with caplog.at_level("WARNING", logger="shardprep.codec"):
+            assert reassembly.compiled() is None
+        assert "Decoding with numpy: numba could not compile the joins" in caplog.text
+        out = np.zeros(32, "<u2")
+        reassembly.join_f16(out, np.ones(32, np.uint8), np.full(32, 0x81, np.uint8))
+        assert set(out.tolist()) == {0x8000 | 1 << 7 | 1}
+    finally:
+        reassembly.use_compiled(True)
