@@ -198,7 +198,8 @@ def expert_lines(experts: dict[str, Any], tp: int) -> list[str]:
     ]
     for rank, held in enumerate(experts["rank_experts"]):
         where = f" (dp {rank // tp}, tp {rank % tp})" if dp > 1 else ""
-        lines.append(f"    ep rank {rank}{where}: {len(held)} experts: {_ranges(held)}")
+        noun = "expert" if len(held) == 1 else "experts"
+        lines.append(f"    ep rank {rank}{where}: {len(held)} {noun}: {_ranges(held)}")
     return lines
 
 

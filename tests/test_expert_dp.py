@@ -205,7 +205,7 @@ def test_inspect_shows_the_experts_of_every_ep_rank(
     text = capsys.readouterr().out
     assert "experts: 7 per MoE layer, expert parallel over tp 2 x dp 2, linear placement" in text
     assert "    ep rank 2 (dp 1, tp 0): 2 experts: 4-5\n" in text
-    assert "    ep rank 3 (dp 1, tp 1): 1 experts: 6\n" in text
+    assert "    ep rank 3 (dp 1, tp 1): 1 expert: 6\n" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.lstrip().startswith("stage"))
     assert header.split() == ["stage", "role", "tp", "dp", "files", "tensors", "size"]
