@@ -18,8 +18,9 @@ from shardprep.constants import (
     SHARD_PATTERN,
     SHARDS_DIR,
 )
-from shardprep.errors import ConfigError, PlanError, summarize
+from shardprep.errors import ConfigError, PlanError
 from shardprep.layout import Block, block_shape, expert_stack_blocks, is_expert_stack, piece_blocks
+from shardprep.plan_checks import checked_layout, dp_problems, problem_summary
 from shardprep.safetensors_io import TensorSpec
 from shardprep.topology import ExpertSplit, Topology, effective_placement, make_topology
 
@@ -163,7 +164,7 @@ def make_plan(
     stages = tuple(range(pp)) if stage is None else (stage,)
     model_dtype = resolve_dtype(dtype, target.config, target)
 
-    problems += _dp_problems(dp, expert_parallel)
+    problems += dp_problems(dp, expert_parallel)
     moe = {"expert_parallel": expert_parallel, "dp": dp}
     jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
         ("target", architecture, None, family, target, {"with_draft": draft is not None, **moe})
@@ -178,7 +179,7 @@ def make_plan(
         jobs.append(("draft", method, method, archs.draft_family(method), draft, context))
     layouts = []
     for role, arch_name, method, fam, source, context in jobs:
-        layout, found = _checked_layout(role, fam, source, tp, topology, context)
+        layout, found = checked_layout(role, fam, source, tp, topology, context)
         problems += found
         layouts.append((role, arch_name, method, source, layout))
     if expert_parallel and not any(layout and layout.num_experts for *_, layout in layouts):
@@ -192,7 +193,7 @@ def make_plan(
             "experts and is the same on every data-parallel rank, so leave --dp out"
         )
     if problems or topology is None:
-        raise PlanError(_problem_summary(problems))
+        raise PlanError(problem_summary(problems))
     models: list[ModelPlan] = []
     files: list[FilePlan] = []
     for role, arch_name, method, source, layout in layouts:
@@ -216,15 +217,6 @@ def make_plan(
         model_stages = stages if role == "target" else tuple(s for s in stages if s == pp - 1)
         files += _rank_files(models[-1], layout, source, model_stages, tp, max_part_bytes)
     return Plan(topology, stages, tuple(models), tuple(files))
-
-
-def _dp_problems(dp: int, expert_parallel: bool) -> list[str]:
-    if dp > 1 and not expert_parallel:
-        return [
-            f"--dp {dp} without --enable-expert-parallel cuts every expert tp x dp ways, "
-            "which shardprep does not lay out yet; add --enable-expert-parallel"
-        ]
-    return []
 
 
 def _expert_plan(
@@ -273,55 +265,6 @@ def _rank_files(
                     model.folder, model.role, pp_rank, tp_rank, tensors, max_part_bytes, dp_rank
                 )
     return files
-
-
-def _checked_layout(
-    role: str,
-    family: archs.Family,
-    source: SourceModel,
-    tp: int,
-    topology: Topology | None,
-    context: dict[str, Any],
-) -> tuple[archs.Layout | None, list[str]]:
-    """Problems of one model; its layout when there are none and the topology is valid."""
-    layers = source.config.get("num_hidden_layers")
-    if isinstance(layers, (int, float)) and layers > len(source.tensors):
-        # Every layer has tensors: bound all work by the tensors actually present.
-        return None, [
-            f"{role}: config.json says num_hidden_layers={layers} but the checkpoint holds "
-            f"only {len(source.tensors)} tensors; fix config.json"
-        ]
-    try:
-        problems = [f"{role}: {p}" for p in family.check(source.config, tp, **context)]
-        expected = family.expected_shapes(source.config, **context)
-    except ConfigError as exc:
-        return None, [f"{role}: {exc}"]
-    except (KeyError, ValueError, TypeError) as exc:
-        return None, [f"{role}: config.json lacks or garbles {exc}"]
-    if topology is None:
-        return None, problems
-    shapes = {name: shape for name, (_, shape) in source.tensors.items()}
-    for name, shape in sorted(shapes.items()):
-        if name in expected and tuple(expected[name]) != shape:
-            problems.append(
-                f"{role}: {name} has shape {list(shape)} but config.json implies "
-                f"{list(expected[name])}"
-            )
-    layout = family.layout(source.config, shapes, topology, **context)
-    consumed = {piece.source for param in layout.params for piece in param.pieces}
-    unknown = sorted(set(shapes) - consumed - set(layout.skipped))
-    if unknown:
-        problems.append(
-            f"{role}: {len(unknown)} tensor(s) that shardprep does not know where to put: "
-            f"{summarize(unknown)}"
-        )
-    missing = sorted(set(expected) - set(shapes) - set(layout.optional_sources))
-    if missing:
-        problems.append(
-            f"{role}: {len(missing)} tensor(s) that config.json implies are missing: "
-            f"{summarize(missing)}"
-        )
-    return layout, problems
 
 
 def _tensor_plan(
@@ -393,9 +336,3 @@ def _split_parts(
         )
         for i, part in enumerate(parts)
     ]
-
-
-def _problem_summary(problems: list[str], limit: int = 8) -> str:
-    head = "; ".join(problems[:limit])
-    more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
-    return f"cannot convert: {head}{more}"
