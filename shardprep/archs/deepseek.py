@@ -313,7 +313,7 @@ class DeepseekFamily:
         for layer in range(d.layers):
             stage = topology.stage_of_layer(layer)
             prefix = f"model.layers.{layer}."
-            params += _fused(self._layer_params(d, quant, layer, prefix, topology.tp), stage)
+            params += fused_params(self.layer_params(d, quant, layer, prefix, topology.tp), stage)
         vocab = Piece("model.embed_tokens.weight", Cut.VOCAB)
         params.append(Param("model.embed_tokens.weight", (vocab,), (0,)))
         norm = Piece("model.norm.weight", Cut.REPLICATE)
@@ -321,7 +321,7 @@ class DeepseekFamily:
         params.append(Param("lm_head.weight", (Piece("lm_head.weight", Cut.VOCAB),), (last,)))
         return Layout(tuple(params), skipped, num_experts=d.experts)
 
-    def _layer_params(
+    def layer_params(
         self, d: Dims, quant: BlockQuant | None, layer: int, prefix: str, tp: int
     ) -> Iterator[tuple[str, Piece, str | None]]:
         """(vLLM name, piece, fixed dtype) in stacking order; pieces of one name fuse."""
@@ -371,7 +371,7 @@ class DeepseekFamily:
             yield routed + "w2_" + SCALE, piece, F32
 
 
-def _fused(entries: Iterator[tuple[str, Piece, str | None]], stage: int) -> list[Param]:
+def fused_params(entries: Iterator[tuple[str, Piece, str | None]], stage: int) -> list[Param]:
     pieces: dict[str, list[Piece]] = {}
     dtypes: dict[str, str | None] = {}
     for name, piece, dtype in entries:

@@ -20,7 +20,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from shardprep.archs import Config, Layout, Param, Shapes, register_draft
-from shardprep.archs.deepseek import LAYER, DeepseekFamily, Dims, _fused, layer_sources
+from shardprep.archs.deepseek import (
+    LAYER,
+    DeepseekFamily,
+    Dims,
+    fused_params,
+    layer_sources,
+)
 from shardprep.archs.fp8 import block_quant
 from shardprep.errors import ConfigError
 from shardprep.layout import Cut, Piece
@@ -89,8 +95,8 @@ class DeepseekMtpDraft:
         optional: set[str] = set()
         for layer in layers:
             prefix = f"model.layers.{layer}."
-            block = DeepseekFamily()._layer_params(d, quant, layer, prefix, topology.tp)
-            params += _fused(_in_block(block, prefix), last)
+            block = DeepseekFamily().layer_params(d, quant, layer, prefix, topology.tp)
+            params += fused_params(_in_block(block, prefix), last)
             for name in OWN:
                 params.append(Param(prefix + name, (Piece(prefix + name, Cut.REPLICATE),), (last,)))
             shared.add(prefix + HEAD)
