@@ -77,6 +77,25 @@ def test_dflash_layout_at_tp2_pp2() -> None:
     assert ("model.embed_tokens.weight", 1) in dict.fromkeys(plan.models[0].spec_decode_only)
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_attention_sink_bias_is_split_like_the_heads(tp: int) -> None:
+    config = {**DFLASH, "dflash_config": {**DFLASH["dflash_config"], "attention_sink_bias": True}}
+    plan = make_plan(target_source(), tp=tp, pp=1, draft=draft_source("dflash", config))
+    for rank in range(tp):
+        sink = draft_tensors(plan, rank)["model.layers.1.self_attn.attention_sink_bias"]
+        assert sink.shape == (4 // tp,)
+        assert [(b.source, b.rows) for b in sink.blocks] == [
+            ("layers.1.self_attn.attention_sink_bias", (rank * 4 // tp, (rank + 1) * 4 // tp))
+        ]
+
+
+def test_attention_sink_bias_the_config_does_not_enable_is_one_line() -> None:
+    config = {**DFLASH, "dflash_config": {**DFLASH["dflash_config"], "attention_sink_bias": True}}
+    tensors = draft_source("dflash", config).tensors
+    with pytest.raises(PlanError, match="does not enable them.*attention_sink_bias to true"):
+        make_plan(target_source(), tp=2, pp=1, draft=SourceModel(DFLASH, tensors))
+
+
 def test_dspark_heads_are_replicated_and_the_confidence_head_float32() -> None:
     extra = {"embed_tokens.weight": ("BF16", (1000, 128)), "lm_head.weight": ("BF16", (1000, 128))}
     source = draft_source("dspark", DSPARK, **extra)

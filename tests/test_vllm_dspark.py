@@ -30,9 +30,10 @@ import pytest
 
 CONFIDENCE = ("confidence_head.proj.weight", "confidence_head.proj.bias")
 CASES = {
-    # name: tensors the draft checkpoint leaves out
-    "own-heads": (),
-    "shared-heads-no-confidence": ("embed_tokens.weight", "lm_head.weight", *CONFIDENCE),
+    # name: (tensors the draft checkpoint leaves out, config.json overrides)
+    "own-heads": ((), {}),
+    "shared-heads-no-confidence": (("embed_tokens.weight", "lm_head.weight", *CONFIDENCE), {}),
+    "sink-bias": ((), {"dflash_config": {"attention_sink_bias": True}}),
 }
 RESULT = "DSPARK-RESULT "
 TIMEOUT_S = 420.0
@@ -86,16 +87,17 @@ def run_worker(args: argparse.Namespace) -> int:
     from shardprep.loader.plugin import ShardedFastLoader
 
     root = args.root
-    config = engine_config(root / "target", root / "own-heads", args.tp)
+    configs = {case: engine_config(root / "target", root / case, args.tp) for case in CASES}
     init_distributed_environment(
         world_size=args.tp, rank=args.rank, local_rank=args.rank, backend="gloo",
         distributed_init_method=f"tcp://127.0.0.1:{args.port}",
     )  # fmt: skip
-    draft_config = config.speculative_config.draft_model_config
-    checked = {}
-    with set_current_vllm_config(config):
+    with set_current_vllm_config(configs["own-heads"]):
         initialize_model_parallel(args.tp, 1)
-        for case in CASES:
+    checked = {}
+    for case, config in configs.items():
+        with set_current_vllm_config(config):
+            draft_config = config.speculative_config.draft_model_config
             draft_config.model = str(root / case)
             default = build_draft(config)
             get_model_loader(LoadConfig(load_format="auto")).load_weights(default, draft_config)
@@ -124,7 +126,8 @@ def run_worker(args: argparse.Namespace) -> int:
             assert side_effects(fast) == side_effects(default), case
             assert torch.equal(fast.model._fused_kv_weight, default.model._fused_kv_weight)
             assert torch.equal(fast.model._k_norm_weights, default.model._k_norm_weights)
-            checked[case] = {"params": len(state), **side_effects(default)}
+            sinks = [n for n in state if n.endswith("attention_sink_bias")]
+            checked[case] = {"params": len(state), "sinks": sinks, **side_effects(default)}
     print(RESULT + json.dumps({"tp": args.tp, "rank": args.rank, **checked}), flush=True)
     return 0
 
@@ -139,8 +142,8 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("dspark")
     target = make_tiny_model(root / "target", "Qwen3ForCausalLM", num_hidden_layers=4)
-    for case, omit in CASES.items():
-        draft = make_tiny_draft(root / case, target, "dspark", omit=omit)
+    for case, (omit, overrides) in CASES.items():
+        draft = make_tiny_draft(root / case, target, "dspark", omit=omit, **overrides)
         for tp in (1, 2):
             options = Options(tp=tp, pp=1, draft=str(draft), dtype="float32")
             convert(str(target), root / f"{case}-tp{tp}", options, progress=False)
@@ -192,6 +195,9 @@ def test_dspark_rank_files_equal_vllm_module_state_at_tp1_and_tp2(prepared: Path
         )  # fmt: skip
         assert (shared["has_own_lm_head"], shared["confidence_head"]) == (False, False)
         assert own["fused_kv_layers"] == shared["fused_kv_layers"] == 1
+        assert own["sinks"] == [] and result["sink-bias"]["sinks"] == [
+            "model.layers.0.self_attn.attention_sink_bias"
+        ]
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ the target's auxiliary hidden states, `hidden_norm` and `norm`; the embedding, l
 and `d2t` are optional (vLLM shares the target's embedding and lm_head when absent).
 A separately trained mask embedding may ship as `mask_embedding.pt`; vLLM reads it
 (when `mask_token_id` is configured) into `model.mask_embedding`, else leaves zeros.
+With `dflash_config.attention_sink_bias` each layer has a sink bias per attention head,
+split over the ranks like the heads.
 
 DSpark adds a replicated Markov head (`markov_w1` an embedding, `markov_w2` a vocab
 head padded to 64 but not split) and an optional float32 confidence head, which vLLM
@@ -21,16 +23,17 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
-from shardprep.archs import Config, Layout, Shapes, register_draft
+from shardprep.archs import Config, Layout, Param, Shapes, register_draft
 from shardprep.archs.llama import Dims, _draft_dims, _EagleBase
 from shardprep.errors import ConfigError
-from shardprep.layout import Cut
+from shardprep.layout import Cut, Piece
 from shardprep.topology import Topology
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 MASK_EMBEDDING = "mask_embedding"  # the source name shardprep gives the side file's tensor
 MAX_SIDE_FILE_BYTES = 64 * 1024**2
 CONFIDENCE = ("confidence_head.proj.weight", "confidence_head.proj.bias")
+SINK_BIAS = "self_attn.attention_sink_bias"
 
 
 def _drafter_config(config: Config) -> dict[str, Any]:
@@ -56,6 +59,12 @@ def _aux_layer_ids(config: Config) -> list[int] | None:
             if ids:
                 break
     return list(ids) or None
+
+
+def has_sink_bias(config: Config) -> bool:
+    """vLLM's flag: `dflash_config.attention_sink_bias`, else `add_swa_attention_sink_bias`."""
+    dflash = config.get("dflash_config") or {}
+    return bool(dflash.get("attention_sink_bias", config.get("add_swa_attention_sink_bias")))
 
 
 def mask_token_id(config: Config) -> int | None:
@@ -125,6 +134,8 @@ class DFlashDraft(_EagleBase):
         layer = dims.layer_shapes(bias, True, dims.hidden)
         if bias:
             layer["self_attn.o_proj.bias"] = (dims.hidden,)
+        if has_sink_bias(config):
+            layer[SINK_BIAS] = (dims.heads,)
         shapes = {
             f"layers.{i}.{s}": shape for i in range(dims.layers) for s, shape in layer.items()
         }
@@ -153,6 +164,13 @@ class DFlashDraft(_EagleBase):
                 f"its target_layer_ids {beyond} name layers the target does not have "
                 f"({layers} layers); pair the draft with the target it was trained for"
             )
+        names = context.get("draft_names") or ()
+        if not has_sink_bias(config) and any(n.endswith(SINK_BIAS) for n in names):
+            problems.append(
+                "it holds attention sink biases but its config.json does not enable them, so "
+                "vLLM has no parameter for them; set dflash_config.attention_sink_bias to "
+                "true, as the draft was trained"
+            )
         return problems
 
     # -- layout ---------------------------------------------------------------------------
@@ -162,6 +180,9 @@ class DFlashDraft(_EagleBase):
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
         layout = super().layout(config, shapes, topology, **context)
+        layout = dataclasses.replace(
+            layout, params=layout.params + self._sink_params(config, shapes, topology)
+        )
         dropped: dict[str, str] = {}
         target_vocab = context.get("target_config", {}).get("vocab_size")
         if "d2t" in shapes and not self._keeps_d2t(config, target_vocab):
@@ -176,6 +197,19 @@ class DFlashDraft(_EagleBase):
             return layout
         params = tuple(p for p in layout.params if not {x.source for x in p.pieces} & set(dropped))
         return dataclasses.replace(layout, params=params, skipped={**layout.skipped, **dropped})
+
+    def _sink_params(self, config: Config, shapes: Shapes, topology: Topology) -> tuple[Param, ...]:
+        """One sink bias per head and layer: each rank holds its heads' (vLLM's
+        `_preprocess` narrows it like the heads)."""
+        if not has_sink_bias(config):
+            return ()
+        params = []
+        for name in shapes:
+            match = self.layer_pattern.match(name)
+            if match and match.group(2) == SINK_BIAS:
+                vllm_name = f"model.layers.{int(match.group(1) or 0)}.{SINK_BIAS}"
+                params.append(Param(vllm_name, (Piece(name, Cut.ROWS),), (topology.last_stage,)))
+        return tuple(params)
 
     def _reads_mask_embedding(self, config: Config) -> bool:
         """vLLM's DFlash reads `mask_embedding.pt` only when a mask token is configured."""
