@@ -166,11 +166,14 @@ def make_plan(
 
     problems += dp_problems(dp, expert_parallel)
     moe = {"expert_parallel": expert_parallel, "dp": dp}
-    jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
-        ("target", architecture, None, family, target, {"with_draft": draft is not None, **moe})
-    ]
+    method = None
     if draft is not None:
         method = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
+    target_context = {"with_draft": draft is not None, "draft_method": method, **moe}
+    jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
+        ("target", architecture, None, family, target, target_context)
+    ]
+    if draft is not None and method is not None:
         context = {
             "target_config": target.config,
             "draft_names": sorted(draft.tensors),

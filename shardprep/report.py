@@ -168,7 +168,20 @@ def describe_models(summary: dict[str, Any]) -> str:
         lines.append(f"{model['role']}: {model['architecture']} {model['dtype']}{origin}")
         if model.get("experts"):
             lines += expert_lines(model["experts"], topo["tp"])
+        lines += skipped_lines(model.get("skipped") or {})
     return "\n".join(lines)
+
+
+def skipped_lines(skipped: dict[str, str]) -> list[str]:
+    """Source tensors left out of the rank files, one line per reason."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in skipped.items():
+        by_reason.setdefault(reason, []).append(name)
+    lines = []
+    for reason, names in by_reason.items():
+        noun = "tensor" if len(names) == 1 else "tensors"
+        lines.append(f"  left out: {len(names)} {noun}, e.g. {min(names)}: {reason}")
+    return lines
 
 
 def _plan_experts(experts: ExpertPlan | None) -> dict[str, Any] | None:

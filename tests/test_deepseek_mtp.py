@@ -110,6 +110,22 @@ def test_no_mtp_leaves_the_draft_out(mtp_model: Path, tmp_path: Path) -> None:
         assert not [name for name in key if name.startswith(MTP)]
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ([], "an MTP layer, which the MTP draft holds"),
+        (["--no-mtp"], "vLLM loads it only as the MTP draft, which --no-mtp or another --draft"),
+    ],
+)
+def test_plan_says_where_the_mtp_layer_went(
+    mtp_model: Path, capsys: pytest.CaptureFixture[str], flags: list[str], says: str
+) -> None:
+    assert main(["plan", "--tp", "2", str(mtp_model), *flags]) == 0
+    left_out = [line for line in capsys.readouterr().out.splitlines() if "left out" in line]
+    assert says in left_out[0]  # the target's line comes first
+    assert left_out[0].startswith(f"  left out: 44 tensors, e.g. {MTP}eh_proj.weight: an MTP layer")
+
+
 def test_a_config_claiming_mtp_layers_the_checkpoint_lacks_is_one_line(
     mtp_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

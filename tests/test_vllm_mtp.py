@@ -7,9 +7,9 @@ from the target's own folder.
   pp > 1, which leaves the state complete). At pp > 1 the draft holds its own embedding.
 - tp2 in float32, through `sharded-fast` with every collective refused while each rank
   loads: speculative decoding gives the tokens that vLLM's own loader gives with the same
-  draft, target and draft hold their rank files; the lm_head copies (and at pp = 1 the embedding) that
-  vLLM replaces with the target's after loading are the only parameters the files
-  leave out.
+  draft, target and draft hold their rank files; the lm_head copies (and at pp = 1 the
+  embedding) that vLLM replaces with the target's after loading are the only parameters
+  the files leave out.
 """
 
 from __future__ import annotations

@@ -306,10 +306,16 @@ class DeepseekFamily:
         last = topology.last_stage
         params: list[Param] = []
         skipped: dict[str, str] = {}
+        mtp = (
+            "an MTP layer, which the MTP draft holds"
+            if context.get("draft_method") == "mtp"
+            else "an MTP layer; vLLM loads it only as the MTP draft, which --no-mtp or "
+            "another --draft leaves out"
+        )
         for name in shapes:
             match = LAYER.match(name)
             if match and int(match[1]) >= d.layers:
-                skipped[name] = "an MTP layer: vLLM loads it with the draft, not the target"
+                skipped[name] = mtp
         for layer in range(d.layers):
             stage = topology.stage_of_layer(layer)
             prefix = f"model.layers.{layer}."
