@@ -103,11 +103,15 @@ def thread_binding(world_size: int) -> str | None:
 
 
 def vllm_environ(world_size: int, tmpdir: Path, extra: Mapping[str, str] | None) -> dict[str, str]:
-    """The subprocess environment: loopback only, 1 GiB of KV cache, a private TMPDIR."""
+    """The subprocess environment: loopback only, a private TMPDIR, workers stopped after
+    1 s of grace (vLLM waits 5 s for each run's workers to wind down by themselves). The
+    KV cache is sized by the runner (`kv_cache_memory_bytes`), which the legacy
+    VLLM_CPU_KVCACHE_SPACE would override."""
     env = dict(os.environ)
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="1",
         VLLM_HOST_IP="127.0.0.1",
         VLLM_LOOPBACK_IP="127.0.0.1",
         TMPDIR=str(tmpdir),
