@@ -3,8 +3,9 @@ layer inside the target checkpoint; vLLM is given no draft path, so it loads the
 from the target's own folder.
 
 - tp2 x pp2, vLLM's default loader: every rank file (target and draft) equals what vLLM
-  leaves in memory after loading, byte for byte (the CPU engine fails after loading at
-  pp > 1, which leaves the state complete). At pp > 1 the draft holds its own embedding.
+  leaves in memory after loading, byte for byte, V3's MLA with `q_lora_rank` and the
+  float32 routing bias of a bfloat16 model included (the CPU engine fails after loading
+  at pp > 1, which leaves the state complete). At pp > 1 the draft holds its own embedding.
 - tp2 in float32, through `sharded-fast` with every collective refused while each rank
   loads: speculative decoding gives the tokens that vLLM's own loader gives with the same
   draft, target and draft hold their rank files; the lm_head copies (and at pp = 1 the
@@ -17,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import vllm_env
 from test_vllm_layout import assert_same_state, rank_tensors
 
@@ -75,6 +77,10 @@ def test_mtp_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) -> None:
             state = without(state, set(draft.shared_with_target))
         else:
             assert not [n for n in ours if n.startswith(f"model.layers.{LAYERS}.")]
+            if p == 0:  # V3's MLA with q_lora_rank; the routing bias stays float32
+                fused = state["model.layers.0.self_attn.fused_qkv_a_proj.weight"]
+                bias = state["model.layers.1.mlp.gate.e_score_correction_bias"]
+                assert (bias.dtype, fused.dtype) == (torch.float32, torch.bfloat16)
         assert_same_state(state, ours)
 
 
