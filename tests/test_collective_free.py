@@ -172,6 +172,10 @@ def run_parallel_loader(args: argparse.Namespace) -> int:
     for _ in loader.iterate_weights():
         pass
     print("DRAFT-DONE", flush=True)
+    # Left open, the loader's native threads can abort the interpreter at exit
+    # ("terminate called without an active exception", seen once on rank 2).
+    loader.close()
+    dist.destroy_process_group()
     return 0
 
 
