@@ -166,20 +166,22 @@ def make_plan(
 
     problems += dp_problems(dp, expert_parallel)
     moe = {"expert_parallel": expert_parallel, "dp": dp}
-    method = None
+    draft_kind = None
     if draft is not None:
-        method = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
-    target_context = {"with_draft": draft is not None, "draft_method": method, **moe}
+        draft_kind = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
+    target_context = {"with_draft": draft is not None, "draft_method": draft_kind, **moe}
     jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
         ("target", architecture, None, family, target, target_context)
     ]
-    if draft is not None and method is not None:
+    if draft is not None and draft_kind is not None:
         context = {
             "target_config": target.config,
             "draft_names": sorted(draft.tensors),
             **moe,
         }
-        jobs.append(("draft", method, method, archs.draft_family(method), draft, context))
+        jobs.append(
+            ("draft", draft_kind, draft_kind, archs.draft_family(draft_kind), draft, context)
+        )
     layouts = []
     for role, arch_name, method, fam, source, context in jobs:
         layout, found = checked_layout(role, fam, source, tp, topology, context)

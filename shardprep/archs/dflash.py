@@ -180,9 +180,7 @@ class DFlashDraft(_EagleBase):
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
         layout = super().layout(config, shapes, topology, **context)
-        layout = dataclasses.replace(
-            layout, params=layout.params + self._sink_params(config, shapes, topology)
-        )
+        params = layout.params + self._sink_params(config, shapes, topology)
         dropped: dict[str, str] = {}
         target_vocab = context.get("target_config", {}).get("vocab_size")
         if "d2t" in shapes and not self._keeps_d2t(config, target_vocab):
@@ -193,9 +191,7 @@ class DFlashDraft(_EagleBase):
                     dropped[name] = "the draft does not use auxiliary hidden states"
         if MASK_EMBEDDING in shapes and not self._reads_mask_embedding(config):
             dropped[MASK_EMBEDDING] = "vLLM does not read a mask embedding for this draft"
-        if not dropped:
-            return layout
-        params = tuple(p for p in layout.params if not {x.source for x in p.pieces} & set(dropped))
+        params = tuple(p for p in params if not {x.source for x in p.pieces} & set(dropped))
         return dataclasses.replace(layout, params=params, skipped={**layout.skipped, **dropped})
 
     def _sink_params(self, config: Config, shapes: Shapes, topology: Topology) -> tuple[Param, ...]:
