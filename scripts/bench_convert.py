@@ -51,8 +51,8 @@ from pathlib import Path
 import torch
 
 from shardprep.cli import parse_size
-from shardprep.safetensors_io import StreamingWriter, TensorSpec
-from shardprep.tiny import tiny_config
+from shardprep.demo.tiny import tiny_config
+from shardprep.format.headers import StreamingWriter, TensorSpec
 
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def write_checkpoint_files(
 ) -> tuple[int, int, dict[str, str]]:
     """Random bf16 weights for `config` in `files` layer-contiguous safetensors files;
     returns (bytes, largest tensor, sha256 of each file)."""
-    from shardprep import archs
+    from shardprep.plan import archs
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_convert import drop_caches, write_checkpoint
 
 from shardprep.cli import parse_size
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
 
 METHODS = ("sharded-fast", "default", "fastsafetensors", "raw")
 
@@ -45,8 +45,8 @@ import json, os, sys, time
 from pathlib import Path
 method, source, artifact, pp, tp = sys.argv[1:6]
 pp, tp = int(pp), int(tp)
-from shardprep.manifest import read_manifest
-from shardprep.convert import load_and_plan, Options
+from shardprep.format.manifest import read_manifest
+from shardprep.convert.run import load_and_plan, Options
 manifest = read_manifest(Path(artifact))
 files = [Path(artifact) / f.path for f in manifest.rank_files("target", pp, tp)]
 topo = manifest.topology
@@ -159,7 +159,7 @@ ROOT_CAUSE = re.compile(r"\b(?!EngineCore)\w*(Error|Exception): (?!Engine core i
 
 def vllm_model(root: Path, layers: int) -> Path:
     """A bf16 Llama of about 0.26 + 0.09 x `layers` GB (20 layers: 2.06 GB)."""
-    from shardprep.tiny import make_tiny_model
+    from shardprep.demo.tiny import make_tiny_model
 
     return make_tiny_model(
         root / "model", hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
@@ -174,7 +174,7 @@ def with_attention_scales(artifact: Path, out: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from shardprep.manifest import read_manifest
+    from shardprep.format.manifest import read_manifest
 
     shutil.copytree(artifact, out)
     for entry in read_manifest(out).files:

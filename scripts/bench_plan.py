@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardprep.safetensors_io import TensorSpec, encode_header
-from shardprep.tiny import TINY_FP8, tiny_config
+from shardprep.demo.tiny import TINY_FP8, tiny_config
+from shardprep.format.headers import TensorSpec, encode_header
 
 PLAN_CHILD = """
 import json, resource, sys, time
@@ -46,7 +46,7 @@ def deepseek_v3_config() -> dict:
 
 def write_sparse_deepseek_v3(folder: Path, files: int = 163) -> int:
     """Headers only: each file is a valid safetensors header followed by a hole."""
-    from shardprep import archs
+    from shardprep.plan import archs
 
     config = deepseek_v3_config()
     family = archs.target_family(config)[1]

@@ -14,7 +14,7 @@ from typing import Any
 from shardprep import __version__, report
 from shardprep.constants import debug_enabled
 from shardprep.errors import ConfigError, ShardprepError
-from shardprep.plan import DTYPE_NAMES
+from shardprep.plan.make import DTYPE_NAMES
 
 _UNITS = {
     "": 1,
@@ -43,7 +43,7 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 
 def _options(args: argparse.Namespace) -> Any:
-    from shardprep.convert import Options
+    from shardprep.convert.run import Options
 
     return Options(
         tp=args.tp,
@@ -64,7 +64,7 @@ def _options(args: argparse.Namespace) -> Any:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from shardprep.convert import convert_folder
+    from shardprep.convert.run import convert_folder
 
     done = convert_folder(args.model, Path(args.output), _options(args), progress=not args.quiet)
     summary = report.artifact_summary(done.manifest)
@@ -85,7 +85,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from shardprep.convert import load_and_plan
+    from shardprep.convert.run import load_and_plan
 
     plan, _ = load_and_plan(args.model, _options(args), progress=not args.quiet)
     summary = report.plan_summary(plan)
@@ -94,7 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
-    from shardprep.verify import verify
+    from shardprep.convert.verify import verify
 
     out = Path(args.artifact)
     result = verify(out, full=args.full, progress=not args.quiet)
@@ -122,7 +122,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from shardprep.manifest import read_manifest
+    from shardprep.format.manifest import read_manifest
 
     manifest = read_manifest(Path(args.artifact))
     summary = report.artifact_summary(manifest)
@@ -131,7 +131,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def cmd_publish(args: argparse.Namespace) -> None:
-    from shardprep.hub import publish
+    from shardprep.hub.publish import publish
 
     commit = publish(
         Path(args.artifact), args.repo_id, private=args.private, revision=args.revision,
@@ -147,7 +147,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> None:
-    from shardprep.cache import fetch
+    from shardprep.hub.cache import fetch
 
     folder = fetch(
         args.repo_id, stage=args.stage, rank=args.rank, all_stages=args.all,
@@ -207,7 +207,7 @@ def _add_hub_flags(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from shardprep.demo import run_demo
+    from shardprep.demo.run import run_demo
 
     data, text = run_demo(keep=args.keep)
     _emit(args, data, text)

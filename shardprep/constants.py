@@ -20,6 +20,8 @@ VLLM_SHARDED_STATE_PATTERN = "shards/model-pp-{pp_rank}-tp-{tp_rank}-part-{part}
 PARTIAL_MARKER = ".shardprep-partial.json"
 INCOMPLETE_SUFFIX = ".incomplete"
 LOCK_NAME = ".shardprep-lock"
+# A fetched folder's own state (markers, locks, staging), beside the files it holds.
+STATE_DIR = ".shardprep"
 
 MAX_HEADER_BYTES = 100_000_000
 MAX_JSON_BYTES = 100_000_000  # a model index or a manifest

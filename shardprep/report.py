@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from shardprep import manifest as mf
-from shardprep.plan import ExpertPlan, FilePlan, Plan
-from shardprep.safetensors_io import encode_header
+from shardprep.format import manifest as mf
+from shardprep.format.headers import encode_header
+from shardprep.plan.make import ExpertPlan, FilePlan, Plan
 
 
 @dataclass(frozen=True)

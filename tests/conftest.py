@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hub_server import HubServer
 
-from shardprep.tiny import make_tiny_draft, make_tiny_model
+from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 
 
 @pytest.fixture(autouse=True)

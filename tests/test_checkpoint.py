@@ -12,8 +12,8 @@ from hostile import rewrite_header
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardprep.checkpoint import INDEX_NAME, parse_index
 from shardprep.cli import main
+from shardprep.convert.checkpoint import INDEX_NAME, parse_index
 from shardprep.errors import ConfigError
 
 FUZZ = settings(max_examples=150, deadline=10_000, database=None)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shardprep.cli import main
+from shardprep.demo.tiny import make_tiny_model
 from shardprep.progress import Progress
-from shardprep.tiny import make_tiny_model
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:

@@ -125,8 +125,8 @@ def load_and_compare(artifact: Path, role: str, pp_rank: int, tp_rank: int) -> i
     import torch
     from safetensors.torch import load_file
 
+    from shardprep.format.manifest import read_manifest
     from shardprep.loader.reader import read_rank
-    from shardprep.manifest import read_manifest
 
     manifest = read_manifest(artifact)
     want: dict[str, torch.Tensor] = {}
@@ -197,7 +197,7 @@ def worker_main(argv: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def artifact(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shardprep.convert import Options, convert
+    from shardprep.convert.run import Options, convert
 
     model = tiny.model("collective-llama")
     draft = tiny.draft("collective-eagle3", model)

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardprep import rankfiles as rankfiles_module
 from shardprep.constants import MANIFEST_NAME, PARTIAL_MARKER
-from shardprep.convert import Options, convert
+from shardprep.convert import rankfiles as rankfiles_module
+from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
+from shardprep.demo.tiny import make_tiny_model
 from shardprep.errors import ConfigError, CorruptFileError, OutputExistsError, PlanError
-from shardprep.manifest import read_manifest
-from shardprep.tiny import make_tiny_model
-from shardprep.verify import verify
+from shardprep.format.manifest import read_manifest
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2)]

@@ -9,11 +9,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from shardprep import archs
 from shardprep.cli import main
+from shardprep.demo.tiny import TINY_FP8, make_tiny_model, tiny_config
 from shardprep.errors import PlanError
-from shardprep.plan import Plan, SourceModel, TensorPlan, make_plan
-from shardprep.tiny import TINY_FP8, make_tiny_model, tiny_config
+from shardprep.plan import archs
+from shardprep.plan.make import Plan, SourceModel, TensorPlan, make_plan
 
 V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs/manifest.schema.json").read_text())
@@ -142,8 +142,8 @@ def test_refined_moe_scales_are_upsampled_then_cut(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from shardprep.convert import Options, convert
-    from shardprep.verify import verify
+    from shardprep.convert.run import Options, convert
+    from shardprep.convert.verify import verify
 
     refined = {"moe_intermediate_size": 192, "n_shared_experts": 4}
     model = make_tiny_model(

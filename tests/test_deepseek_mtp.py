@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardprep.cli import main
-from shardprep.convert import Options, convert
-from shardprep.manifest import read_manifest
-from shardprep.plan import SourceModel, make_plan
-from shardprep.tiny import TINY_FP8, make_tiny_model, tiny_config
+from shardprep.convert.run import Options, convert
+from shardprep.demo.tiny import TINY_FP8, make_tiny_model, tiny_config
+from shardprep.format.manifest import read_manifest
+from shardprep.plan.make import SourceModel, make_plan
 
 V3 = "DeepseekV3ForCausalLM"
 MTP = "model.layers.3."  # with three decoder layers, the MTP layer is layer 3
@@ -87,7 +87,7 @@ def test_fp8_mtp_layers_stay_fp8_but_eh_proj_does_not() -> None:
     config = tiny_config(
         V3, num_hidden_layers=3, num_nextn_predict_layers=1, quantization_config=TINY_FP8
     )
-    from shardprep import archs
+    from shardprep.plan import archs
 
     shapes, dtypes = {}, {}
     for family in (archs.target_family(config)[1], archs.draft_family("mtp")):
@@ -150,7 +150,7 @@ def test_a_config_claiming_mtp_layers_the_checkpoint_lacks_is_one_line(
 def test_the_checkpoint_is_read_once_for_target_and_draft(
     mtp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardprep import scatter
+    from shardprep.convert import scatter
 
     reads: list[tuple[str, tuple[str, ...]]] = []
     original = scatter._scatter_file

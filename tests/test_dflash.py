@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardprep import archs
 from shardprep.cli import main
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
+from shardprep.demo.tiny import make_tiny_draft, tiny_config, write_mask_embedding
 from shardprep.errors import ConfigError, PlanError
-from shardprep.plan import SourceModel, make_plan
-from shardprep.tiny import make_tiny_draft, tiny_config, write_mask_embedding
-from shardprep.verify import verify
+from shardprep.plan import archs
+from shardprep.plan.make import SourceModel, make_plan
 
 TARGET = tiny_config("Qwen3ForCausalLM", num_hidden_layers=6, vocab_size=1000)
 DFLASH = {
@@ -179,7 +179,7 @@ def test_reduced_vocabulary_dspark_needs_its_head_and_table() -> None:
 
 @pytest.fixture(scope="module")
 def dflash_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from shardprep.tiny import make_tiny_model
+    from shardprep.demo.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("dflash")
     model = make_tiny_model(root / "target", "Qwen3ForCausalLM", num_hidden_layers=4)

@@ -12,17 +12,17 @@ import jsonschema
 import pytest
 from test_manifest import SCHEMA
 
-from shardprep import archs
 from shardprep.cli import main
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
+from shardprep.demo.tiny import make_tiny_model, tiny_config
 from shardprep.errors import ManifestError, PlanError, TopologyMismatchError
+from shardprep.format.manifest import Manifest, read_manifest
 from shardprep.loader.experts import check_experts
 from shardprep.loader.reader import read_rank
-from shardprep.manifest import Manifest, read_manifest
-from shardprep.plan import Plan, SourceModel, make_plan
-from shardprep.tiny import make_tiny_model, tiny_config
-from shardprep.topology import experts_of_rank
-from shardprep.verify import verify
+from shardprep.plan import archs
+from shardprep.plan.make import Plan, SourceModel, make_plan
+from shardprep.plan.topology import experts_of_rank
 
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
@@ -270,7 +270,7 @@ def test_expert_stacks_are_the_only_dp_tensors(artifact: tuple[Path, Path]) -> N
 
 
 def test_the_demo_names_the_mixture_of_experts_families() -> None:
-    from shardprep.demo import run_demo
+    from shardprep.demo.run import run_demo
 
     data, text = run_demo()
     for family in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM"):
@@ -282,7 +282,7 @@ def test_the_demo_names_the_mixture_of_experts_families() -> None:
 def test_the_model_card_lists_dp_files_and_serves_with_the_expert_flags(
     artifact: tuple[Path, Path],
 ) -> None:
-    from shardprep.modelcard import model_card
+    from shardprep.hub.modelcard import model_card
 
     _, out = artifact
     card = model_card(read_manifest(out), "org/Model-TP2-PP2-DP2")

@@ -14,11 +14,11 @@ from hostile import edit_manifest
 from hub_server import HubServer
 from huggingface_hub import HfApi, constants
 
-from shardprep.cache import STATE_DIR, repo_folder
 from shardprep.cli import main
 from shardprep.constants import MANIFEST_NAME
-from shardprep.convert import Options, convert
-from shardprep.hub import publish
+from shardprep.convert.run import Options, convert
+from shardprep.hub.cache import STATE_DIR, repo_folder
+from shardprep.hub.publish import publish
 
 pytestmark = [
     pytest.mark.usefixtures("hf_client_env"),

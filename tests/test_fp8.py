@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardprep.archs.fp8 import (
+from shardprep.plan.quant.fp8 import (
     BlockQuant,
     LinearShape,
     block_problems,

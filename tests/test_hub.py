@@ -24,14 +24,14 @@ from hub_server import HubServer
 from huggingface_hub import HfApi, ModelCard, constants, hf_hub_download
 
 from shardprep import cli
-from shardprep.cache import STATE_DIR, ensure_stage, fetch, repo_folder
 from shardprep.constants import MANIFEST_NAME
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
 from shardprep.errors import ConfigError, CorruptFileError, HubError
-from shardprep.hub import publish
-from shardprep.manifest import Manifest, Source, read_manifest, write_manifest
-from shardprep.modelcard import model_card
-from shardprep.verify import verify
+from shardprep.format.manifest import Manifest, Source, read_manifest, write_manifest
+from shardprep.hub.cache import STATE_DIR, ensure_stage, fetch, repo_folder
+from shardprep.hub.modelcard import model_card
+from shardprep.hub.publish import publish
 
 # The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
 pytestmark = [
@@ -126,8 +126,8 @@ def test_fetch_one_rank_only(hub: HubServer, artifact: Path, published: str) -> 
 
 _FETCH_AND_CHECK = """
 import hashlib, json, sys
-from shardprep.cache import fetch
-from shardprep.manifest import read_manifest
+from shardprep.hub.cache import fetch
+from shardprep.format.manifest import read_manifest
 folder = fetch(sys.argv[1], stage=1, endpoint=sys.argv[2])
 manifest = read_manifest(folder)
 bad = [

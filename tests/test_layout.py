@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from shardprep.errors import PlanError
-from shardprep.layout import (
+from shardprep.plan.layout import (
     Block,
     Cut,
     Piece,
@@ -14,7 +14,7 @@ from shardprep.layout import (
     w2_pieces,
     w13_pieces,
 )
-from shardprep.topology import ExpertSplit
+from shardprep.plan.topology import ExpertSplit
 
 
 def test_vocab_32001_at_tp2_pads_the_last_rank() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from shardprep.errors import TopologyMismatchError
+from shardprep.format.manifest import Experts, ParamSpec
 from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
-from shardprep.manifest import Experts, ParamSpec
 
 OUT = Path("out")
 HINT = "shardprep convert MODEL --tp 2 --pp 1 EP_FLAGS-o NEW"

@@ -14,16 +14,16 @@ import torch
 from safetensors.torch import load_file
 
 from shardprep.constants import MANIFEST_NAME
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
 from shardprep.errors import (
     CorruptFileError,
     ManifestError,
     MissingRankFileError,
     TopologyMismatchError,
 )
+from shardprep.format.manifest import Manifest, read_manifest
 from shardprep.loader import reader
 from shardprep.loader.reader import read_rank
-from shardprep.manifest import Manifest, read_manifest
 
 TP, PP = 2, 2
 RANKS = [("target", pp, tp) for pp in range(PP) for tp in range(TP)]

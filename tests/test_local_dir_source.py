@@ -17,12 +17,12 @@ from hub_server import HubServer
 from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub._local_folder import read_download_metadata, write_download_metadata
 
-from shardprep.checkpoint import local_dir_sha256
 from shardprep.constants import MANIFEST_NAME
-from shardprep.convert import Options, convert
+from shardprep.convert.checkpoint import local_dir_sha256
+from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
+from shardprep.demo.tiny import make_tiny_model
 from shardprep.errors import CorruptFileError
-from shardprep.tiny import make_tiny_model
-from shardprep.verify import verify
 
 # The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
 pytestmark = [

@@ -17,17 +17,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardprep.cli import main
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
 from shardprep.errors import ManifestError
+from shardprep.format.manifest import Manifest, read_manifest
 from shardprep.loader.reader import read_rank
-from shardprep.manifest import Manifest, read_manifest
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs/manifest.schema.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shardprep.tiny import make_tiny_draft, make_tiny_model
+    from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 
     root = tmp_path_factory.mktemp("manifest")
     model = make_tiny_model(root / "model")
@@ -314,7 +314,7 @@ def test_a_failed_write_leaves_no_temporary_file(artifact: Path, tmp_path: Path)
     script = (
         "import resource, signal, sys\n"
         "from pathlib import Path\n"
-        "from shardprep.manifest import read_manifest, write_manifest\n"
+        "from shardprep.format.manifest import read_manifest, write_manifest\n"
         "manifest = read_manifest(Path(sys.argv[1]))\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from shardprep import archs
+from shardprep.demo.tiny import tiny_config
 from shardprep.errors import PlanError
-from shardprep.plan import Plan, SourceModel, make_plan
-from shardprep.tiny import tiny_config
+from shardprep.plan import archs
+from shardprep.plan.make import Plan, SourceModel, make_plan
 
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
@@ -122,10 +122,10 @@ def test_moe_manifest_records_experts_and_matches_the_schema(tmp_path) -> None:
     from safetensors import safe_open
     from test_manifest import SCHEMA
 
-    from shardprep.convert import Options, convert
-    from shardprep.manifest import Manifest, read_manifest
-    from shardprep.tiny import make_tiny_model
-    from shardprep.verify import verify
+    from shardprep.convert.run import Options, convert
+    from shardprep.convert.verify import verify
+    from shardprep.demo.tiny import make_tiny_model
+    from shardprep.format.manifest import Manifest, read_manifest
 
     model = make_tiny_model(tmp_path / "model", MIXTRAL, num_local_experts=5, num_hidden_layers=2)
     out = tmp_path / "out"

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from shardprep import outdir
 from shardprep.cli import main
 from shardprep.constants import INCOMPLETE_SUFFIX, LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
+from shardprep.convert import outdir
+from shardprep.demo.tiny import make_tiny_model
 from shardprep.errors import OutputLockedError
-from shardprep.tiny import make_tiny_model
 
 CLI = [sys.executable, "-m", "shardprep.cli"]
 

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from shardprep import archs
+from shardprep.demo.tiny import tiny_config
 from shardprep.errors import ConfigError, PlanError
-from shardprep.plan import SourceModel, make_plan
-from shardprep.safetensors_io import numel
-from shardprep.tiny import tiny_config
+from shardprep.format.headers import numel
+from shardprep.plan import archs
+from shardprep.plan.make import SourceModel, make_plan
 
 
 def source(config: dict[str, Any], dtype: str = "BF16", drop=(), extra=None) -> SourceModel:

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from shardprep.errors import PlanError
-from shardprep.topology import (
+from shardprep.plan.topology import (
     ExpertSplit,
     default_partition,
     effective_placement,

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from shardprep.cli import main
 from shardprep.constants import MANIFEST_NAME
-from shardprep.convert import Options, convert
-from shardprep.manifest import read_manifest
+from shardprep.convert.run import Options, convert
+from shardprep.format.manifest import read_manifest
 
 SHARD = "shards/model-pp-0-tp-0-part-0.safetensors"
 

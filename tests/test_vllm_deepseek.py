@@ -22,7 +22,7 @@ import pytest
 import vllm_env
 from test_vllm_moe import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
 
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
 
 pytestmark = [
     pytest.mark.vllm,

@@ -17,9 +17,9 @@ import pytest
 import vllm_env
 from test_vllm_layout import assert_same_state, loaded, rank_tensors
 
-from shardprep.convert import Options, convert
-from shardprep.manifest import read_manifest
-from shardprep.tiny import make_tiny_draft, make_tiny_model, write_mask_embedding
+from shardprep.convert.run import Options, convert
+from shardprep.demo.tiny import make_tiny_draft, make_tiny_model, write_mask_embedding
+from shardprep.format.manifest import read_manifest
 
 pytestmark = [
     pytest.mark.vllm,

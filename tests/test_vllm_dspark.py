@@ -137,8 +137,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shardprep.convert import Options, convert
-    from shardprep.tiny import make_tiny_draft, make_tiny_model
+    from shardprep.convert.run import Options, convert
+    from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 
     root = tmp_path_factory.mktemp("dspark")
     target = make_tiny_model(root / "target", "Qwen3ForCausalLM", num_hidden_layers=4)

@@ -17,8 +17,8 @@ import vllm_env
 from safetensors.torch import load_file
 from test_vllm_layout import assert_same_state
 
-from shardprep.convert import Options, convert
-from shardprep.manifest import read_manifest
+from shardprep.convert.run import Options, convert
+from shardprep.format.manifest import read_manifest
 
 pytestmark = [
     pytest.mark.vllm,

@@ -16,7 +16,7 @@ import torch
 import transformers
 import vllm_env
 
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
 
 pytestmark = [
     pytest.mark.vllm,

@@ -9,11 +9,11 @@ import pytest
 import vllm_env
 from hub_server import HubServer
 
-from shardprep.cache import repo_folder
-from shardprep.convert import Options, convert
-from shardprep.hub import publish
-from shardprep.manifest import read_manifest
-from shardprep.tiny import make_tiny_model
+from shardprep.convert.run import Options, convert
+from shardprep.demo.tiny import make_tiny_model
+from shardprep.format.manifest import read_manifest
+from shardprep.hub.cache import repo_folder
+from shardprep.hub.publish import publish
 
 pytestmark = [
     pytest.mark.vllm,

@@ -11,9 +11,9 @@ import torch
 import vllm_env
 from safetensors.torch import load_file
 
-from shardprep.convert import Options, convert
-from shardprep.manifest import read_manifest
-from shardprep.tiny import make_tiny_draft, make_tiny_model
+from shardprep.convert.run import Options, convert
+from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
+from shardprep.format.manifest import read_manifest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -25,14 +25,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from shardprep.constants import MANIFEST_NAME, VLLM_SHARDED_STATE_PATTERN
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
 from shardprep.errors import (
     ConfigError,
     ManifestError,
     TopologyMismatchError,
     WeightMismatchError,
 )
-from shardprep.manifest import read_manifest
+from shardprep.format.manifest import read_manifest
 
 pytestmark = [
     pytest.mark.vllm,
@@ -160,7 +160,7 @@ def test_destinations_hand_out_each_fitting_parameter_once() -> None:
     """What the reader may read straight into on the CPU: a parameter of the exact shape
     and dtype, once (not again by a tied alias); the rest gets None and fill_parameters
     judges it as before. A tensor read into its parameter is filled without a copy."""
-    from shardprep.safetensors_io import TensorInfo
+    from shardprep.format.headers import TensorInfo
 
     model = Toy()
     into = filling.Destinations(model)

@@ -13,7 +13,7 @@ import pytest
 import vllm_env
 from test_vllm_layout import assert_same_state, rank_tensors
 
-from shardprep.convert import Options, convert
+from shardprep.convert.run import Options, convert
 
 pytestmark = [
     pytest.mark.vllm,

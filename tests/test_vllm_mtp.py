@@ -22,9 +22,9 @@ import torch
 import vllm_env
 from test_vllm_layout import assert_same_state, rank_tensors
 
-from shardprep.convert import Options, convert
-from shardprep.manifest import read_manifest
-from shardprep.tiny import make_tiny_model
+from shardprep.convert.run import Options, convert
+from shardprep.demo.tiny import make_tiny_model
+from shardprep.format.manifest import read_manifest
 
 pytestmark = [
     pytest.mark.vllm,

@@ -37,7 +37,7 @@ from shardprep.codec.streams import (
 )
 from shardprep.constants import MAX_HEADER_BYTES
 from shardprep.errors import ConfigError, CorruptFileError
-from shardprep.safetensors_io import read_header
+from shardprep.format.headers import read_header
 
 __all__ = [
     "DEFAULT_FRAME_SIZE",

@@ -35,7 +35,7 @@ import numpy as np
 
 from shardprep.codec import transforms as tf
 from shardprep.errors import CorruptFileError
-from shardprep.safetensors_io import Header
+from shardprep.format.headers import Header
 
 DEFAULT_FRAME_SIZE = 4 * 1024**2
 MIN_FRAME_SIZE = 4096

@@ -12,8 +12,8 @@ from torch import nn
 from vllm.config import ModelConfig
 
 from shardprep.errors import TopologyMismatchError
+from shardprep.format.manifest import Manifest, ModelEntry
 from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
-from shardprep.manifest import Manifest, ModelEntry
 
 
 @dataclass(frozen=True)

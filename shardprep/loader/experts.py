@@ -15,7 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from shardprep.errors import TopologyMismatchError
-from shardprep.manifest import Experts, ParamSpec
+from shardprep.format.manifest import Experts, ParamSpec
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from shardprep.errors import WeightMismatchError, summarize
+from shardprep.format.headers import TensorInfo
 from shardprep.loader.reader import torch_dtypes
-from shardprep.safetensors_io import TensorInfo
 
 
 class Destinations:

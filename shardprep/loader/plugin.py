@@ -25,6 +25,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from shardprep.constants import DRAFT_DIR, MANIFEST_NAME
 from shardprep.errors import ConfigError, ManifestError
+from shardprep.format.manifest import Manifest, ModelEntry, read_manifest
 from shardprep.loader.checks import (
     RankPlace,
     check_dtype,
@@ -35,7 +36,6 @@ from shardprep.loader.checks import (
 )
 from shardprep.loader.fill import Destinations, fill_parameters, mark_eagle_weights
 from shardprep.loader.reader import read_rank
-from shardprep.manifest import Manifest, ModelEntry, read_manifest
 
 LOAD_FORMAT = "sharded-fast"
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -171,7 +171,7 @@ def resolve_artifact(model_config: ModelConfig, role: str, pp_rank: int) -> Path
     path = model_path(model_config)
     # A draft has a repo id for a path when it lives in its target (MTP layers).
     if not path.exists() and REPO_ID.fullmatch(str(path)):
-        from shardprep.cache import ensure_stage
+        from shardprep.hub.cache import ensure_stage
 
         return ensure_stage(str(path), pp_rank, revision=model_config.revision)
     return find_artifact(path, role)
@@ -230,7 +230,7 @@ def draft_family(entry: ModelEntry) -> Any:
     copying (e.g. DFlash's fused KV buffers); None for a target."""
     if entry.role != "draft" or not entry.method:
         return None
-    from shardprep import archs
+    from shardprep.plan import archs
 
     return archs.draft_family(entry.method)
 

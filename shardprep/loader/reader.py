@@ -28,14 +28,14 @@ from shardprep.errors import (
     TopologyMismatchError,
     summarize,
 )
-from shardprep.manifest import FileEntry, Manifest, ParamSpec, rank_key, read_manifest
-from shardprep.safetensors_io import (
+from shardprep.format.headers import (
     TORCH_DTYPE_NAMES,
     Header,
     TensorInfo,
     read_header,
     sha256_file,
 )
+from shardprep.format.manifest import FileEntry, Manifest, ParamSpec, rank_key, read_manifest
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,269 @@
+"""Reading a source checkpoint: config, index, safetensors headers, ranged reads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from shardprep.constants import MAX_JSON_BYTES
+from shardprep.errors import ConfigError, CorruptFileError, summarize
+from shardprep.format import jsonio
+from shardprep.format.headers import TensorInfo, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+# Where `hf download --local-dir` keeps what it knows of each file it fetched.
+LOCAL_DIR_DOWNLOAD_METADATA = (".cache", "huggingface", "download")
+MAX_METADATA_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    file: str  # relative to the checkpoint folder
+    info: TensorInfo
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model folder: its config and where every tensor's bytes lie."""
+
+    root: Path
+    config: dict[str, Any]
+    tensors: dict[str, SourceTensor]
+    files: tuple[str, ...]
+    repo_id: str | None = None
+    revision: str | None = None
+    known_sha256: dict[str, str] | None = None  # from the Hub, when fetched from it
+    # Tensors read from a side file rather than a safetensors file (a draft's mask
+    # embedding): name -> raw bytes, described by `tensors[name]` with offset 0.
+    side_tensors: dict[str, bytes] = field(default_factory=dict)
+
+    def side_files(self) -> list[str]:
+        return sorted({self.tensors[name].file for name in self.side_tensors})
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: t.info.shape for name, t in self.tensors.items()}
+
+
+def resolve_model(
+    model: str, revision: str | None = None, progress: bool = True
+) -> tuple[Path, str | None, str | None]:
+    """A local folder as it is, or a Hub repo id downloaded with huggingface_hub."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path, None, None
+    if path.exists() or model.count("/") != 1 or model.startswith((".", "/")):
+        raise ConfigError(f"{model} is neither a model folder nor a Hugging Face repo id")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from shardprep.progress import Progress, Silent
+
+    try:
+        local = snapshot_download(
+            model,
+            revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
+            tqdm_class=Progress if progress else Silent,
+        )
+    except (HfHubHTTPError, OSError) as exc:
+        raise ConfigError(f"could not download {model} from the Hugging Face Hub: {exc}") from None
+    return Path(local), model, revision
+
+
+def open_checkpoint(model: str, revision: str | None = None, progress: bool = True) -> Checkpoint:
+    root, repo_id, revision = resolve_model(model, revision, progress)
+    config = load_config(root)
+    files = _weight_files(root)
+    tensors: dict[str, SourceTensor] = {}
+    for file in files:
+        header = read_header(root / file)
+        for name, info in header.tensors.items():
+            if name in tensors:
+                raise CorruptFileError(
+                    f"tensor {name} appears in both {tensors[name].file} and {file} of {root}; "
+                    "remove the duplicate file",
+                    path=str(root / file),
+                )
+            tensors[name] = SourceTensor(name, file, info)
+    _check_index(root, tensors)
+    return Checkpoint(root, config, tensors, tuple(files), repo_id, revision)
+
+
+def _require_regular(path: Path) -> None:
+    """A FIFO or a device would block or never end: read regular files only."""
+    if not path.is_file():
+        raise ConfigError(
+            f"{path} is not a regular file (a FIFO, device or folder); shardprep reads only "
+            "regular files: replace it with the real file"
+        )
+
+
+def load_config(root: Path) -> dict[str, Any]:
+    path = root / "config.json"
+    if path.exists():
+        _require_regular(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"{root} has no config.json; point shardprep at a Hugging Face model folder"
+        )
+    try:
+        config = jsonio.parse_file(path, limit=MAX_JSON_BYTES)
+    except jsonio.JSONProblem as exc:
+        raise ConfigError(f"{path} {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return config
+
+
+def _weight_files(root: Path) -> list[str]:
+    index = root / INDEX_NAME
+    if index.is_file():
+        weight_map = _read_index(index)
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (root / f).exists()]
+        for file in files:
+            if file not in missing:
+                _require_regular(root / file)
+        if missing:
+            raise ConfigError(
+                f"{index} names {summarize(missing)}, missing from {root}; "
+                "download the whole checkpoint again"
+            )
+        return files
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    for file in files:
+        _require_regular(root / file)
+    if not files:
+        raise ConfigError(
+            f"{root} holds no *.safetensors files; shardprep reads safetensors checkpoints only"
+        )
+    return files
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    size = index.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ConfigError(
+            f"{index} is {size:,} bytes, over the {MAX_JSON_BYTES:,}-byte limit for an index"
+        )
+    return parse_index(index.read_bytes(), str(index))
+
+
+def parse_index(raw: bytes, where: str = INDEX_NAME) -> dict[str, str]:
+    """The weight_map of a `model.safetensors.index.json`: tensor name -> a relative
+    `*.safetensors` path inside the model folder."""
+    try:
+        document = jsonio.parse(raw, limit=MAX_JSON_BYTES)
+    except jsonio.JSONProblem as exc:
+        raise ConfigError(f"{where} {exc}; it is not a safetensors index") from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(
+            f"{where} has no weight_map object; it is not a safetensors index "
+            "(remove it to read every *.safetensors file of the folder)"
+        )
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ConfigError(
+                f"{where} maps {jsonio.shorten(name)!r} to {jsonio.shorten(repr(file))}, "
+                "not to a file name"
+            )
+        if not _is_weight_file_name(file):
+            raise ConfigError(
+                f"{where} names {jsonio.shorten(file)!r}, which is not a *.safetensors file "
+                "inside the model folder"
+            )
+    return weight_map
+
+
+def _is_weight_file_name(file: str) -> bool:
+    pure = PurePosixPath(file)
+    return (
+        file.endswith(".safetensors")
+        and not pure.is_absolute()
+        and ".." not in pure.parts
+        and not any(ch == "\\" or ord(ch) < 0x20 for ch in file)
+    )
+
+
+def _check_index(root: Path, tensors: dict[str, SourceTensor]) -> None:
+    index = root / INDEX_NAME
+    if not index.is_file():
+        return
+    weight_map = _read_index(index)
+    absent = [
+        name
+        for name, file in weight_map.items()
+        if tensors.get(name) is None or tensors[name].file != file
+    ]
+    if absent:
+        raise CorruptFileError(
+            f"{index} places {summarize(absent)} in files that do not hold them; "
+            "the checkpoint is inconsistent: download it again",
+            path=str(index),
+        )
+
+
+def cached_hub_sha256(checkpoint: Checkpoint, file: str) -> str | None:
+    """A file in the Hugging Face cache links to a blob named by its sha256 (the Hub's
+    LFS object id) in the repo's `blobs` folder."""
+    path = checkpoint.root / file
+    if not path.is_symlink():
+        return None
+    blob = path.resolve()
+    if blob.parent.name != "blobs":
+        return None
+    return blob.name if _is_sha256(blob.name) else None
+
+
+@dataclass(frozen=True)
+class KnownSha256:
+    """A source file's sha256 as something other than its bytes states it."""
+
+    sha256: str
+    claim: str  # whose word it is, for an error message
+
+
+def known_sha256(checkpoint: Checkpoint, file: str) -> KnownSha256 | None:
+    """The sha256 of a source file, known without reading it: a Hugging Face cache blob's
+    name, or what `hf download --local-dir` recorded when it fetched the file."""
+    blob = cached_hub_sha256(checkpoint, file)
+    if blob is not None:
+        return KnownSha256(blob, "the sha256 its Hugging Face cache blob is named by")
+    recorded = local_dir_sha256(checkpoint.root, file)
+    if recorded is not None:
+        where = local_dir_metadata_path(checkpoint.root, file)
+        return KnownSha256(recorded, f"the sha256 recorded when it was downloaded ({where})")
+    return None
+
+
+def local_dir_metadata_path(root: Path, file: str) -> Path:
+    parts = PurePosixPath(file).parts
+    return root.joinpath(*LOCAL_DIR_DOWNLOAD_METADATA, *parts[:-1], parts[-1] + ".metadata")
+
+
+def local_dir_sha256(root: Path, file: str) -> str | None:
+    """A file fetched by `hf download --local-dir` has a metadata file in
+    `.cache/huggingface/download/`: three lines, the commit, the file's etag (for an LFS
+    file, its sha256; a git sha1 otherwise) and the time they were written. huggingface_hub
+    trusts them while the file's mtime is not past that time, with 1 s of slack (its
+    `read_download_metadata`); so does this. Anything else: None (the file is hashed)."""
+    metadata = local_dir_metadata_path(root, file)
+    try:
+        if not metadata.is_file() or metadata.stat().st_size > MAX_METADATA_BYTES:
+            return None
+        lines = metadata.read_text(encoding="utf-8").splitlines()
+        etag, timestamp = lines[1].strip(), float(lines[2].strip())
+        modified = (root / file).stat().st_mtime
+    except (OSError, ValueError, IndexError):  # UnicodeDecodeError is a ValueError
+        return None
+    if not math.isfinite(timestamp) or modified - 1 > timestamp or not _is_sha256(etag):
+        return None
+    return etag
+
+
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)

@@ -1,0 +1,128 @@
+"""The journal that makes a conversion resumable.
+
+`.shardprep-partial.json` in the output folder records which rank files are complete, with
+their sha256, for one exact plan (a fingerprint of the plan and of the source files' sizes
+and times). A rerun skips the files that still hash to what it recorded. A complete
+artifact (its manifest present) is treated the same way, if it is this plan's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardprep.constants import INCOMPLETE_SUFFIX, LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
+from shardprep.convert.checkpoint import Checkpoint
+from shardprep.errors import CorruptFileError, OutputExistsError
+from shardprep.format import manifest as mf
+from shardprep.format.headers import sha256_file
+from shardprep.plan.make import Plan
+
+
+@dataclass
+class Journal:
+    """`.shardprep-partial.json`: which rank files are complete, for this exact plan."""
+
+    path: Path
+    fingerprint: str
+    done: dict[str, str] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def open(cls, out: Path, fingerprint: str, plan: Plan) -> Journal:
+        path = out / PARTIAL_MARKER
+        if path.is_file():
+            state = _read_state(path, out)
+            done = state["done"] if state["plan"] == fingerprint else {}
+            return cls(path, fingerprint, done)
+        if (out / MANIFEST_NAME).is_file():
+            previous = mf.read_manifest(out)
+            done = {f.path: f.sha256 for f in previous.files}
+            _check_same_plan(out, previous, plan)
+            journal = cls(path, fingerprint, done)
+            journal._save()
+            return journal
+        if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
+            raise OutputExistsError(
+                f"{out} already holds files that are not a shardprep artifact; "
+                "choose an empty or new output folder"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        journal = cls(path, fingerprint)
+        journal._save()
+        return journal
+
+    def verified_files(self, out: Path) -> set[str]:
+        """Files the journal lists whose bytes still hash to what it recorded."""
+        return {p for p, digest in self.done.items() if _hash_matches(out / p, digest)}
+
+    def record(self, path: str, digest: str) -> None:
+        with self.lock:
+            self.done[path] = digest
+            self._save()
+
+    def _save(self) -> None:
+        state = {"plan": self.fingerprint, "done": dict(sorted(self.done.items()))}
+        tmp = self.path.with_name(self.path.name + INCOMPLETE_SUFFIX)
+        tmp.write_text(json.dumps(state, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _read_state(path: Path, out: Path) -> dict[str, Any]:
+    """The journal's content, or one line saying how to start over."""
+    try:
+        state = json.loads(path.read_bytes())
+        plan, done = state["plan"], state["done"]
+        valid = (
+            isinstance(plan, str)
+            and isinstance(done, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in done.items())
+        )
+    except (ValueError, KeyError, TypeError, RecursionError):
+        valid = False
+    if not valid:
+        raise CorruptFileError(
+            f"{path}, the record of an interrupted convert, is damaged; to start over, "
+            f"delete the folder {out} and run the same convert again",
+            path=str(path),
+        )
+    return {"plan": plan, "done": done}
+
+
+def _check_same_plan(out: Path, previous: mf.Manifest, plan: Plan) -> None:
+    """A complete artifact is re-verified and kept only if it is this very plan's."""
+    same = (
+        (previous.topology.tp, previous.topology.pp, previous.topology.partition)
+        == (plan.topology.tp, plan.topology.pp, plan.topology.partition)
+        and previous.stages == plan.stages
+        and sorted(f.path for f in previous.files) == sorted(f.path for f in plan.files)
+        and sorted(m.role for m in previous.models) == sorted(m.role for m in plan.models)
+    )
+    if not same:
+        raise OutputExistsError(
+            f"{out} holds a shardprep artifact of another model or topology; "
+            "choose a new output folder or delete that one"
+        )
+
+
+def _hash_matches(path: Path, digest: str) -> bool:
+    return path.is_file() and sha256_file(path) == digest
+
+
+def fingerprint(plan: Plan, checkpoints: dict[str, Checkpoint]) -> str:
+    """Changes whenever the plan or the source files' sizes and times change."""
+    stats = {
+        f"{role}/{f}": [(cp.root / f).stat().st_size, (cp.root / f).stat().st_mtime_ns]
+        for role, cp in checkpoints.items()
+        for f in (*cp.files, *cp.side_files())
+    }
+    text = json.dumps([repr(plan), stats], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()

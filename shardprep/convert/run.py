@@ -1,0 +1,288 @@
+"""Execute a plan: read every source byte once, write every output byte once.
+
+The bytes move in `scatter.py` (rank files written under a temporary name, hashed as
+they are written, then renamed); the extra files are copied and the manifest is written
+last. A journal lets a rerun skip files already complete and verified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import shardprep
+from shardprep.constants import (
+    COPIED_FILE_PATTERNS,
+    DEFAULT_MAX_PART_BYTES,
+    ENV_PP_PARTITION,
+    FORMAT,
+    INCOMPLETE_SUFFIX,
+    VLLM_LAYOUT,
+    pp_partition_from_env,
+)
+from shardprep.convert import outdir
+from shardprep.convert.checkpoint import Checkpoint, SourceTensor, known_sha256, open_checkpoint
+from shardprep.convert.journal import Journal, fingerprint
+from shardprep.convert.scatter import write_rank_files
+from shardprep.errors import ShardprepError
+from shardprep.format import manifest as mf
+from shardprep.format.headers import TORCH_DTYPE_NAMES, TensorInfo, encode_header, sha256_file
+from shardprep.plan import archs
+from shardprep.plan.make import FilePlan, ModelPlan, Plan, SourceModel, make_plan
+
+
+@dataclass(frozen=True)
+class Options:
+    tp: int
+    pp: int
+    draft: str | None = None
+    draft_method: str | None = None
+    partition: str | None = None
+    stage: int | None = None
+    max_part_bytes: int = DEFAULT_MAX_PART_BYTES
+    dtype: str = "auto"
+    revision: str | None = None
+    rehash_source: bool = False  # hash Hugging Face cache blobs instead of trusting their names
+    expert_parallel: bool = False
+    expert_placement: str = "linear"
+    dp: int = 1  # vLLM's --data-parallel-size: with expert parallelism, EP size = tp x dp
+    mtp_draft: bool = True  # the MTP layers a target carries become its draft
+
+
+def source_model(checkpoint: Checkpoint) -> SourceModel:
+    tensors = {n: (t.info.dtype, t.info.shape) for n, t in checkpoint.tensors.items()}
+    return SourceModel(checkpoint.config, tensors)
+
+
+def load_and_plan(
+    model: str, options: Options, *, progress: bool = True
+) -> tuple[Plan, dict[str, Checkpoint]]:
+    """Open the checkpoints (headers only; a Hub model is downloaded) and plan; nothing
+    is written."""
+    target = open_checkpoint(model, options.revision, progress)
+    checkpoints = {"target": target}
+    method = options.draft_method
+    if options.draft:
+        draft = open_checkpoint(options.draft, progress=progress)
+        method = method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
+        checkpoints["draft"] = with_side_tensors(draft, archs.draft_family(method))
+    elif options.mtp_draft and (internal := archs.internal_draft_method(target.config)):
+        # The draft's tensors are in the target checkpoint, which is read once for both.
+        checkpoints["draft"], method = target, internal
+    plan = make_plan(
+        source_model(target),
+        tp=options.tp,
+        pp=options.pp,
+        draft=source_model(checkpoints["draft"]) if "draft" in checkpoints else None,
+        draft_method=method,
+        partition=options.partition or pp_partition_from_env(),
+        stage=options.stage,
+        max_part_bytes=options.max_part_bytes,
+        dtype=options.dtype,
+        partition_origin="" if options.partition else f"the environment ({ENV_PP_PARTITION})",
+        expert_parallel=options.expert_parallel,
+        expert_placement=options.expert_placement,
+        dp=options.dp,
+    )
+    return plan, checkpoints
+
+
+def with_side_tensors(checkpoint: Checkpoint, family: archs.Family) -> Checkpoint:
+    """The checkpoint plus the tensors its family reads from side files (held in memory:
+    they are small, and safetensors is the only format shardprep reads by offset)."""
+    read = getattr(family, "side_tensors", None)
+    found = read(checkpoint.root, checkpoint.config) if read else {}
+    if not found:
+        return checkpoint
+    import torch
+
+    tensors, side = dict(checkpoint.tensors), {}
+    for name, (file, tensor) in sorted(found.items()):
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        dtype = next(k for k, v in TORCH_DTYPE_NAMES.items() if getattr(torch, v) == tensor.dtype)
+        tensors[name] = SourceTensor(
+            name, file, TensorInfo(dtype, tuple(tensor.shape), 0, len(data))
+        )
+        side[name] = data
+    return dataclasses.replace(checkpoint, tensors=tensors, side_tensors=side)
+
+
+def convert(model: str, out: Path, options: Options, *, progress: bool = True) -> mf.Manifest:
+    return convert_folder(model, out, options, progress=progress).manifest
+
+
+@dataclass(frozen=True)
+class Converted:
+    manifest: mf.Manifest
+    kept: int  # rank files found complete and verified, left as they were
+    written: int  # rank files written by this run
+
+
+def convert_folder(model: str, out: Path, options: Options, *, progress: bool = True) -> Converted:
+    """Plan, then execute while holding the output folder's lock. Any failure leaves no
+    temporary file behind and is one ShardprepError; a rerun resumes."""
+    plan, checkpoints = load_and_plan(model, options, progress=progress)
+    given = {"target": model, "draft": options.draft or model}
+    sources = {role: _source_name(given[role], cp) for role, cp in checkpoints.items()}
+    out = Path(out)
+    outdir.prepare(out)
+    try:
+        with outdir.locked(out):
+            before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
+            try:
+                manifest = execute(
+                    plan,
+                    checkpoints,
+                    sources,
+                    out,
+                    progress=progress,
+                    rehash_source=options.rehash_source,
+                )
+            except BaseException:
+                outdir.remove_incomplete(out)
+                raise
+    except ShardprepError:
+        raise
+    except OSError as exc:
+        raise outdir.write_error(out, exc) from exc
+    kept = sum(1 for path, id_ in before.items() if id_ and id_ == outdir.file_id(out / path))
+    return Converted(manifest, kept, len(plan.files) - kept)
+
+
+def _source_name(given: str, checkpoint: Checkpoint) -> str:
+    """A Hub id as given; a folder as an absolute path, so that `verify --full` run from
+    another folder finds it (a relative path there would read as a Hub id)."""
+    return given if checkpoint.repo_id else str(checkpoint.root.resolve())
+
+
+def execute(
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    sources: dict[str, str],
+    out: Path,
+    *,
+    progress: bool = True,
+    rehash_source: bool = False,
+) -> mf.Manifest:
+    out = Path(out)
+    journal = Journal.open(out, fingerprint(plan, checkpoints), plan)
+    done = journal.verified_files(out)
+    todo = [f for f in plan.files if f.path not in done]
+    source_hashes = write_rank_files(
+        plan, checkpoints, out, todo, journal, progress=progress, rehash_source=rehash_source
+    )
+    extra = [e for role, cp in checkpoints.items() for e in _copy_extras(cp, out, role)]
+    manifest = _manifest(plan, checkpoints, sources, journal.done, source_hashes, extra)
+    mf.write_manifest(out, manifest)
+    journal.remove()
+    return manifest
+
+
+def _copy_extras(checkpoint: Checkpoint, out: Path, role: str) -> list[mf.ExtraFile]:
+    folder = out if role == "target" else out / "draft"
+    folder.mkdir(parents=True, exist_ok=True)
+    copied = []
+    names = sorted({p.name for pat in COPIED_FILE_PATTERNS for p in checkpoint.root.glob(pat)})
+    names = sorted({*names, *checkpoint.side_files()})
+    for name in names:
+        src = checkpoint.root / name
+        if not src.is_file():
+            continue
+        tmp = folder / (name + INCOMPLETE_SUFFIX)
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, folder / name)
+        rel = name if role == "target" else f"draft/{name}"
+        copied.append(mf.ExtraFile(rel, src.stat().st_size, sha256_file(folder / name)))
+    return copied
+
+
+def _manifest(
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    sources: dict[str, str],
+    done: dict[str, str],
+    source_hashes: dict[tuple[str, str], str],
+    extra: list[mf.ExtraFile],
+) -> mf.Manifest:
+    models = []
+    for model in plan.models:
+        checkpoint = checkpoints[model.role]
+        ranks: dict[str, dict[str, mf.ParamSpec]] = {}
+        for file in plan.files:
+            if file.role == model.role:
+                specs = ranks.setdefault(mf.rank_key(file.pp, file.tp, file.dp), {})
+                specs.update({t.name: mf.ParamSpec(t.dtype, t.shape) for t in file.tensors})
+        source = mf.Source(
+            model=sources[model.role],
+            repo_id=checkpoint.repo_id,
+            revision=checkpoint.revision,
+            files=tuple(
+                mf.SourceFile(
+                    f,
+                    (checkpoint.root / f).stat().st_size,
+                    source_hashes.get((model.role, f)) or _known_sha256(checkpoint, f),
+                )
+                for f in checkpoint.files
+            ),
+        )
+        models.append(
+            mf.ModelEntry(
+                role=model.role,
+                architecture=model.architecture,
+                dtype=model.dtype,
+                folder=model.folder,
+                num_layers=model.num_layers,
+                source=source,
+                method=model.method,
+                ranks=ranks,
+                spec_decode_only=model.spec_decode_only,
+                shared_with_target=model.shared_with_target,
+                experts=_experts(model),
+            )
+        )
+    files = tuple(
+        mf.FileEntry(f.path, f.role, f.pp, f.tp, f.part, _size(f), done[f.path], dp=f.dp)
+        for f in plan.files
+    )
+    topology = mf.Topology(
+        plan.topology.tp,
+        plan.topology.pp,
+        plan.topology.partition,
+        expert_parallel=any(m.experts and m.experts.split.expert_parallel for m in plan.models),
+    )
+    return mf.Manifest(
+        format=FORMAT,
+        shardprep_version=shardprep.__version__,
+        vllm_layout=VLLM_LAYOUT,
+        topology=topology,
+        stages=plan.stages,
+        models=tuple(models),
+        files=files,
+        extra_files=tuple(sorted(extra, key=lambda e: e.path)),
+    )
+
+
+def _known_sha256(checkpoint: Checkpoint, file: str) -> str | None:
+    known = known_sha256(checkpoint, file)
+    return known.sha256 if known else None
+
+
+def _experts(model: ModelPlan) -> mf.Experts | None:
+    if model.experts is None:
+        return None
+    split = model.experts.split
+    return mf.Experts(
+        num_experts=split.num_experts,
+        expert_parallel=split.uses_ep,
+        dp=split.dp,
+        placement=split.placement,
+        requested_placement=model.experts.requested_placement,
+        rank_experts=model.experts.rank_experts,
+    )
+
+
+def _size(file: FilePlan) -> int:
+    return len(encode_header([t.spec for t in file.tensors], {"format": "pt"})) + file.nbytes

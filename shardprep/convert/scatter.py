@@ -1,0 +1,312 @@
+"""Moving the bytes of a plan: every source byte read once, every output byte written once.
+
+Source files are read in order. A tensor whose rank slices are whole rows of the same
+dtype goes from file to file inside the kernel (`copy_file_range`), unless its bytes are
+needed here anyway to hash the source; other tensors are read in bounded chunks into two
+reused buffers and scattered (columns gathered, dtypes cast) to every rank file that
+needs them. Rank files are hashed while they are written (`rankfiles.py`).
+
+A source file that lives in the Hugging Face cache is a blob named by its sha256, and one
+that `hf download --local-dir` fetched has its sha256 recorded beside it: that sha256 is
+recorded as its hash without reading it for that purpose (`rehash_source` hashes it
+anyway and fails if it differs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardprep.constants import CHUNK_BYTES
+from shardprep.convert.checkpoint import Checkpoint, known_sha256
+from shardprep.convert.journal import Journal
+from shardprep.convert.rankfiles import Mover, Write, open_outputs
+from shardprep.errors import CorruptFileError
+from shardprep.format.headers import DTYPE_SIZES, TORCH_DTYPE_NAMES, TensorInfo
+from shardprep.plan.make import FilePlan, Plan
+from shardprep.progress import Progress as tqdm
+
+OUTPUT_HASHERS = 2  # worker threads hashing rank files (each file always on the same one)
+
+
+def write_rank_files(
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    out: Path,
+    todo: list[FilePlan],
+    journal: Journal,
+    *,
+    progress: bool,
+    rehash_source: bool = False,
+) -> dict[tuple[str, str], str]:
+    """Write every file of `todo`; returns the sha256 of each source file read whole."""
+    files, writes = open_outputs(todo, out)
+    full = plan.stages == tuple(range(plan.topology.pp))
+    sources = _distinct(checkpoints)
+    total = sum(_bytes_to_read(cp, roles, writes, full) for roles, cp in sources)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    hashers = [ThreadPoolExecutor(1) for _ in range(OUTPUT_HASHERS + 1)]
+    mover = Mover(files, journal, hashers[1:])
+    source_hashes: dict[tuple[str, str], str] = {}
+    try:
+        mover.catch_up()
+        reader = SourceReader(hashers[0])
+        for roles, checkpoint in sources:
+            for file in checkpoint.files:
+                known = known_sha256(checkpoint, file) if full else None
+                hash_it = full and (known is None or rehash_source)
+                digest = _scatter_file(reader, mover, checkpoint, roles, file, writes, hash_it, bar)
+                if digest and known and digest != known.sha256:
+                    raise CorruptFileError(
+                        f"{checkpoint.root / file} hashes to {digest}, not to {known.claim} "
+                        f"({known.sha256}); the download is damaged or the file was changed "
+                        "since: delete it and download the model again",
+                        path=str(checkpoint.root / file),
+                    )
+                if digest or known:
+                    for role in roles:
+                        source_hashes[(role, file)] = digest or known.sha256  # type: ignore[union-attr]
+            for name, data in checkpoint.side_tensors.items():
+                info = checkpoint.tensors[name].info
+                _scatter_chunk(mover, info, 0, memoryview(data), _targets(writes, roles, name))
+                bar.update(info.nbytes)
+        mover.wait()
+    except BaseException:
+        for pool in hashers:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for handle in files:
+            if handle.fd >= 0:
+                os.close(handle.fd)
+                handle.fd = -1
+            handle.tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+        for pool in hashers:
+            pool.shutdown(wait=True)
+    return source_hashes
+
+
+def _distinct(checkpoints: dict[str, Checkpoint]) -> list[tuple[tuple[str, ...], Checkpoint]]:
+    """Each checkpoint once, with the roles it feeds: a target that carries its own draft
+    (MTP layers) is read once for both."""
+    found: dict[int, tuple[tuple[str, ...], Checkpoint]] = {}
+    for role, checkpoint in checkpoints.items():
+        roles, _ = found.get(id(checkpoint), ((), checkpoint))
+        found[id(checkpoint)] = ((*roles, role), checkpoint)
+    return list(found.values())
+
+
+def _targets(
+    writes: dict[tuple[str, str], list[Write]], roles: tuple[str, ...], name: str
+) -> list[Write]:
+    return [w for role in roles for w in writes.get((role, name), [])]
+
+
+def _bytes_to_read(
+    checkpoint: Checkpoint,
+    roles: tuple[str, ...],
+    writes: dict[tuple[str, str], list[Write]],
+    full: bool,
+) -> int:
+    if full:
+        return sum((checkpoint.root / f).stat().st_size for f in checkpoint.files)
+    return sum(t.info.nbytes for n, t in checkpoint.tensors.items() if _targets(writes, roles, n))
+
+
+class SourceReader:
+    """Maps source files window by window (at most CHUNK_BYTES of whole rows each): the
+    bytes are hashed and scattered straight from the page cache, never copied into a
+    buffer first. Hashing a window (on a worker thread) overlaps scattering the next;
+    a window is unmapped once hashed, so at most two are mapped at a time."""
+
+    def __init__(self, hasher: ThreadPoolExecutor) -> None:
+        self.hasher = hasher
+        self.windows: deque[tuple[Future[None] | None, list[Any]]] = deque()
+
+    def chunks(
+        self, fd: int, info: TensorInfo, digest: Any | None
+    ) -> Iterator[tuple[int, memoryview]]:
+        """(first row, bytes) of consecutive row ranges of at most CHUNK_BYTES (one row
+        at least); each chunk is hashed into `digest` in order, in the background."""
+        rows_total = info.shape[0] if info.shape else 1
+        rows_per_chunk = max(1, CHUNK_BYTES // max(info.row_bytes, 1))
+        for start in range(0, rows_total, rows_per_chunk):
+            end = min(rows_total, start + rows_per_chunk)
+            offset, length = info.offset + start * info.row_bytes, (end - start) * info.row_bytes
+            while len(self.windows) >= 2:
+                self._unmap_oldest()
+            first = offset - offset % mmap.ALLOCATIONGRANULARITY
+            mapped = mmap.mmap(fd, offset + length - first, prot=mmap.PROT_READ, offset=first)
+            whole = memoryview(mapped)
+            view = whole[offset - first :]
+            # Let the disk fetch the next chunk while this one is hashed and scattered.
+            _advise(fd, offset + length, CHUNK_BYTES, "POSIX_FADV_WILLNEED")
+            hashed = self.hasher.submit(digest.update, view) if digest is not None else None
+            self.windows.append((hashed, [view, whole, mapped]))
+            yield start, view
+
+    def _unmap_oldest(self) -> None:
+        hashed, (view, whole, mapped) = self.windows.popleft()
+        error = None
+        if hashed is not None:  # the hash must be done with the bytes before they go
+            wait([hashed])
+            error = None if hashed.cancelled() else hashed.exception()
+        view.release()
+        whole.release()
+        mapped.close()
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        while self.windows:
+            try:
+                self._unmap_oldest()
+            except BufferError:
+                # After an interruption, frames of the traceback may still hold views of a
+                # window; it is unmapped when the last of them goes.
+                continue
+
+    def hash_bytes(self, digest: Any, data: bytes) -> None:
+        self.hasher.submit(digest.update, data)
+
+    def hexdigest(self, digest: Any) -> str:
+        return self.hasher.submit(digest.hexdigest).result()
+
+
+def _advise(fd: int, offset: int, length: int, advice: str) -> None:
+    if hasattr(os, advice):
+        os.posix_fadvise(fd, offset, length, getattr(os, advice))
+
+
+def _scatter_file(
+    reader: SourceReader,
+    mover: Mover,
+    checkpoint: Checkpoint,
+    roles: tuple[str, ...],
+    file: str,
+    writes: dict[tuple[str, str], list[Write]],
+    hash_it: bool,
+    bar: tqdm,
+) -> str | None:
+    """Read one source file in order (all of it, hashed, when `hash_it`; else only the
+    tensors this plan needs) and move every tensor's blocks to their rank files."""
+    tensors = sorted(
+        (t for t in checkpoint.tensors.values() if t.file == file), key=lambda t: t.info.offset
+    )
+    digest = hashlib.sha256() if hash_it else None
+    path = checkpoint.root / file
+    fd = os.open(path, os.O_RDONLY)
+    _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
+    try:
+        header_size = tensors[0].info.offset if tensors else path.stat().st_size
+        if digest is not None:
+            reader.hash_bytes(digest, os.pread(fd, header_size, 0))
+        bar.update(header_size)
+        for tensor in tensors:
+            info, targets = tensor.info, _targets(writes, roles, tensor.name)
+            if digest is None and _copy_whole_rows(mover, fd, info, targets):
+                bar.update(info.nbytes)
+                continue
+            if not targets and digest is None:
+                bar.update(info.nbytes)
+                continue
+            for start, chunk in reader.chunks(fd, info, digest):
+                _scatter_chunk(mover, info, start, chunk, targets)
+                bar.update(len(chunk))
+    finally:
+        reader.close()
+        os.close(fd)
+    return reader.hexdigest(digest) if digest is not None else None
+
+
+def _copy_whole_rows(mover: Mover, fd: int, info: TensorInfo, targets: list[Write]) -> bool:
+    """Move a tensor whose every block is whole rows of the same dtype file to file, in
+    the kernel. False (nothing done) when a block needs the bytes here."""
+    if not targets or any(
+        t.cols is not None or t.dtype != info.dtype or t.repeat != (1, 1) for t in targets
+    ):
+        return False
+    for target in targets:
+        first, last = target.rows
+        offset = target.row_offset + target.dest_row * target.row_bytes
+        count = (last - first) * info.row_bytes
+        source_offset = info.offset + first * info.row_bytes
+        if count and not mover.copy(target.file, fd, source_offset, count, offset):
+            return False  # only ever on the very first kernel copy: nothing was moved yet
+    return True
+
+
+def _scatter_chunk(
+    mover: Mover, info: TensorInfo, start: int, chunk: memoryview, targets: list[Write]
+) -> None:
+    if not targets or not len(chunk):
+        return
+    row_bytes = info.row_bytes
+    rows = len(chunk) // row_bytes
+    end = start + rows
+    for target in targets:
+        if target.repeat != (1, 1):
+            _scatter_upsampled(mover, info, start, chunk, target)
+            continue
+        first, last = max(start, target.rows[0]), min(end, target.rows[1])
+        if first >= last:
+            continue
+        if target.cols is None and target.dtype == info.dtype:
+            data: memoryview | np.ndarray = chunk[
+                (first - start) * row_bytes : (last - start) * row_bytes
+            ]
+        else:
+            block = np.frombuffer(chunk, np.uint8).reshape(rows, row_bytes)[
+                first - start : last - start
+            ]
+            if target.cols is not None:
+                size = DTYPE_SIZES[info.dtype]
+                block = block[:, target.cols[0] * size : target.cols[1] * size]
+            data = np.ascontiguousarray(block)
+            if target.dtype != info.dtype:
+                data = _cast(data, info.dtype, target.dtype)
+        dest_row = target.dest_row + first - target.rows[0]
+        mover.write(target.file, data, target.row_offset + dest_row * target.row_bytes)
+
+
+def _scatter_upsampled(
+    mover: Mover, info: TensorInfo, start: int, chunk: memoryview, target: Write
+) -> None:
+    """A block cut from the source upsampled first (fp8 block scales on a finer grid):
+    `target.rows` and `target.cols` are in upsampled coordinates."""
+    up, across = target.repeat
+    rows = len(chunk) // info.row_bytes
+    first = max(start, target.rows[0] // up)
+    last = min(start + rows, -(-target.rows[1] // up))
+    if first >= last:
+        return
+    size = DTYPE_SIZES[info.dtype]
+    block = np.frombuffer(chunk, np.uint8).reshape(rows, -1, size)[first - start : last - start]
+    block = np.repeat(np.repeat(block, up, axis=0), across, axis=1)
+    low, high = max(first * up, target.rows[0]), min(last * up, target.rows[1])
+    block = block[low - first * up : high - first * up]
+    if target.cols is not None:
+        block = block[:, target.cols[0] : target.cols[1]]
+    data = np.ascontiguousarray(block).reshape(high - low, -1)
+    if target.dtype != info.dtype:
+        data = _cast(data, info.dtype, target.dtype)
+    dest_row = target.dest_row + low - target.rows[0]
+    mover.write(target.file, data, target.row_offset + dest_row * target.row_bytes)
+
+
+def _cast(data: np.ndarray, source: str, dest: str) -> np.ndarray:
+    """Raw bytes of `source` dtype -> raw bytes of `dest` (torch only for this)."""
+    import torch
+
+    data = data.reshape(-1) if data.flags.writeable else data.reshape(-1).copy()
+    values = torch.from_numpy(data).view(getattr(torch, TORCH_DTYPE_NAMES[source]))
+    return values.to(getattr(torch, TORCH_DTYPE_NAMES[dest])).view(torch.uint8).numpy()

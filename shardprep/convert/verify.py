@@ -1,0 +1,311 @@
+"""Check an artifact: file hashes, coverage of every rank's parameters, and optionally a
+round trip that rebuilds every source tensor from the rank files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shardprep.constants import STATE_DIR
+from shardprep.convert.checkpoint import Checkpoint
+from shardprep.errors import CorruptFileError, ShardprepError, summarize
+from shardprep.format import manifest as mf
+from shardprep.format.headers import TORCH_DTYPE_NAMES, read_header, sha256_file
+from shardprep.plan.layout import Block
+from shardprep.progress import Progress as tqdm
+
+
+@dataclass
+class Report:
+    checked_files: int = 0
+    checked_bytes: int = 0
+    checked_params: int = 0
+    round_trip_tensors: int = 0
+    problems: list[str] = field(default_factory=list)
+    stages: list[int] = field(default_factory=list)  # the stages of the manifest
+    pp: int = 1
+    checked: list[tuple[int, int]] = field(default_factory=list)  # (stage, tp rank) here
+    absent: list[tuple[int, int]] = field(default_factory=list)  # not fetched into this folder
+    fetched: bool = False  # a folder of the fetch cache, which may hold some stages only
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def complete(self) -> bool:
+        """Every rank of every stage of the manifest was here and checked."""
+        return not self.absent
+
+    def scope(self) -> str:
+        """Which stages and ranks were checked, in words."""
+        stages = sorted({pp for pp, _ in self.checked})
+        text = f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+        if self.complete:
+            return text if len(stages) == self.pp else f"{text} of pp={self.pp}"
+        partial = sorted({pp for pp, _ in self.absent} & set(stages))
+        missing = [s for s in self.stages if s not in stages]
+        notes = [f"stage {p} holds only {_ranks(self.checked, p)}" for p in partial]
+        if missing:
+            plural = "s" if len(missing) > 1 else ""
+            notes.append(f"stage{plural} {', '.join(map(str, missing))} not fetched here")
+        return "; ".join([f"{text} of {', '.join(map(str, self.stages))}", *notes])
+
+    def raise_if_failed(self, out: Path) -> None:
+        if self.problems:
+            raise CorruptFileError(
+                f"{out} failed verification with {len(self.problems)} problem(s): "
+                f"{'; '.join(self.problems[:3])}"
+                + (f"; and {len(self.problems) - 3} more" if len(self.problems) > 3 else "")
+                + ". Re-run `shardprep convert` into this folder to repair it"
+                + (
+                    " (a fetched one: `shardprep fetch --verify` downloads them again)"
+                    if self.fetched
+                    else ""
+                ),
+                path=str(out),
+            )
+
+
+def _ranks(units: list[tuple[int, int]], stage: int) -> str:
+    ranks = [str(tp) for pp, tp in units if pp == stage]
+    return f"tp rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"
+
+
+def verify(out: Path, *, full: bool = False, progress: bool = False) -> Report:
+    """Check the artifact in `out`. A folder that `shardprep fetch` filled may hold only
+    some stages (or ranks): those are checked, and the report says which."""
+    manifest = mf.read_manifest(out)
+    report = Report(stages=list(manifest.stages), pp=manifest.topology.pp)
+    units = sorted({(f.pp, f.tp) for f in manifest.files})
+    report.fetched = (out / STATE_DIR).is_dir()
+    if report.fetched:
+        here = {(f.pp, f.tp) for f in manifest.files if (out / f.path).exists()}
+        report.absent = [u for u in units if u not in here]
+    absent = set(report.absent)
+    report.checked = [u for u in units if u not in absent]
+    if not report.checked:
+        report.problems.append("no rank file of any stage is in this folder")
+        return report
+    checked = set(report.checked)
+    files = [f for f in manifest.files if (f.pp, f.tp) in checked]
+    _check_hashes(out, manifest, files, report, progress)
+    if report.ok:
+        _check_coverage(out, manifest, report)
+        _check_ranks_agree(manifest, report)
+    if full and report.ok:
+        _round_trip(out, manifest, report, progress)
+    return report
+
+
+def _check_hashes(
+    out: Path, manifest: mf.Manifest, files: list[mf.FileEntry], report: Report, progress: bool
+) -> None:
+    entries = [(f.path, f.bytes, f.sha256) for f in files]
+    entries += [(e.path, e.bytes, e.sha256) for e in manifest.extra_files]
+    total = sum(size for _, size, _ in entries)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
+        for path, size, digest in entries:
+            target = out / path
+            if not target.is_file():
+                report.problems.append(f"{path} is missing")
+            elif target.stat().st_size != size:
+                report.problems.append(f"{path} has {target.stat().st_size:,} bytes, not {size:,}")
+            elif sha256_file(target) != digest:
+                report.problems.append(f"{path} does not match its sha256")
+            else:
+                report.checked_files += 1
+                report.checked_bytes += size
+            bar.update(size)
+
+
+def _check_coverage(out: Path, manifest: mf.Manifest, report: Report) -> None:
+    """Every parameter each rank needs is present exactly once, with its shape and dtype,
+    in headers that pass the strict parser."""
+    checked = set(report.checked)
+    by_rank: dict[tuple[str, int, int, int | None], list[mf.FileEntry]] = {}
+    for entry in manifest.files:
+        by_rank.setdefault((entry.role, entry.pp, entry.tp, entry.dp), []).append(entry)
+    for model in manifest.models:
+        for key, expected in model.ranks.items():
+            pp, tp, dp = mf.split_rank_key(key)
+            if (pp, tp) not in checked:
+                continue
+            found: dict[str, list[str]] = {}
+            unreadable = False
+            for entry in by_rank.get((model.role, pp, tp, dp), []):
+                try:
+                    header = read_header(out / entry.path)
+                except ShardprepError as exc:
+                    report.problems.append(str(exc))
+                    unreadable = True
+                    continue
+                for name, info in header.tensors.items():
+                    found.setdefault(name, []).append(entry.path)
+                    spec = expected.get(name)
+                    if spec and (info.dtype, info.shape) != (spec.dtype, tuple(spec.shape)):
+                        report.problems.append(
+                            f"{model.role} {key}: {name} is {info.dtype}{list(info.shape)}, "
+                            f"expected {spec.dtype}{list(spec.shape)}"
+                        )
+            if unreadable:
+                continue
+            missing = sorted(set(expected) - set(found))
+            extra = sorted(set(found) - set(expected))
+            twice = sorted(n for n, files in found.items() if len(files) > 1)
+            for what, names in (("missing", missing), ("unexpected", extra), ("repeated", twice)):
+                if names:
+                    report.problems.append(
+                        f"{model.role} {key}: {len(names)} {what} parameter(s): {summarize(names)}"
+                    )
+            report.checked_params += len(expected)
+
+
+def _check_ranks_agree(manifest: mf.Manifest, report: Report) -> None:
+    """Tensor parallel ranks of one stage hold slices of the same parameters: a name on
+    one rank and not on another means the manifest lost part of the model."""
+    if manifest.topology.expert_parallel:
+        return
+    for model in manifest.models:
+        by_stage: dict[int, dict[int, frozenset[str]]] = {}
+        for key, params in model.ranks.items():
+            pp, tp, dp = mf.split_rank_key(key)
+            if dp is None:
+                by_stage.setdefault(pp, {})[tp] = frozenset(params)
+        for pp, ranks in sorted(by_stage.items()):
+            names = ranks[min(ranks)]
+            odd = sorted(tp for tp, other in ranks.items() if other != names)
+            if odd:
+                differ = sorted(names ^ ranks[odd[0]])
+                report.problems.append(
+                    f"{model.role} stage {pp}: tp rank {odd[0]} and tp rank {min(ranks)} hold "
+                    f"different parameters ({summarize(differ)})"
+                )
+
+
+def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool) -> None:
+    """Re-plan from the source and compare every block of every rank file with the source
+    bytes it came from; every source element must be covered."""
+    from shardprep.convert.run import Options, load_and_plan
+
+    target = manifest.model("target")
+    draft = manifest.model("draft")
+    if target is None:
+        raise ShardprepError(f"{out} has no target model in its manifest")
+    topo = manifest.topology
+    options = Options(
+        tp=topo.tp,
+        pp=topo.pp,
+        draft=draft.source.model if draft else None,
+        draft_method=draft.method if draft else None,
+        partition=",".join(map(str, topo.partition)),
+        stage=manifest.stages[0] if len(manifest.stages) == 1 and topo.pp > 1 else None,
+        dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[target.dtype],
+        revision=target.source.revision,
+        expert_parallel=topo.expert_parallel,
+        expert_placement=target.experts.requested_placement if target.experts else "linear",
+        dp=target.experts.dp if target.experts else 1,
+    )
+    plan, checkpoints = load_and_plan(
+        target.source.repo_id or target.source.model, options, progress=progress
+    )
+    checked = set(report.checked)
+    located = _locate(out, manifest, checked)
+    covered: dict[tuple[str, str], torch.Tensor] = {}
+    handles: dict[str, object] = {}
+    planned = [f for f in plan.files if (f.pp, f.tp) in checked]
+    for file_plan in tqdm(planned, desc="round trip", disable=not progress):
+        for tensor in file_plan.tensors:
+            path = located[(file_plan.role, file_plan.pp, file_plan.tp, file_plan.dp, tensor.name)]
+            dest = _open(handles, out / path).get_tensor(tensor.name)
+            dest = dest.reshape(tensor.stacked_shape)
+            checkpoint = checkpoints[file_plan.role]
+            row = 0
+            for block in tensor.blocks:
+                rows = block.rows[1] - block.rows[0]
+                part = dest[row : row + rows]
+                row += rows
+                if block.source is None:
+                    if torch.count_nonzero(part):
+                        report.problems.append(f"{path}: padding of {tensor.name} is not zero")
+                    continue
+                source = _source_tensor(handles, checkpoint, block.source)
+                expected = cut_block(source, block)
+                if not _same_bytes(part, expected.to(part.dtype)):
+                    report.problems.append(
+                        f"{path}: {tensor.name} differs from {block.source} rows {block.rows}"
+                    )
+                mask = covered.setdefault(
+                    (file_plan.role, block.source),
+                    torch.zeros(_mask_shape(source), dtype=torch.bool),
+                )
+                _mark(mask, block)
+    for (role, name), mask in covered.items():
+        if report.complete and not bool(mask.all()):
+            report.problems.append(f"{role}: parts of {name} are in no rank file")
+        report.round_trip_tensors += 1
+
+
+def _source_tensor(handles: dict[str, object], checkpoint: Checkpoint, name: str) -> torch.Tensor:
+    info = checkpoint.tensors[name].info
+    if name in checkpoint.side_tensors:
+        raw = torch.frombuffer(bytearray(checkpoint.side_tensors[name]), dtype=torch.uint8)
+        return raw.view(getattr(torch, TORCH_DTYPE_NAMES[info.dtype])).view(info.shape)
+    return _open(handles, checkpoint.root / checkpoint.tensors[name].file).get_tensor(name)
+
+
+def _locate(
+    out: Path, manifest: mf.Manifest, units: set[tuple[int, int]]
+) -> dict[tuple[str, int, int, int | None, str], str]:
+    located = {}
+    for entry in manifest.files:
+        if (entry.pp, entry.tp) not in units:
+            continue
+        for name in read_header(out / entry.path).tensors:
+            located[(entry.role, entry.pp, entry.tp, entry.dp, name)] = entry.path
+    return located
+
+
+def _open(handles: dict[str, object], path: Path) -> object:
+    key = str(path)
+    if key not in handles:
+        handles[key] = safe_open(key, framework="pt")
+    return handles[key]
+
+
+def _mask_shape(source: torch.Tensor) -> tuple[int, ...]:
+    if source.dim() == 0:
+        return (1,)
+    return tuple(source.shape[:2])
+
+
+def _mark(mask: torch.Tensor, block: Block) -> None:
+    """Mark the source rows (and columns) that `block` reads."""
+    (up, across), rows, cols = block.repeat, block.rows, block.cols
+    first, last = rows[0] // up, -(-rows[1] // up)
+    if cols is None:
+        mask[first:last] = True
+    else:
+        mask[first:last, cols[0] // across : -(-cols[1] // across)] = True
+
+
+def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
+    """The part of a whole source tensor that `block` names (what the scatter writes)."""
+    if block.repeat != (1, 1):
+        source = source.repeat_interleave(block.repeat[0], 0)
+        source = source.repeat_interleave(block.repeat[1], 1)
+    part = source[block.rows[0] : block.rows[1]]
+    return part if block.cols is None else part[:, block.cols[0] : block.cols[1]]
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(_as_bytes(a), _as_bytes(b)))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,269 @@
+"""Tiny random models with real Hugging Face names and config.json, for the demo and
+the tests. Tensor names and shapes come from the architecture families themselves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from shardprep.plan import archs
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": _MODEL_TYPES[architecture],
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 1000,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    config.update(_ARCH_DEFAULTS.get(architecture, {}))
+    if architecture in DEEPSEEK:
+        for key in ("head_dim", "num_key_value_heads"):
+            del config[key]
+        config.update(DEEPSEEK[architecture], torch_dtype="bfloat16")
+    config.update(overrides)
+    return config
+
+
+# MLA with (V3) and without (V2-Lite) q_lora_rank; per-rank sizes are whole 128-blocks at
+# tp2, so an fp8 variant (`quantization_config=TINY_FP8`) loads too.
+_MLA = {
+    "kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
+    "moe_intermediate_size": 256, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "norm_topk_prob": True, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
+    "rope_scaling": None, "attention_bias": False,
+}  # fmt: skip
+DEEPSEEK: dict[str, dict[str, Any]] = {
+    "DeepseekV2ForCausalLM": _MLA | {
+        "q_lora_rank": None, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "scoring_func": "softmax",
+    },
+    "DeepseekV3ForCausalLM": _MLA | {
+        "q_lora_rank": 128, "topk_method": "noaux_tc", "n_group": 2, "topk_group": 1,
+        "scoring_func": "sigmoid",
+    },
+}  # fmt: skip
+TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}  # fmt: skip
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+# Mixture-of-experts sizes: 8 experts, 2 per token.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen3MoeForCausalLM": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
+    "MixtralForCausalLM": {
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 128,
+    },
+}
+
+
+def make_tiny_model(
+    folder: Path,
+    architecture: str = "LlamaForCausalLM",
+    *,
+    files: int = 1,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Write config.json, generation_config.json and random safetensors weights (with an
+    index when `files` > 1) into `folder`."""
+    config = tiny_config(architecture, **overrides)
+    _, family = archs.target_family(config)
+    families = [family]
+    internal = archs.internal_draft_method(config)
+    if internal:  # the draft layers the checkpoint carries (DeepSeek-V3's MTP layers)
+        families.append(archs.draft_family(internal))
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for part in families:
+        shapes |= part.expected_shapes(config)
+        if hasattr(part, "source_dtypes"):
+            dtypes |= part.source_dtypes(config)
+    tensors = _random_tensors(shapes, config["torch_dtype"], seed)
+    if dtypes:
+        tensors.update(_quantized(tensors, dtypes, seed))
+    _write_model(folder, config, tensors, files)
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return folder
+
+
+def make_tiny_draft(
+    folder: Path,
+    target: Path,
+    method: str = "eagle3",
+    *,
+    seed: int = 1,
+    omit: tuple[str, ...] = (),
+    **overrides: Any,
+) -> Path:
+    """An EAGLE, EAGLE3, DFlash or DSpark head for the tiny model in `target`, without
+    the optional tensors named in `omit` (a DFlash-style draft never holds the mask
+    embedding, which comes from a side file, nor vocabulary tables for a full vocabulary)."""
+    target_config = json.loads((target / "config.json").read_text())
+    config = {
+        key: target_config[key]
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_theta",
+            "hidden_act",
+            "torch_dtype",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    }
+    config.update(
+        architectures=["LlamaForCausalLMEagle3" if method == "eagle3" else "LlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+    )
+    config.update(_DFLASH_STYLE.get(method, {}))
+    if method in _DFLASH_STYLE:
+        # The target layers whose states feed the draft's fc (zero-based), and a mask
+        # token inside the vocabulary.
+        layers = target_config["num_hidden_layers"]
+        ids = [max(0, layers - 3 + i) for i in range(3)]
+        key = "dflash_config" if method == "dflash" else "target_layer_ids"
+        config[key] = {"mask_token_id": 3, "target_layer_ids": ids} if method == "dflash" else ids
+    if method == "eagle3":
+        layers = target_config["num_hidden_layers"]
+        config["draft_vocab_size"] = min(512, target_config["vocab_size"])
+        # vLLM's default (2, L // 2, L - 3) collapses for tiny targets; name three layers.
+        config["eagle_aux_hidden_state_layer_ids"] = [max(0, layers - 3 + i) for i in range(3)]
+    config.update(overrides)
+    family = archs.draft_family(method)
+    shapes = family.expected_shapes(config, target_config=target_config)
+    if method in _DFLASH_STYLE:
+        omit = (*omit, "mask_embedding", "d2t", "t2d")
+    shapes = {name: shape for name, shape in shapes.items() if name not in omit}
+    tensors = _random_tensors(shapes, config["torch_dtype"], seed)
+    tensors.update(family.example_tables(config, target_config=target_config, seed=seed))  # type: ignore[attr-defined]
+    _write_model(folder, config, tensors, 1)
+    return folder
+
+
+_DFLASH_STYLE: dict[str, dict[str, Any]] = {
+    "dflash": {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 4},
+    "dspark": {
+        "architectures": ["Qwen3DSparkModel"],
+        "model_type": "qwen3",
+        "block_size": 4,
+        "markov_rank": 16,
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+    },
+}
+
+
+def write_mask_embedding(folder: Path, seed: int = 2) -> Path:
+    """The side file some DFlash drafts ship: {"embedding", "mask_token_id"}, as vLLM
+    reads it (`torch.load(weights_only=True)`)."""
+    config = json.loads((folder / "config.json").read_text())
+    generator = torch.Generator().manual_seed(seed)
+    embedding = torch.randn(config["hidden_size"], generator=generator)
+    token = config["dflash_config"]["mask_token_id"]
+    path = folder / "mask_embedding.pt"
+    torch.save(
+        {"embedding": embedding.to(TORCH_DTYPES[config["torch_dtype"]]), "mask_token_id": token},
+        path,
+    )
+    return path
+
+
+def _random_tensors(
+    shapes: dict[str, tuple[int, ...]], dtype: str, seed: int
+) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in sorted(shapes.items()):
+        values = torch.randn(shape, generator=generator, dtype=torch.float32)
+        # 1-D weights are norms (around 1) or biases; 2-D are projections.
+        values = 1.0 + 0.1 * values if len(shape) == 1 else 0.05 * values
+        tensors[name] = values.to(TORCH_DTYPES[dtype])
+    return tensors
+
+
+def _quantized(
+    tensors: dict[str, torch.Tensor], dtypes: dict[str, str], seed: int
+) -> dict[str, torch.Tensor]:
+    """fp8 weights of unit scale (clamped), small positive float32 block scales, and other
+    tensors that the checkpoint keeps in float32."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    changed = {}
+    for name, dtype in sorted(dtypes.items()):
+        shape = tensors[name].shape
+        if dtype == "F8_E4M3":
+            values = torch.randn(shape, generator=generator).clamp(-4, 4)
+            changed[name] = values.to(torch.float8_e4m3fn)
+        elif name.endswith("weight_scale_inv"):
+            changed[name] = 0.01 + 0.02 * torch.rand(shape, generator=generator)
+        else:
+            changed[name] = tensors[name].float()
+    return changed
+
+
+def _write_model(
+    folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], files: int
+) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    names = sorted(tensors)
+    if files == 1:
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i in range(files):
+        file = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        chunk = names[i::files]
+        save_file({n: tensors[n] for n in chunk}, folder / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in chunk})
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

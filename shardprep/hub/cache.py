@@ -1,0 +1,352 @@
+"""The stage-sharded cache: a node holds only the stages it serves, verified, plain.
+
+    $SHARDPREP_CACHE/models--{org}--{name}/        (default: $HF_HOME/shardprep/...)
+      refs/{revision}                              the commit a branch or tag named when fetched
+      {commit}/                                    the folder vLLM is pointed at
+        shardprep.json                             the published manifest (codec info included),
+                                                   written once a first stage is complete
+        config.json, tokenizer*, ...               every extra file of the manifest
+        shards/..., draft/...                      plain safetensors of the fetched stages only
+        .shardprep/manifest.json                   the manifest as fetched, before any stage
+        .shardprep/done/stage-{P}[-rank-{R}].json  completion markers: files and sizes
+        .shardprep/locks/                          one file lock per stage, one for the manifest
+        .shardprep/staging/                        downloads in progress (huggingface_hub's
+                                                   local_dir), never read by anyone else
+
+A stage is fetched under its lock: the first process downloads it, the others wait and then
+find its marker. Each file is downloaded into staging, its size and sha256 checked against
+the manifest (the stored form for a compressed file, then the raw form after decompressing),
+and only then renamed to its final path; a file that fails is downloaded once more, then the
+fetch fails naming it. Files already at their final path were verified before they got there,
+so a rerun after an interruption downloads only what is missing. With HF_HUB_OFFLINE=1, or
+when the Hub cannot be reached, a revision resolves through `refs/` and a stage whose marker
+exists is served without any request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from huggingface_hub import constants as hf_constants
+
+from shardprep.constants import MANIFEST_NAME, cache_root
+from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
+from shardprep.format.headers import sha256_file
+from shardprep.format.manifest import Manifest
+from shardprep.hub import client
+from shardprep.hub.cache_manifest import (
+    cached_manifest,
+    place_manifest,
+    recheck_manifest,
+    resolve_commit,
+    write_ref,
+)
+from shardprep.hub.cache_state import (
+    STATE_DIR,
+    Part,
+    Wanted,
+    fetch_lock,
+    is_complete,
+    write_marker,
+)
+
+DOWNLOAD_WORKERS = 8
+
+logger = logging.getLogger("shardprep.hub.cache")
+
+
+def repo_folder(repo_id: str, cache_dir: Path | str | None = None) -> Path:
+    """`models--{org}--{name}` under the cache root (SHARDPREP_CACHE or the HF home)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    return root / ("models--" + repo_id.replace("/", "--"))
+
+
+def fetch(
+    repo_id: str,
+    *,
+    stage: int | None = None,
+    rank: int | None = None,
+    all_stages: bool = False,
+    revision: str | None = None,
+    cache_dir: Path | str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    progress: bool = True,
+    verify: bool = False,
+) -> Path:
+    """Make the cache hold `stage` of `repo_id` (or its `rank` only, or `all_stages`) and
+    return the folder to point vLLM at. Only the manifest, the extra files and that part's
+    rank files are downloaded; a part fetched before needs no network. `verify` re-hashes
+    what the cache already holds of the part and downloads again any file that fails."""
+    client.check_repo_id(repo_id)
+    _check_request(stage, rank, all_stages)
+    repo_dir = repo_folder(repo_id, cache_dir)
+    revision = revision or hf_constants.DEFAULT_REVISION
+    remote = None if client.is_offline() else client.Remote(repo_id, endpoint, token, progress)
+    commit, remote = resolve_commit(repo_dir, repo_id, revision, remote)
+    folder = repo_dir / commit
+    if verify and remote is not None:
+        recheck_manifest(folder, commit, remote)
+    manifest = cached_manifest(folder, repo_id, commit, remote)
+    for part in _parts(manifest, repo_id, stage, rank, all_stages):
+        if verify:
+            _recheck(folder, repo_id, manifest, part, remote, progress)
+        _fetch_part(folder, repo_id, manifest, part, remote, progress)
+    if not client.is_commit(revision):
+        write_ref(repo_dir, revision, commit)
+    return folder
+
+
+def ensure_stage(
+    repo_id_or_path: str, stage: int, *, revision: str | None = None, progress: bool = False
+) -> Path:
+    """For the loader: a local artifact folder that holds `stage`. A folder is returned as it
+    is; a Hub repo id is fetched into the cache (only that stage), or found there."""
+    local = Path(repo_id_or_path).expanduser()
+    if local.is_dir():
+        return local
+    text = str(repo_id_or_path)
+    if text.startswith(("/", ".", "~")) or text.count("/") > 1:
+        raise ConfigError(
+            f"{text} is neither a folder nor a Hub repo id: convert a model into it "
+            "(`shardprep convert`) or name a repo like org/Model-TP8-PP2"
+        )
+    return fetch(text, stage=stage, revision=revision, progress=progress)
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def _check_request(stage: int | None, rank: int | None, all_stages: bool) -> None:
+    if all_stages and (stage is not None or rank is not None):
+        raise ConfigError("--all fetches every stage and rank: drop --stage and --rank")
+    if rank is not None and stage is None:
+        raise ConfigError(f"--rank {rank} needs --stage: say which stage's rank to fetch")
+    for name, value in (("stage", stage), ("rank", rank)):
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name} {value} is negative; stages and ranks count from 0")
+
+
+def _parts(
+    manifest: Manifest, repo_id: str, stage: int | None, rank: int | None, all_stages: bool
+) -> list[Part]:
+    stages, topo = list(manifest.stages), manifest.topology
+    if all_stages:
+        return [Part(p) for p in stages]
+    if stage is None:
+        if topo.pp == 1 and stages == [0]:
+            return [Part(0)]
+        raise ConfigError(
+            f"{repo_id} is split into {topo.pp} pipeline stages: pass --stage P (the stage this "
+            f"node serves, one of {', '.join(map(str, stages))}) or --all"
+        )
+    if stage not in stages:
+        raise ConfigError(
+            f"{repo_id} holds stage(s) {', '.join(map(str, stages))} of pp={topo.pp}, not "
+            f"stage {stage}; pass one of those to --stage"
+        )
+    if rank is not None and rank >= topo.tp:
+        raise ConfigError(
+            f"{repo_id} was built for tp={topo.tp}: --rank takes 0 to {topo.tp - 1}, not {rank}"
+        )
+    return [Part(stage, rank)]
+
+
+def _wanted(manifest: Manifest, part: Part) -> list[Wanted]:
+    """The part's rank files (every role: the draft lives on the last stage) and the extras."""
+    items = []
+    for f in manifest.files:
+        if f.pp != part.stage or (part.rank is not None and f.tp != part.rank):
+            continue
+        stored = client.stored_path(f)
+        packed = f.codec != "none"
+        items.append(
+            Wanted(
+                path=f.path,
+                bytes=f.bytes,
+                sha256=f.sha256,
+                stored=stored,
+                stored_bytes=f.stored_bytes if packed and f.stored_bytes is not None else f.bytes,
+                stored_sha256=f.stored_sha256 if packed and f.stored_sha256 else f.sha256,
+                codec=f.codec,
+            )
+        )
+    for e in manifest.extra_files:
+        items.append(Wanted(e.path, e.bytes, e.sha256, e.path, e.bytes, e.sha256, "none"))
+    return items
+
+
+# ---------------------------------------------------------------------------- re-verifying
+
+
+def _recheck(
+    folder: Path,
+    repo_id: str,
+    manifest: Manifest,
+    part: Part,
+    remote: client.Remote | None,
+    progress: bool,
+) -> None:
+    """Re-hash the part's files in the cache; remove any that fail (and a root manifest
+    that differs from the fetched one), so that the fetch downloads them again."""
+    damaged = []
+    with fetch_lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
+        for item in _wanted(manifest, part):
+            final = folder / item.path
+            if final.is_file() and _check(final, item.bytes, item.sha256) is not None:
+                final.unlink()
+                damaged.append(item.path)
+        placed, fetched = folder / MANIFEST_NAME, folder / STATE_DIR / "manifest.json"
+        if placed.is_file() and placed.read_bytes() != fetched.read_bytes():
+            placed.unlink()
+            damaged.append(MANIFEST_NAME)
+    for path in damaged:
+        logger.warning("%s in the cache does not match its sha256; it was removed", path)
+    if damaged and remote is None:
+        raise CorruptFileError(
+            f"{summarize(damaged)} of {repo_id} in the cache ({folder}) did not match "
+            f"{MANIFEST_NAME} and {'were' if len(damaged) > 1 else 'was'} removed; the Hub is "
+            f"not used (HF_HUB_OFFLINE is set, or it could not be reached): run `shardprep "
+            f"fetch {repo_id} --stage {part.stage}` again with network access",
+            path=str(folder / damaged[0]),
+        )
+
+
+# ---------------------------------------------------------------------------- one part
+
+
+def _fetch_part(
+    folder: Path,
+    repo_id: str,
+    manifest: Manifest,
+    part: Part,
+    remote: client.Remote | None,
+    progress: bool,
+) -> None:
+    if is_complete(folder, part):
+        return
+    if remote is None:
+        raise HubError(
+            f"{part} of {repo_id}@{folder.name[:12]} is not in the cache ({folder}) and the "
+            "Hub is not used (HF_HUB_OFFLINE is set, or it could not be reached). Fetch it "
+            f"once with network access: `shardprep fetch {repo_id} --stage {part.stage}`"
+        )
+    with fetch_lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
+        if is_complete(folder, part):
+            return
+        wanted = _wanted(manifest, part)
+        staging = folder / STATE_DIR / "staging" / f"stage-{part.stage}"
+        _download_and_place(folder, staging, wanted, remote)
+        place_manifest(folder)
+        write_marker(folder, part, wanted)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _download_and_place(
+    folder: Path, staging: Path, wanted: list[Wanted], remote: client.Remote
+) -> None:
+    """Download what is not in place yet, verify each file as it arrives, rename it into
+    place; one more download for a file that fails, then a CorruptFileError naming it."""
+    commit = folder.name
+    todo = [w for w in wanted if not _in_place(folder, w)]
+    if not todo:
+        return
+    with ThreadPoolExecutor(max_workers=DOWNLOAD_WORKERS, thread_name_prefix="fetch") as pool:
+        pending: dict[Future[Path], tuple[Wanted, bool]] = {
+            pool.submit(remote.download, commit, w.stored, staging): (w, False) for w in todo
+        }
+        try:
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    item, again = pending.pop(future)
+                    problem = _place(folder, staging, item, future.result())
+                    if problem is None:
+                        continue
+                    if isinstance(problem, _Undecodable):
+                        raise _undecodable(remote.repo_id, folder, item, problem)
+                    if again:
+                        raise _corrupt(remote.repo_id, folder, item, problem)
+                    logger.warning("%s %s; downloading it again", item.stored, problem)
+                    retry = pool.submit(remote.download, commit, item.stored, staging, again=True)
+                    pending[retry] = (item, True)
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _in_place(folder: Path, item: Wanted) -> bool:
+    """Only verified files are ever renamed to a final path: there, the size suffices."""
+    final = folder / item.path
+    return final.is_file() and final.stat().st_size == item.bytes
+
+
+class _Undecodable(str):
+    """A problem with a stored file whose bytes are the ones the manifest names: fetching
+    them again cannot help."""
+
+
+def _place(folder: Path, staging: Path, item: Wanted, staged: Path) -> str | None:
+    """Check the staged file and rename its plain form into place; else say what is wrong
+    (the staged file is then deleted, so a download starts from scratch)."""
+    problem: str | None = _check(staged, item.stored_bytes, item.stored_sha256)
+    if problem is None and item.codec != "none":
+        problem = _decompress(staged, staging / item.path, item)
+        staged.unlink(missing_ok=True)
+        staged = staging / item.path
+    if problem is not None:
+        staged.unlink(missing_ok=True)
+        return problem
+    final = folder / item.path
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staged, final)
+    return None
+
+
+def _check(path: Path, size: int, sha256: str) -> str | None:
+    found = path.stat().st_size
+    if found != size:
+        return f"has {found:,} bytes where {MANIFEST_NAME} says {size:,}"
+    digest = sha256_file(path)
+    if digest != sha256:
+        return f"has sha256 {digest[:12]}... where {MANIFEST_NAME} says {sha256[:12]}..."
+    return None
+
+
+def _decompress(stored: Path, plain: Path, item: Wanted) -> str | None:
+    from shardprep.codec import decompress_file
+
+    try:
+        result = decompress_file(stored, plain, expected_bytes=item.bytes)
+    except CorruptFileError as exc:
+        return _Undecodable(f"does not decompress ({exc})")
+    if (result.raw_bytes, result.raw_sha256) != (item.bytes, item.sha256):
+        plain.unlink(missing_ok=True)
+        return _Undecodable(
+            f"decompresses to {result.raw_bytes:,} bytes of sha256 {result.raw_sha256[:12]}... "
+            f"where {MANIFEST_NAME} says {item.bytes:,} and {item.sha256[:12]}..."
+        )
+    return None
+
+
+def _undecodable(repo_id: str, folder: Path, item: Wanted, problem: str) -> CorruptFileError:
+    return CorruptFileError(
+        f"{repo_id}@{folder.name[:12]}: {item.stored} matches the sha256 in {MANIFEST_NAME} "
+        f"but {problem}. The copy on the Hub is damaged or hostile: nothing of it was placed "
+        f"in {folder}. Publish the artifact again (`shardprep publish OUT {repo_id}`) or tell "
+        "the repo's owner",
+        path=item.stored,
+    )
+
+
+def _corrupt(repo_id: str, folder: Path, item: Wanted, problem: str) -> CorruptFileError:
+    return CorruptFileError(
+        f"{repo_id}@{folder.name[:12]}: {item.stored} {problem}, on two downloads in a row. "
+        f"The copy on the Hub is damaged: nothing of it was placed in {folder}. Publish the "
+        f"artifact again (`shardprep publish OUT {repo_id}`) or tell the repo's owner",
+        path=item.stored,
+    )

@@ -1,0 +1,194 @@
+"""What the rest of shardprep needs from the Hugging Face Hub client: repo ids, the stored
+name of a rank file, and `Remote`, which resolves a revision to a commit, gives the id the
+Hub keeps for a file and downloads one file into a folder. Every failure of the client
+becomes a `HubError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from huggingface_hub import HfApi, constants, hf_hub_download
+from huggingface_hub.errors import (
+    HfHubHTTPError,
+    HFValidationError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import validate_repo_id
+
+from shardprep import __version__
+from shardprep.constants import MANIFEST_NAME
+from shardprep.errors import ConfigError, HubError, ManifestError
+from shardprep.format import manifest as mf
+from shardprep.format.headers import sha256_file
+from shardprep.progress import Progress as tqdm
+
+# The stored name of a compressed file is its logical path plus this suffix.
+CODEC_SUFFIXES = {"zstd": ".zst"}
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def stored_path(entry: mf.FileEntry) -> str:
+    """The name of a rank file in the repo: its path, plus `.zst` when compressed."""
+    if entry.codec == "none":
+        return entry.path
+    suffix = CODEC_SUFFIXES.get(entry.codec)
+    if suffix is None or entry.stored_bytes is None or entry.stored_sha256 is None:
+        raise ManifestError(
+            f"{MANIFEST_NAME} stores {entry.path} with codec {entry.codec!r} "
+            f"(stored size {entry.stored_bytes}, sha256 {entry.stored_sha256}), which this "
+            f"shardprep {__version__} cannot undo; upgrade shardprep"
+        )
+    return entry.path + suffix
+
+
+def check_repo_id(repo_id: str) -> None:
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise ConfigError(
+            f"{repo_id!r} is not a Hub repo id like org/Model-TP8-PP2 ({exc})"
+        ) from None
+
+
+def is_offline() -> bool:
+    """HF_HUB_OFFLINE, as huggingface_hub read it at import."""
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def is_commit(revision: str | None) -> bool:
+    return revision is not None and _COMMIT.fullmatch(revision) is not None
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    # Matched by name: huggingface_hub's HTTP client (httpx, httpx2) differs by version.
+    transport = any(cls.__name__ == "TransportError" for cls in type(exc).__mro__)
+    return transport or isinstance(exc, (OfflineModeIsEnabled, ConnectionError))
+
+
+@dataclasses.dataclass(frozen=True)
+class Remote:
+    """One repo on one Hub endpoint, as the cache talks to it."""
+
+    repo_id: str
+    endpoint: str | None = None
+    token: str | None = None
+    progress: bool = True
+
+    @property
+    def where(self) -> str:
+        return self.endpoint or constants.ENDPOINT
+
+    def resolve(self, revision: str) -> str:
+        """The commit id a branch, tag or commit names now."""
+        if is_commit(revision):
+            return revision
+        with hub_errors(f"Resolving {self.repo_id}@{revision}", self.repo_id, self.endpoint):
+            info = HfApi(endpoint=self.endpoint, token=self.token).repo_info(
+                self.repo_id, revision=revision
+            )
+        if not is_commit(info.sha):
+            raise HubError(f"{self.where} gave no commit id for {self.repo_id}@{revision}")
+        return info.sha
+
+    def file_id(self, commit: str, path: str) -> tuple[str, str]:
+        """("sha256", hex) for a file in LFS, ("git-sha1", hex) for one stored in git."""
+        with hub_errors(f"Looking up {path} in {self.repo_id}", self.repo_id, self.endpoint):
+            infos = HfApi(endpoint=self.endpoint, token=self.token).get_paths_info(
+                self.repo_id, [path], revision=commit
+            )
+        for info in infos:
+            if isinstance(info, RepoFile) and info.path == path:
+                return ("sha256", info.lfs.sha256) if info.lfs else ("git-sha1", info.blob_id)
+        raise HubError(
+            f"{self.repo_id}@{commit[:12]} has no {path}: it is not a shardprep artifact, or its "
+            f"upload is incomplete. Publish it with `shardprep publish OUT {self.repo_id}`"
+        )
+
+    def download(self, commit: str, path: str, folder: Path, *, again: bool = False) -> Path:
+        """`path` of `commit` into `folder` (huggingface_hub resumes a cut transfer there).
+        `again` skips any copy the Hugging Face cache or `folder` already holds."""
+        with hub_errors(f"Downloading {path} of {self.repo_id}", self.repo_id, self.endpoint):
+            local = hf_hub_download(
+                self.repo_id,
+                path,
+                revision=commit,
+                local_dir=folder,
+                endpoint=self.endpoint,
+                token=self.token,
+                force_download=again,
+                tqdm_class=tqdm if self.progress else _Silent,
+            )
+        return Path(local)
+
+
+def matches_file_id(path: Path, file_id: tuple[str, str]) -> bool:
+    kind, expected = file_id
+    if kind == "sha256":
+        return sha256_file(path) == expected
+    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest() == expected
+
+
+class _Silent(tqdm):
+    """A progress bar that never shows (huggingface_hub passes vanilla tqdm its kwargs)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+
+@contextmanager
+def hub_errors(
+    action: str, repo_id: str, endpoint: str | None, *, write: bool = False
+) -> Iterator[None]:
+    """Turn the client's exceptions into one HubError that says what to do."""
+    where = endpoint or constants.ENDPOINT
+    login = "log in with `hf auth login` or set HF_TOKEN"
+    try:
+        yield
+    except RepositoryNotFoundError as exc:
+        raise HubError(
+            f"{action} failed: {repo_id} is not on {where}, or it is private or gated and no "
+            f"token with access was given. Check the name, or {login}"
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise HubError(
+            f"{action} failed: {repo_id} has no such revision on {where}. "
+            "Pass a branch, tag or commit id that exists (--revision)"
+        ) from exc
+    except RemoteEntryNotFoundError as exc:
+        raise HubError(
+            f"{action} failed: the file is missing from {repo_id} on {where} although its "
+            f"{MANIFEST_NAME} lists it; the upload is incomplete. Publish it again with "
+            f"`shardprep publish OUT {repo_id}`"
+        ) from exc
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):
+            need = "write access" if write else "read access"
+            raise HubError(
+                f"{action} failed: {where} refused the request ({status}); {login} with a "
+                f"token that has {need} to {repo_id}"
+            ) from exc
+        raise HubError(f"{action} failed: {where} answered {status}: {exc}") from exc
+    except Exception as exc:
+        if not is_connection_error(exc):
+            raise
+        raise HubError(
+            f"{action} failed: cannot reach {where} ({type(exc).__name__}: {exc}). Check the "
+            "network, HF_ENDPOINT or --endpoint; a stage fetched before works offline with "
+            "HF_HUB_OFFLINE=1"
+        ) from exc

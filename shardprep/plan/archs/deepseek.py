@@ -1,0 +1,386 @@
+"""DeepSeek-V2 and DeepSeek-V3 (Kimi-K2 is a V3): MLA attention, dense first layers, shared
+and routed experts, optionally fp8 block-quantized.
+
+vLLM (`deepseek_v2.py`) fuses `q_a_proj` and `kv_a_proj_with_mqa` into a replicated
+`fused_qkv_a_proj` when `q_lora_rank` is set, splits `q_b_proj`/`q_proj`/`kv_b_proj` by
+whole heads and `o_proj` by columns, splits shared experts like a dense MLP, keeps the
+router and its `e_score_correction_bias` (float32) whole, puts the embedding on the
+first stage only and the final norm and lm_head on the last. MTP layers (index >=
+num_hidden_layers) belong to a draft; the target skips them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from shardprep.plan.archs import Config, Layout, Param, Shapes, register_arch
+from shardprep.plan.layout import Cut, Piece, ScaleOf, w2_pieces, w13_pieces
+from shardprep.plan.quant.fp8 import (
+    BlockQuant,
+    LinearShape,
+    block_problems,
+    block_quant,
+    moe_block_problems,
+    refined_block,
+)
+from shardprep.plan.topology import Topology, pad_vocab
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+SCALE = "weight_scale_inv"
+FP8 = "F8_E4M3"
+F32 = "F32"
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes config.json implies, under their Hugging Face names."""
+
+    hidden: int
+    heads: int
+    q_lora: int | None
+    kv_lora: int
+    nope: int
+    rope: int
+    v: int
+    intermediate: int
+    moe_intermediate: int
+    experts: int
+    shared: int
+    first_dense: int
+    moe_freq: int
+    vocab: int
+    layers: int
+    noaux_bias: bool
+    tied: bool
+
+    @classmethod
+    def of(cls, config: Config) -> Dims:
+        experts = config.get("n_routed_experts")
+        return cls(
+            hidden=int(config["hidden_size"]),
+            heads=int(config["num_attention_heads"]),
+            q_lora=int(config["q_lora_rank"]) if config.get("q_lora_rank") else None,
+            kv_lora=int(config["kv_lora_rank"]),
+            nope=int(config["qk_nope_head_dim"]),
+            rope=int(config["qk_rope_head_dim"]),
+            v=int(config["v_head_dim"]),
+            intermediate=int(config["intermediate_size"]),
+            moe_intermediate=int(config.get("moe_intermediate_size") or 0),
+            experts=int(experts or 0),
+            shared=int(config.get("n_shared_experts") or 0),
+            first_dense=int(config.get("first_k_dense_replace") or 0),
+            moe_freq=int(config.get("moe_layer_freq") or 1),
+            vocab=int(config["vocab_size"]),
+            layers=int(config["num_hidden_layers"]),
+            noaux_bias=config.get("topk_method") == "noaux_tc",
+            tied=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    def is_moe(self, layer: int) -> bool:
+        """vLLM's `is_moe_layer`."""
+        return bool(self.experts) and layer >= self.first_dense and layer % self.moe_freq == 0
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One Hugging Face tensor of a layer: where it goes in vLLM and how it is cut."""
+
+    hf: str  # suffix inside the layer
+    shape: tuple[int, ...]
+    cut: Cut
+    linear: bool = False  # a linear layer's weight: fp8 with a block scale when quantized
+    fused: str = ""  # the vLLM parameter it is a piece of, when not its own name
+    dtype: str | None = None
+
+    @property
+    def vllm(self) -> str:
+        return self.fused or self.hf
+
+
+def attention_tensors(d: Dims) -> list[Tensor]:
+    qk, a = d.nope + d.rope, "self_attn."
+    kv_a = (d.kv_lora + d.rope, d.hidden)
+    if d.q_lora is not None:
+        fused = a + "fused_qkv_a_proj.weight"
+        q = [
+            Tensor(a + "q_a_proj.weight", (d.q_lora, d.hidden), Cut.REPLICATE, True, fused),
+            Tensor(a + "kv_a_proj_with_mqa.weight", kv_a, Cut.REPLICATE, True, fused),
+            Tensor(a + "q_a_layernorm.weight", (d.q_lora,), Cut.REPLICATE),
+            Tensor(a + "q_b_proj.weight", (d.heads * qk, d.q_lora), Cut.ROWS, True),
+        ]
+    else:
+        q = [
+            Tensor(a + "q_proj.weight", (d.heads * qk, d.hidden), Cut.ROWS, True),
+            Tensor(a + "kv_a_proj_with_mqa.weight", kv_a, Cut.REPLICATE, True),
+        ]
+    return [
+        *q,
+        Tensor(a + "kv_a_layernorm.weight", (d.kv_lora,), Cut.REPLICATE),
+        Tensor(a + "kv_b_proj.weight", (d.heads * (d.nope + d.v), d.kv_lora), Cut.ROWS, True),
+        Tensor(a + "o_proj.weight", (d.hidden, d.heads * d.v), Cut.COLS, True),
+    ]
+
+
+def mlp_tensors(prefix: str, hidden: int, intermediate: int) -> list[Tensor]:
+    """A dense MLP (or DeepSeek's shared experts): gate and up fused, down by columns."""
+    fused = prefix + "gate_up_proj.weight"
+    return [
+        Tensor(prefix + "gate_proj.weight", (intermediate, hidden), Cut.ROWS, True, fused),
+        Tensor(prefix + "up_proj.weight", (intermediate, hidden), Cut.ROWS, True, fused),
+        Tensor(prefix + "down_proj.weight", (hidden, intermediate), Cut.COLS, True),
+    ]
+
+
+def layer_tensors(d: Dims, layer: int) -> list[Tensor]:
+    """Every tensor of one decoder layer but the routed experts, in vLLM's fusion order."""
+    norms = [
+        Tensor(name, (d.hidden,), Cut.REPLICATE)
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight")
+    ]
+    if not d.is_moe(layer):
+        return [*attention_tensors(d), *mlp_tensors("mlp.", d.hidden, d.intermediate), *norms]
+    moe = [Tensor("mlp.gate.weight", (d.experts, d.hidden), Cut.REPLICATE)]
+    if d.noaux_bias:
+        bias = "mlp.gate.e_score_correction_bias"
+        moe.append(Tensor(bias, (d.experts,), Cut.REPLICATE, dtype=F32))
+    if d.shared:
+        moe += mlp_tensors("mlp.shared_experts.", d.hidden, d.moe_intermediate * d.shared)
+    return [*attention_tensors(d), *moe, *norms]
+
+
+def expert_shapes(d: Dims) -> dict[str, tuple[int, int]]:
+    """The tensors of one routed expert, under `mlp.experts.{e}.`."""
+    return {
+        "gate_proj.weight": (d.moe_intermediate, d.hidden),
+        "up_proj.weight": (d.moe_intermediate, d.hidden),
+        "down_proj.weight": (d.hidden, d.moe_intermediate),
+    }
+
+
+def scale_name(weight: str) -> str:
+    return weight.removesuffix("weight") + SCALE
+
+
+def layer_sources(
+    d: Dims, quant: BlockQuant | None, layer: int
+) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """{Hugging Face name: (shape, fixed dtype)} of one decoder layer's tensors, routed
+    experts and fp8 block scales included."""
+    found: dict[str, tuple[tuple[int, ...], str | None]] = {}
+
+    def add(name: str, shape: tuple[int, ...], linear: bool, dtype: str | None) -> None:
+        if linear and quant is not None:
+            found[name] = (shape, FP8)
+            found[scale_name(name)] = (quant.scale_shape(shape), F32)  # type: ignore[arg-type]
+        else:
+            found[name] = (shape, dtype)
+
+    prefix = f"model.layers.{layer}."
+    for t in layer_tensors(d, layer):
+        add(prefix + t.hf, t.shape, t.linear, t.dtype)
+    if d.is_moe(layer):
+        for e in range(d.experts):
+            for suffix, shape in expert_shapes(d).items():
+                add(f"{prefix}mlp.experts.{e}.{suffix}", shape, True, None)
+    return found
+
+
+def linear_shapes(d: Dims, tp: int) -> list[LinearShape]:
+    """The linear layers as vLLM builds them at `tp`, for its fp8 block-shape check."""
+    qk, layers = d.nope + d.rope, []
+    attn = "self_attn."
+    if d.q_lora is not None:
+        kv_a = d.kv_lora + d.rope
+        layers.append(LinearShape.replicated(attn + "fused_qkv_a_proj", d.hidden, (d.q_lora, kv_a)))
+        layers.append(LinearShape.column(attn + "q_b_proj", d.q_lora, d.heads * qk, tp))
+    else:
+        kv_a_out = (d.kv_lora + d.rope,)
+        layers.append(LinearShape.replicated(attn + "kv_a_proj_with_mqa", d.hidden, kv_a_out))
+        layers.append(LinearShape.column(attn + "q_proj", d.hidden, d.heads * qk, tp))
+    layers.append(LinearShape.column(attn + "kv_b_proj", d.kv_lora, d.heads * (d.nope + d.v), tp))
+    layers.append(LinearShape.row(attn + "o_proj", d.heads * d.v, d.hidden, tp))
+    mlps = {"mlp.": d.intermediate} if d.first_dense or d.moe_freq > 1 or not d.experts else {}
+    if d.experts and d.shared:
+        mlps["mlp.shared_experts."] = d.moe_intermediate * d.shared
+    for prefix, size in mlps.items():
+        layers.append(LinearShape.merged(prefix + "gate_up_proj", d.hidden, (size, size), tp))
+        layers.append(LinearShape.row(prefix + "down_proj", size, d.hidden, tp))
+    return layers
+
+
+def _moe_problems(d: Dims, quant: BlockQuant, tp: int) -> list[str]:
+    if not d.experts or d.moe_intermediate % tp:
+        return []
+    return [
+        f"mlp.experts: {p}"
+        for p in moe_block_problems(quant, d.moe_intermediate // tp, d.hidden, tp)
+    ]
+
+
+def split_problems(d: Dims, tp: int) -> list[str]:
+    sizes = [("num_attention_heads", d.heads)]
+    if d.first_dense or d.moe_freq > 1 or not d.experts:
+        sizes.append(("intermediate_size", d.intermediate))
+    if d.experts:
+        sizes.append(("moe_intermediate_size", d.moe_intermediate))
+    if d.experts and d.shared:
+        sizes.append(("moe_intermediate_size x n_shared_experts", d.moe_intermediate * d.shared))
+    sizes.append(("the vocabulary padded to 64", pad_vocab(d.vocab)))
+    return [
+        f"{what} ({size}) is not divisible by tp={tp}; choose a tp that divides it"
+        for what, size in sizes
+        if size % tp
+    ]
+
+
+@register_arch("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+class DeepseekFamily:
+    name = "deepseek"
+
+    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (shape, _) in self._sources(config).items()}
+
+    def internal_draft(self, config: Config) -> str | None:
+        """The draft method of the MTP layers the checkpoint carries, if vLLM serves
+        them as a draft: only DeepSeek-V3 configs become MTP drafts (`speculative.py`)."""
+        layers = config.get("num_nextn_predict_layers") or 0
+        return "mtp" if config.get("model_type") == "deepseek_v3" and layers else None
+
+    def source_dtypes(self, config: Config) -> dict[str, str]:
+        """Tensors whose checkpoint dtype is not the model's: fp8 weights, their scales."""
+        return {name: dtype for name, (_, dtype) in self._sources(config).items() if dtype}
+
+    def _sources(self, config: Config) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        d, quant = Dims.of(config), block_quant(config)
+        found: dict[str, tuple[tuple[int, ...], str | None]] = {}
+        for layer in range(d.layers):
+            found |= layer_sources(d, quant, layer)
+        found["model.embed_tokens.weight"] = ((d.vocab, d.hidden), None)
+        found["model.norm.weight"] = ((d.hidden,), None)
+        found["lm_head.weight"] = ((d.vocab, d.hidden), None)
+        return found
+
+    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+        try:
+            d, quant = Dims.of(config), block_quant(config)
+        except (KeyError, ValueError, TypeError):
+            return []  # expected_shapes reports what config.json lacks
+        problems = []
+        if d.tied:
+            problems.append("tie_word_embeddings is not supported for DeepSeek models")
+        if d.shared and context.get("expert_parallel") and tp > 1 and context.get("dp", 1) > 1:
+            # vLLM's sequence-parallel MoE (`use_sequence_parallel_moe`) then replicates them.
+            problems.append(
+                "with --enable-expert-parallel, tp > 1 and dp > 1 vLLM replicates the shared "
+                "experts, a layout shardprep does not write yet; use --tp 1 or --dp 1"
+            )
+        if quant is not None and quant.problem:
+            return [*problems, quant.problem]
+        problems += split_problems(d, tp)
+        if quant is None or problems:
+            return problems
+        refusals = block_problems(linear_shapes(d, tp), quant) + _moe_problems(d, quant, tp)
+        if refusals:
+            fine = [t for t in range(1, d.heads + 1) if not self._refused(d, quant, t)]
+            works = ", ".join(map(str, fine)) or "none"
+            more = f" (and {len(refusals) - 1} more layers)" if len(refusals) > 1 else ""
+            problems.append(
+                f"vLLM refuses fp8 blocks {list(quant.block)} at tp={tp}: model.layers.*."
+                f"{refusals[0]}{more} Choose a tp that works: {works}"
+            )
+        return problems
+
+    @staticmethod
+    def _refused(d: Dims, quant: BlockQuant, tp: int) -> bool:
+        return bool(
+            split_problems(d, tp)
+            or block_problems(linear_shapes(d, tp), quant)
+            or _moe_problems(d, quant, tp)
+        )
+
+    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+        d, quant = Dims.of(config), block_quant(config)
+        last = topology.last_stage
+        params: list[Param] = []
+        skipped: dict[str, str] = {}
+        mtp = (
+            "an MTP layer, which the MTP draft holds"
+            if context.get("draft_method") == "mtp"
+            else "an MTP layer; vLLM loads it only as the MTP draft, which --no-mtp or "
+            "another --draft leaves out"
+        )
+        for name in shapes:
+            match = LAYER.match(name)
+            if match and int(match[1]) >= d.layers:
+                skipped[name] = mtp
+        for layer in range(d.layers):
+            stage = topology.stage_of_layer(layer)
+            prefix = f"model.layers.{layer}."
+            params += fused_params(self.layer_params(d, quant, layer, prefix, topology.tp), stage)
+        vocab = Piece("model.embed_tokens.weight", Cut.VOCAB)
+        params.append(Param("model.embed_tokens.weight", (vocab,), (0,)))
+        norm = Piece("model.norm.weight", Cut.REPLICATE)
+        params.append(Param("model.norm.weight", (norm,), (last,)))
+        params.append(Param("lm_head.weight", (Piece("lm_head.weight", Cut.VOCAB),), (last,)))
+        return Layout(tuple(params), skipped, num_experts=d.experts)
+
+    def layer_params(
+        self, d: Dims, quant: BlockQuant | None, layer: int, prefix: str, tp: int
+    ) -> Iterator[tuple[str, Piece, str | None]]:
+        """(vLLM name, piece, fixed dtype) in stacking order; pieces of one name fuse."""
+        tensors = layer_tensors(d, layer)
+        for t in tensors:
+            yield prefix + t.vllm, Piece(prefix + t.hf, t.cut), t.dtype
+        routed = f"{prefix}mlp.experts.routed_experts."
+        experts = f"{prefix}mlp.experts."
+        if d.is_moe(layer):
+            gate_up = [
+                (f"{experts}{e}.gate_proj.weight", f"{experts}{e}.up_proj.weight")
+                for e in range(d.experts)
+            ]
+            down = [f"{experts}{e}.down_proj.weight" for e in range(d.experts)]
+            for piece in w13_pieces(gate_up):
+                yield routed + "w13_weight", piece, None
+            for piece in w2_pieces(down):
+                yield routed + "w2_weight", piece, None
+        if quant is None:
+            return
+        for t in tensors:
+            if t.linear:
+                of = ScaleOf(t.shape, t.cut, quant.block)  # type: ignore[arg-type]
+                piece = Piece(scale_name(prefix + t.hf), Cut.BLOCK_SCALE, scale_of=of)
+                yield scale_name(prefix + t.vllm), piece, F32
+        if d.is_moe(layer):
+            yield from self._expert_scales(d, quant, tp, experts, routed)
+
+    def _expert_scales(
+        self, d: Dims, quant: BlockQuant, tp: int, experts: str, routed: str
+    ) -> Iterator[tuple[str, Piece, str | None]]:
+        """FusedMoE's block scales: per expert, this rank's gate then up scale rows; the
+        down scale columns. On the refined grid when vLLM refines the blocks."""
+        grid = refined_block(quant, d.moe_intermediate // tp, d.hidden, tp)
+        shapes = expert_shapes(d)
+        for e in range(d.experts):
+            for proj in ("gate_proj.weight", "up_proj.weight"):
+                of = ScaleOf(shapes[proj], Cut.ROWS, quant.block, grid)
+                piece = Piece(
+                    scale_name(f"{experts}{e}.{proj}"), Cut.BLOCK_SCALE, expert=e, scale_of=of
+                )
+                yield routed + "w13_" + SCALE, piece, F32
+        for e in range(d.experts):
+            of = ScaleOf(shapes["down_proj.weight"], Cut.COLS, quant.block, grid)
+            name = scale_name(f"{experts}{e}.down_proj.weight")
+            piece = Piece(name, Cut.BLOCK_SCALE, expert=e, scale_of=of)
+            yield routed + "w2_" + SCALE, piece, F32
+
+
+def fused_params(entries: Iterator[tuple[str, Piece, str | None]], stage: int) -> list[Param]:
+    pieces: dict[str, list[Piece]] = {}
+    dtypes: dict[str, str | None] = {}
+    for name, piece, dtype in entries:
+        pieces.setdefault(name, []).append(piece)
+        dtypes[name] = dtype
+    return [Param(name, tuple(p), (stage,), dtypes[name]) for name, p in pieces.items()]

@@ -1,0 +1,136 @@
+"""DeepSeek-V3 multi-token prediction (MTP) drafts (vLLM's `deepseek_mtp.py`).
+
+The draft lives inside the target checkpoint: layers L .. L+n-1 (L = num_hidden_layers,
+n = num_nextn_predict_layers), each a full decoder layer plus `enorm`, `hnorm`,
+`eh_proj` (a plain linear layer, never quantized), a `shared_head` (norm and vocab head)
+and a copy of the embedding. `DeepSeekMTP.load_weights` names the decoder layer
+`model.layers.{L+i}.mtp_block.*`, keeps the other names, and loads the embedding as
+`model.embed_tokens` from the first MTP layer's copy when the checkpoint has one (it
+comes after the top-level one and overwrites it), else from the top-level one.
+
+After loading, vLLM's proposer replaces every `shared_head.head` with the target's
+lm_head at any pp, and at pp = 1 the embedding with the target's (`_maybe_share_lm_head`,
+`_maybe_share_embeddings`): those are not written. At pp > 1 the draft, on the last
+stage, keeps its own embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from shardprep.errors import ConfigError
+from shardprep.plan.archs import Config, Layout, Param, Shapes, register_draft
+from shardprep.plan.archs.deepseek import (
+    LAYER,
+    DeepseekFamily,
+    Dims,
+    fused_params,
+    layer_sources,
+)
+from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.quant.fp8 import block_quant
+from shardprep.plan.topology import Topology
+
+BLOCK = "mtp_block."
+EMBED = "model.embed_tokens.weight"
+OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+HEAD = "shared_head.head.weight"
+LAYER_EMBED = "embed_tokens.weight"
+
+
+def mtp_layers(config: Config) -> range:
+    first = int(config["num_hidden_layers"])
+    return range(first, first + int(config.get("num_nextn_predict_layers") or 0))
+
+
+@register_draft("mtp")
+class DeepseekMtpDraft:
+    name = "mtp"
+    standalone = False  # it comes inside its target, never with --draft
+
+    def recognizes(self, config: Config, names: list[str]) -> bool:
+        """Never a draft folder of its own: `convert` takes it from its target."""
+        return False
+
+    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (shape, _) in self._sources(config, **context).items()}
+
+    def source_dtypes(self, config: Config) -> dict[str, str]:
+        """Tensors whose checkpoint dtype is not the model's: fp8 weights, their scales."""
+        return {name: dtype for name, (_, dtype) in self._sources(config).items() if dtype}
+
+    def _sources(
+        self, config: Config, **context: Any
+    ) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        d, quant = Dims.of(config), block_quant(config)
+        names = context.get("draft_names")
+        found: dict[str, tuple[tuple[int, ...], str | None]] = {}
+        for layer in mtp_layers(config):
+            prefix = f"model.layers.{layer}."
+            if names is not None and not any(n.startswith(prefix) for n in names):
+                raise ConfigError(
+                    f"config.json says num_nextn_predict_layers="
+                    f"{config['num_nextn_predict_layers']} but the checkpoint holds no tensor "
+                    f"of MTP layer {layer} ({prefix}*); convert with --no-mtp to leave the MTP "
+                    "draft out, or use a checkpoint that includes its MTP layers"
+                )
+            found |= layer_sources(d, quant, layer)
+            found |= {prefix + name: ((d.hidden,), None) for name in OWN}
+            found[prefix + "eh_proj.weight"] = ((d.hidden, 2 * d.hidden), None)
+            found[prefix + HEAD] = ((d.vocab, d.hidden), None)
+            found[prefix + LAYER_EMBED] = ((d.vocab, d.hidden), None)
+        return found
+
+    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+        """The MTP layers have the target's sizes: the target's checks cover them."""
+        return []
+
+    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+        d, quant = Dims.of(config), block_quant(config)
+        last, layers = topology.last_stage, mtp_layers(config)
+        params: list[Param] = []
+        skipped: dict[str, str] = {}
+        shared: set[str] = set()
+        optional: set[str] = set()
+        for layer in layers:
+            prefix = f"model.layers.{layer}."
+            block = DeepseekFamily().layer_params(d, quant, layer, prefix, topology.tp)
+            params += fused_params(_in_block(block, prefix), last)
+            for name in OWN:
+                params.append(Param(prefix + name, (Piece(prefix + name, Cut.REPLICATE),), (last,)))
+            shared.add(prefix + HEAD)
+            optional |= {prefix + HEAD, prefix + LAYER_EMBED}
+            skipped[prefix + HEAD] = "vLLM serves the MTP draft with the target's lm_head"
+            if layer != layers.start:
+                skipped[prefix + LAYER_EMBED] = "vLLM loads the first MTP layer's embedding only"
+        first_copy = f"model.layers.{layers.start}.{LAYER_EMBED}"
+        embed = first_copy if first_copy in shapes else EMBED
+        if topology.pp > 1:
+            params.append(Param(EMBED, (Piece(embed, Cut.VOCAB),), (last,)))
+        else:
+            shared.add(EMBED)
+            skipped[first_copy] = "at pp=1 vLLM serves the MTP draft with the target's embedding"
+        used = {piece.source for param in params for piece in param.pieces}
+        for name in shapes:
+            match = LAYER.match(name)
+            if name in used or name in skipped:
+                continue
+            beyond = match is not None and int(match[1]) >= layers.stop
+            skipped[name] = "not a layer vLLM builds" if beyond else "a tensor of the target"
+        skipped = {name: why for name, why in skipped.items() if name in shapes}
+        return Layout(
+            tuple(params),
+            skipped,
+            shared_with_target=frozenset(shared),
+            optional_sources=frozenset(optional),
+            num_experts=d.experts,
+        )
+
+
+def _in_block(
+    entries: Iterator[tuple[str, Piece, str | None]], prefix: str
+) -> Iterator[tuple[str, Piece, str | None]]:
+    """vLLM's `_rewrite_spec_layer_name`: the decoder layer's parameters under `mtp_block.`."""
+    for name, piece, dtype in entries:
+        yield prefix + BLOCK + name.removeprefix(prefix), piece, dtype

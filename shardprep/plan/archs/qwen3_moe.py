@@ -1,0 +1,104 @@
+"""Qwen3-MoE: Qwen3 attention (q/k norms) with FusedMoE experts, optionally mixed with
+dense layers (`mlp_only_layers`, `decoder_sparse_step`).
+
+vLLM builds the embedding, the final norm and lm_head on every pipeline stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardprep.plan.archs import Config, Layout, Param, Shapes, register_arch
+from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params
+from shardprep.plan.archs.moe import (
+    ExpertNames,
+    every_stage_params,
+    expert_params,
+    group_layers,
+    moe_problems,
+    top_level_shapes,
+)
+from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.topology import Topology
+
+EXPERTS = ExpertNames("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+DENSE_SUFFIXES = frozenset(hf for hf, _, _ in LAYER_TENSORS)
+ROUTED = "mlp.experts.routed_experts."  # FusedMoE's runner holds the stacks here
+
+
+class MoeDims(Dims):
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.experts = int(config["num_experts"])
+        self.moe_intermediate = int(config["moe_intermediate_size"])
+        self.sparse_step = int(config.get("decoder_sparse_step") or 1)
+        self.mlp_only = {int(i) for i in config.get("mlp_only_layers") or ()}
+        self.qkv_bias = bool(config.get("attention_bias", False))
+
+    def is_sparse(self, layer: int) -> bool:
+        """vLLM's `Qwen3MoeDecoderLayer` rule."""
+        return (
+            layer not in self.mlp_only and self.experts > 0 and (layer + 1) % self.sparse_step == 0
+        )
+
+    @property
+    def has_dense(self) -> bool:
+        return any(not self.is_sparse(i) for i in range(self.layers))
+
+
+@register_arch("Qwen3MoeForCausalLM")
+class Qwen3MoeFamily:
+    name = "qwen3_moe"
+
+    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+        dims = MoeDims(config)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for i in range(dims.layers):
+            layer = dims.layer_shapes(dims.qkv_bias, True, dims.hidden)
+            prefix = f"model.layers.{i}."
+            if dims.is_sparse(i):
+                for suffix in (
+                    "mlp.gate_proj.weight",
+                    "mlp.up_proj.weight",
+                    "mlp.down_proj.weight",
+                ):
+                    del layer[suffix]
+                layer["mlp.gate.weight"] = (dims.experts, dims.hidden)
+                experts = EXPERTS.shapes(
+                    "mlp.experts.", dims.experts, dims.moe_intermediate, dims.hidden
+                )
+                layer |= experts
+            shapes |= {prefix + suffix: shape for suffix, shape in layer.items()}
+        return shapes | top_level_shapes(dims.vocab, dims.hidden, dims.tied)
+
+    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+        dims = MoeDims(config)
+        problems = dims.check_attention(tp) + dims.check_vocab(tp)
+        if dims.has_dense:
+            problems += dims.check_intermediate(tp)
+        if int(config.get("shared_expert_intermediate_size") or 0):
+            problems.append("Qwen3-MoE with shared experts is not supported yet")
+        return problems + moe_problems(
+            num_experts=dims.experts,
+            moe_intermediate=dims.moe_intermediate,
+            tp=tp,
+            dp=int(context.get("dp", 1)),
+            expert_parallel=bool(context.get("expert_parallel", False)),
+        )
+
+    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+        dims = MoeDims(config)
+        params: list[Param] = []
+        for index, names in sorted(group_layers(shapes).items()):
+            stage = topology.stage_of_layer(index)
+            prefix = f"model.layers.{index}."
+            plain = [n for n in names if n.removeprefix(prefix) in DENSE_SUFFIXES]
+            params += layer_params(plain, prefix, prefix, dims, stage)
+            if dims.is_sparse(index):
+                gate = f"{prefix}mlp.gate.weight"
+                params.append(Param(gate, (Piece(gate, Cut.REPLICATE),), (stage,)))
+                params += expert_params(
+                    EXPERTS, f"{prefix}mlp.experts.", f"{prefix}{ROUTED}", dims.experts, stage
+                )
+        top, skipped = every_stage_params(dims.tied, shapes, topology.pp)
+        return Layout(tuple(params + top), skipped, num_experts=dims.experts)

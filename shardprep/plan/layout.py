@@ -1,0 +1,221 @@
+"""How one vLLM parameter of one tensor-parallel rank is cut from source tensors.
+
+A parameter is a concatenation along dim 0 of pieces, one per source tensor (a fused
+`qkv_proj` has three). Each piece says how its source is cut across ranks. Everything
+here is pure arithmetic on shapes, so a plan can be made and tested without a byte.
+
+An expert stack (FusedMoE's `w13_weight` [E_local, 2I/tp, H], `w2_weight`
+[E_local, H, I/tp]) is the same: its pieces carry the global expert id, a MoE rank keeps
+the pieces of the experts it holds, and a row-major [E, R, C] tensor has the bytes of
+the dim-0 concatenation of its [R, C] blocks; only the final shape differs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from shardprep.errors import PlanError
+from shardprep.plan.topology import ExpertSplit, kv_heads_of_rank, pad_vocab, rank_range
+
+
+class Cut(Enum):
+    REPLICATE = "replicate"  # every rank holds the whole tensor
+    ROWS = "rows"  # column-parallel: dim 0 split evenly
+    COLS = "cols"  # row-parallel: dim 1 split evenly
+    KV_HEADS = "kv_heads"  # dim 0 in heads; replicated when tp exceeds the heads
+    VOCAB = "vocab"  # dim 0 padded to a multiple of 64, split, padding zero-filled
+    PADDED_VOCAB = "padded_vocab"  # dim 0 padded to a multiple of 64, not split
+    BLOCK_SCALE = "block_scale"  # fp8 block scales of a weight: its cut, in whole blocks
+
+
+@dataclass(frozen=True)
+class ScaleOf:
+    """What a block-scale tensor (`weight_scale_inv`) scales: a 2-D weight of `shape`, cut
+    by `cut` (ROWS, COLS or REPLICATE), quantized in blocks of `block` = (rows, cols)."""
+
+    shape: tuple[int, int]
+    cut: Cut
+    block: tuple[int, int]
+    # The finer grid vLLM's parameter uses, when it refines the checkpoint's blocks
+    # (fp8 MoE, `refine_fp8_moe_block_shape`): the scales are upsampled to it first.
+    grid: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    source: str
+    cut: Cut
+    heads: int = 0  # number of KV heads, for Cut.KV_HEADS
+    expert: int | None = None  # global expert id, for a piece of an expert stack
+    scale_of: ScaleOf | None = None  # for Cut.BLOCK_SCALE
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Rows [start, end) of a source tensor (and columns, for row-parallel weights), or
+    `end - start` zero rows when `source` is None."""
+
+    source: str | None
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None = None
+    # Rows and columns count in the source upsampled this many times along each dim
+    # (every row, then every column, repeated): fp8 MoE scales on a refined block grid.
+    repeat: tuple[int, int] = (1, 1)
+
+
+def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
+    """The blocks that rank `rank` of `tp` takes from a source tensor of `shape`.
+
+    The geometry depends on the cut and the shape only, so it is computed once for all
+    the tensors that share them (hundreds of experts per layer); a problem is reported
+    under the tensor's own name."""
+    anonymous = Piece("", piece.cut, piece.heads, scale_of=piece.scale_of)
+    try:
+        geometry = _cached_blocks(anonymous, tuple(shape), tp, rank)
+    except PlanError:
+        return _blocks(piece, shape, tp, rank)
+    return tuple(
+        Block(piece.source if b.source is not None else None, b.rows, b.cols, b.repeat)
+        for b in geometry
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
+    return _blocks(piece, shape, tp, rank)
+
+
+def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
+    rows = shape[0] if shape else 1
+    if piece.cut is Cut.REPLICATE:
+        return (Block(piece.source, (0, rows)),)
+    if piece.cut is Cut.ROWS:
+        _check_divisible(piece.source, rows, tp, "rows")
+        return (Block(piece.source, rank_range(rows, tp, rank)),)
+    if piece.cut is Cut.COLS:
+        if len(shape) != 2:
+            raise PlanError(f"{piece.source} has shape {list(shape)}; a column split needs 2-D")
+        _check_divisible(piece.source, shape[1], tp, "columns")
+        return (Block(piece.source, (0, rows), rank_range(shape[1], tp, rank)),)
+    if piece.cut is Cut.BLOCK_SCALE:
+        assert piece.scale_of is not None
+        return (_scale_block(piece.source, piece.scale_of, tp, rank),)
+    if piece.cut is Cut.KV_HEADS:
+        _check_divisible(piece.source, rows, piece.heads, "rows per KV head")
+        head_rows = rows // piece.heads
+        first, end = kv_heads_of_rank(piece.heads, tp, rank)
+        return (Block(piece.source, (first * head_rows, end * head_rows)),)
+    if piece.cut is Cut.PADDED_VOCAB:
+        return _vocab_blocks(piece.source, rows, 1, 0)
+    return _vocab_blocks(piece.source, rows, tp, rank)
+
+
+def _vocab_blocks(source: str, vocab: int, tp: int, rank: int) -> tuple[Block, ...]:
+    padded = pad_vocab(vocab)
+    _check_divisible(source, padded, tp, "rows once the vocabulary is padded to 64")
+    start, end = rank_range(padded, tp, rank)
+    real = (min(start, vocab), min(end, vocab))
+    blocks = []
+    if real[1] > real[0]:
+        blocks.append(Block(source, real))
+    if end - start > real[1] - real[0]:
+        blocks.append(Block(None, (0, end - start - (real[1] - real[0]))))
+    return tuple(blocks)
+
+
+def _scale_block(source: str, of: ScaleOf, tp: int, rank: int) -> Block:
+    """The scale rows (and columns) of the weight blocks that rank `rank` holds, as vLLM's
+    `BlockQuantScaleParameter` narrows them: ceil(local size / block) scales, starting at
+    the rank's first block. A rank whose slice starts inside a block has no scales of
+    its own; vLLM refuses that topology (`validate_fp8_block_shape`), and so does this."""
+    grid = of.grid or of.block
+    repeat = (of.block[0] // grid[0], of.block[1] // grid[1])
+    (cut,) = piece_blocks(Piece(source, of.cut), of.shape, tp, rank)
+    rows = _in_blocks(source, cut.rows, grid[0], "rows")
+    if cut.cols is None:
+        return Block(source, rows, (0, -(-of.shape[1] // grid[1])), repeat)
+    return Block(source, rows, _in_blocks(source, cut.cols, grid[1], "columns"), repeat)
+
+
+def _in_blocks(source: str, span: tuple[int, int], block: int, what: str) -> tuple[int, int]:
+    if span[0] % block:
+        raise PlanError(
+            f"{source}: a rank's {what} start at {span[0]}, inside a block of {block}; "
+            "choose a tp whose per-rank size is a whole number of blocks"
+        )
+    return span[0] // block, -(-span[1] // block)
+
+
+def block_shape(block: Block, source_shape: tuple[int, ...]) -> tuple[int, ...]:
+    rows = block.rows[1] - block.rows[0]
+    if block.cols is not None:
+        return (rows, block.cols[1] - block.cols[0])
+    return (rows, *source_shape[1:]) if source_shape else ()
+
+
+def _check_divisible(source: str, size: int, tp: int, what: str) -> None:
+    if size % tp:
+        raise PlanError(
+            f"{source} has {size} {what}, not divisible by {tp}; choose a tp that divides it"
+        )
+
+
+def w13_pieces(gate_up: Sequence[tuple[str, str]]) -> tuple[Piece, ...]:
+    """FusedMoE's `w13_weight` from each expert's (gate_proj, up_proj), in global expert
+    order: per expert, this rank's gate rows then this rank's up rows (`_load_w13`)."""
+    return tuple(
+        piece
+        for expert, (gate, up) in enumerate(gate_up)
+        for piece in (Piece(gate, Cut.ROWS, expert=expert), Piece(up, Cut.ROWS, expert=expert))
+    )
+
+
+def w2_pieces(down: Sequence[str]) -> tuple[Piece, ...]:
+    """FusedMoE's `w2_weight` from each expert's down_proj: this rank's columns (`_load_w2`)."""
+    return tuple(Piece(name, Cut.COLS, expert=expert) for expert, name in enumerate(down))
+
+
+def is_expert_stack(pieces: Sequence[Piece]) -> bool:
+    return bool(pieces) and pieces[0].expert is not None
+
+
+def expert_stack_blocks(
+    pieces: Sequence[Piece],
+    shapes: Mapping[str, tuple[int, ...]],
+    split: ExpertSplit,
+    moe_rank: int,
+) -> tuple[tuple[Block, ...], tuple[int, ...]]:
+    """The blocks of an expert stack on MoE rank `moe_rank` and the stack's shape
+    [experts held, rows per expert, *trailing]. Each held expert is cut `split.cut` ways
+    (whole under expert parallelism); experts not held are left out."""
+    held = split.experts(moe_rank)
+    if not held:
+        raise PlanError(
+            f"MoE rank {moe_rank} of {split.size} would hold none of the {split.num_experts} "
+            "experts; choose a tp x dp no larger than the number of experts"
+        )
+    ways, index = split.cut(moe_rank)
+    per_expert: dict[int, list[Block]] = {expert: [] for expert in held}
+    trailing: set[tuple[int, ...]] = set()
+    for piece in pieces:
+        if piece.expert not in per_expert:
+            continue
+        shape = shapes[piece.source]
+        for block in piece_blocks(piece, shape, ways, index):
+            per_expert[piece.expert].append(block)
+            trailing.add(block_shape(block, shape)[1:])
+    absent = [expert for expert, blocks in per_expert.items() if not blocks]
+    if absent:
+        raise PlanError(f"expert {absent[0]} has no tensor in this stack; the checkpoint lacks it")
+    rows = {sum(b.rows[1] - b.rows[0] for b in blocks) for blocks in per_expert.values()}
+    if len(rows) != 1 or len(trailing) != 1:
+        names = sorted({p.source for p in pieces if p.expert in per_expert})
+        raise PlanError(
+            f"the experts {names[0]} .. {names[-1]} do not all have the same shape; "
+            "every expert of a layer must"
+        )
+    blocks = tuple(block for expert in held for block in per_expert[expert])
+    return blocks, (len(held), rows.pop(), *trailing.pop())

@@ -1,0 +1,349 @@
+"""Source headers + topology + architecture rules -> what goes in every rank file.
+
+Pure data: no byte of a weight is touched here, so a 1 TB model plans in milliseconds
+and every check runs before the first write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardprep.constants import (
+    DEFAULT_MAX_PART_BYTES,
+    DP_SHARD_PATTERN,
+    DRAFT_DIR,
+    SHARD_PATTERN,
+    SHARDS_DIR,
+)
+from shardprep.errors import ConfigError, PlanError
+from shardprep.format.headers import TensorSpec
+from shardprep.plan import archs
+from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
+from shardprep.plan.layout import (
+    Block,
+    block_shape,
+    expert_stack_blocks,
+    is_expert_stack,
+    piece_blocks,
+)
+from shardprep.plan.topology import ExpertSplit, Topology, effective_placement, make_topology
+
+# Floating dtypes that follow the model dtype; fp8 weights are quantized and stay fp8.
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """What planning needs of a checkpoint: its config and tensor headers."""
+
+    config: Mapping[str, Any]
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    blocks: tuple[Block, ...]  # stacked along dim 0; zero blocks where source is None
+    experts: int = 0  # an expert stack [experts, rows per expert, ...] when > 0
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+    @property
+    def stacked_shape(self) -> tuple[int, ...]:
+        """The shape as the dim-0 concatenation of the blocks (same bytes, row-major)."""
+        if self.experts:
+            return (self.shape[0] * self.shape[1], *self.shape[2:])
+        return self.shape
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    path: str
+    role: str
+    pp: int
+    tp: int
+    part: int
+    tensors: tuple[TensorPlan, ...]
+    # The dp rank whose experts this file holds; None: shared by every dp rank.
+    dp: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.spec.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """How a mixture-of-experts model's routed experts are spread over the ranks."""
+
+    split: ExpertSplit
+    requested_placement: str  # --expert-placement-strategy; `split.placement` is vLLM's
+
+    @property
+    def rank_experts(self) -> tuple[tuple[int, ...], ...]:
+        """The global experts each MoE rank holds, in local order."""
+        return tuple(self.split.experts(rank) for rank in range(self.split.size))
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    role: str
+    architecture: str
+    method: str | None
+    dtype: str
+    folder: str
+    num_layers: int
+    spec_decode_only: tuple[tuple[str, int], ...]
+    shared_with_target: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
+    experts: ExpertPlan | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    topology: Topology
+    stages: tuple[int, ...]
+    models: tuple[ModelPlan, ...]
+    files: tuple[FilePlan, ...]
+
+
+def resolve_dtype(requested: str, config: Mapping[str, Any], source: SourceModel) -> str:
+    """The safetensors dtype of vLLM's parameters: --dtype, else what vLLM's `auto` picks:
+    config.json's torch_dtype, with float32 served as bfloat16 (vLLM downcasts float32
+    checkpoints), else the most common floating dtype of the checkpoint."""
+    name = requested
+    if requested == "auto":
+        name = str(config.get("torch_dtype") or config.get("dtype") or "")
+        if not name:
+            floats = [d for d, _ in source.tensors.values() if d in FLOAT_DTYPES]
+            name = max(set(floats), key=floats.count) if floats else "F32"
+            name = {v: k for k, v in DTYPE_NAMES.items()}.get(name, "float32")
+        if name == "float32":
+            name = "bfloat16"
+    if name not in DTYPE_NAMES:
+        raise ConfigError(
+            f"dtype {name!r} is not supported; choose one of auto, {', '.join(DTYPE_NAMES)}"
+        )
+    return DTYPE_NAMES[name]
+
+
+def make_plan(
+    target: SourceModel,
+    *,
+    tp: int,
+    pp: int,
+    draft: SourceModel | None = None,
+    draft_method: str | None = None,
+    partition: str | None = None,
+    stage: int | None = None,
+    max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
+    dtype: str = "auto",
+    partition_origin: str = "",
+    expert_parallel: bool = False,
+    expert_placement: str = "linear",
+    dp: int = 1,
+) -> Plan:
+    """Validate everything, then lay out every rank file. Raises one PlanError listing
+    every problem found. `partition_origin` names where `partition` came from when it
+    was not the command line; `expert_parallel`, `expert_placement` and `dp` are vLLM's
+    --enable-expert-parallel, --expert-placement-strategy and --data-parallel-size."""
+    effective_placement(expert_placement, num_expert_group=None, dp=1)  # raises if unknown
+    if dp < 1:
+        raise PlanError(f"data parallel size must be at least 1, got --dp {dp}")
+    architecture, family = archs.target_family(target.config)
+    num_layers = archs.config_int(target.config, "num_hidden_layers")
+    problems: list[str] = []
+    topology: Topology | None = None
+    try:
+        topology = make_topology(num_layers, tp, pp, partition, partition_origin)
+    except PlanError as exc:
+        problems.append(str(exc))
+    if stage is not None and not 0 <= stage < pp:
+        problems.append(f"--stage {stage} is outside the pipeline stages 0..{pp - 1}")
+    stages = tuple(range(pp)) if stage is None else (stage,)
+    model_dtype = resolve_dtype(dtype, target.config, target)
+
+    problems += dp_problems(dp, expert_parallel)
+    moe = {"expert_parallel": expert_parallel, "dp": dp}
+    draft_kind = None
+    if draft is not None:
+        draft_kind = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
+    target_context = {"with_draft": draft is not None, "draft_method": draft_kind, **moe}
+    jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
+        ("target", architecture, None, family, target, target_context)
+    ]
+    if draft is not None and draft_kind is not None:
+        context = {
+            "target_config": target.config,
+            "draft_names": sorted(draft.tensors),
+            **moe,
+        }
+        jobs.append(
+            ("draft", draft_kind, draft_kind, archs.draft_family(draft_kind), draft, context)
+        )
+    layouts = []
+    for role, arch_name, method, fam, source, context in jobs:
+        layout, found = checked_layout(role, fam, source, tp, topology, context)
+        problems += found
+        layouts.append((role, arch_name, method, source, layout))
+    if expert_parallel and not any(layout and layout.num_experts for *_, layout in layouts):
+        problems.append(
+            f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} has "
+            "no experts, so leave the flag out"
+        )
+    if dp > 1 and not any(layout and layout.num_experts for *_, layout in layouts):
+        problems.append(
+            f"--dp {dp} matters only to a mixture-of-experts model; {architecture} has no "
+            "experts and is the same on every data-parallel rank, so leave --dp out"
+        )
+    if problems or topology is None:
+        raise PlanError(problem_summary(problems))
+    models: list[ModelPlan] = []
+    files: list[FilePlan] = []
+    for role, arch_name, method, source, layout in layouts:
+        assert layout is not None
+        folder = "" if role == "target" else DRAFT_DIR
+        models.append(
+            ModelPlan(
+                role=role,
+                architecture=arch_name,
+                method=method,
+                dtype=model_dtype,
+                folder=folder,
+                num_layers=int(source.config.get("num_hidden_layers", 0)),
+                spec_decode_only=tuple(sorted(layout.spec_decode_only)),
+                shared_with_target=tuple(sorted(layout.shared_with_target)),
+                skipped=tuple(sorted(layout.skipped.items())),
+                experts=_expert_plan(layout, tp, dp, expert_parallel, expert_placement),
+            )
+        )
+        # A draft lives on the last stage only.
+        model_stages = stages if role == "target" else tuple(s for s in stages if s == pp - 1)
+        files += _rank_files(models[-1], layout, source, model_stages, tp, max_part_bytes)
+    return Plan(topology, stages, tuple(models), tuple(files))
+
+
+def _expert_plan(
+    layout: archs.Layout, tp: int, dp: int, expert_parallel: bool, requested: str
+) -> ExpertPlan | None:
+    if not layout.num_experts:
+        return None
+    placement = effective_placement(requested, num_expert_group=layout.num_expert_group, dp=dp)
+    split = ExpertSplit(layout.num_experts, tp, dp, expert_parallel, placement)
+    return ExpertPlan(split, requested)
+
+
+def _rank_files(
+    model: ModelPlan,
+    layout: archs.Layout,
+    source: SourceModel,
+    stages: tuple[int, ...],
+    tp: int,
+    max_part_bytes: int,
+) -> list[FilePlan]:
+    """The files of every (stage, tp rank). With dp > 1 the expert stacks differ per dp
+    rank: they go to files of their own per (stage, tp rank, dp rank), each holding the
+    experts of MoE rank dp_rank * tp + tp_rank, and the rest is stored once."""
+    files: list[FilePlan] = []
+    experts = model.experts.split if model.experts else ExpertSplit(0, tp)
+    for pp_rank in stages:
+        params = [param for param in layout.params if pp_rank in param.stages]
+        stacks = [p for p in params if is_expert_stack(p.pieces)] if experts.dp > 1 else []
+        separate = {id(param) for param in stacks}
+        for tp_rank in range(tp):
+            tensors = [
+                _tensor_plan(param, source, tp, tp_rank, model.dtype, experts, tp_rank)
+                for param in params
+                if id(param) not in separate
+            ]
+            files += _split_parts(
+                model.folder, model.role, pp_rank, tp_rank, tensors, max_part_bytes
+            )
+            for dp_rank in range(experts.dp) if stacks else ():
+                moe_rank = experts.moe_rank(tp_rank, dp_rank)
+                tensors = [
+                    _tensor_plan(param, source, tp, tp_rank, model.dtype, experts, moe_rank)
+                    for param in stacks
+                ]
+                files += _split_parts(
+                    model.folder, model.role, pp_rank, tp_rank, tensors, max_part_bytes, dp_rank
+                )
+    return files
+
+
+def _tensor_plan(
+    param: archs.Param,
+    source: SourceModel,
+    tp: int,
+    rank: int,
+    model_dtype: str,
+    experts: ExpertSplit,
+    moe_rank: int,
+) -> TensorPlan:
+    """One parameter of tp rank `rank`; an expert stack holds the experts of `moe_rank`."""
+    source_dtype = source.tensors[param.pieces[0].source][0]
+    dtype = param.dtype or (model_dtype if source_dtype in FLOAT_DTYPES else source_dtype)
+    if is_expert_stack(param.pieces):
+        shapes = {p.source: source.tensors[p.source][1] for p in param.pieces}
+        try:
+            stack, shape = expert_stack_blocks(param.pieces, shapes, experts, moe_rank)
+        except PlanError as exc:
+            raise PlanError(f"{param.name}: {exc}") from None
+        return TensorPlan(param.name, dtype, shape, stack, experts=shape[0])
+    blocks: list[Block] = []
+    for piece in param.pieces:
+        try:
+            blocks += piece_blocks(piece, source.tensors[piece.source][1], tp, rank)
+        except PlanError as exc:
+            raise PlanError(f"{param.name}: {exc}") from None
+    first_shape = source.tensors[param.pieces[0].source][1]
+    if first_shape:
+        trailing = block_shape(blocks[0], first_shape)[1:]
+        shape = (sum(b.rows[1] - b.rows[0] for b in blocks), *trailing)
+    else:
+        shape = ()
+    return TensorPlan(param.name, dtype, shape, tuple(blocks))
+
+
+def _split_parts(
+    folder: str,
+    role: str,
+    pp: int,
+    tp: int,
+    tensors: Sequence[TensorPlan],
+    max_part_bytes: int,
+    dp: int | None = None,
+) -> list[FilePlan]:
+    """Greedy: a tensor starts a new part when it would push the current one over the
+    limit; a tensor is never split across parts. `dp`: the files of that dp rank's
+    experts (their parts count from 0 too)."""
+    parts: list[list[TensorPlan]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.spec.nbytes
+        if parts[-1] and size + nbytes > max_part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(tensor)
+        size += nbytes
+    prefix = f"{folder}/{SHARDS_DIR}" if folder else SHARDS_DIR
+    pattern = SHARD_PATTERN if dp is None else DP_SHARD_PATTERN
+    return [
+        FilePlan(
+            f"{prefix}/{pattern.format(pp=pp, tp=tp, dp=dp, part=i)}",
+            role,
+            pp,
+            tp,
+            i,
+            tuple(part),
+            dp,
+        )
+        for i, part in enumerate(parts)
+    ]
