@@ -50,7 +50,7 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163) -> int:
 
     config = deepseek_v3_config()
     family = archs.target_family(config)[1]
-    dtypes = family.source_dtypes(config)  # type: ignore[attr-defined]
+    dtypes = family.source_dtypes(config)
     shapes = dict(family.expected_shapes(config))
     # The MTP layer: one more decoder layer and its own heads; the target skips them.
     mtp = {k.replace("layers.60.", "layers.61."): v for k, v in shapes.items() if ".60." in k}

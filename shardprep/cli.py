@@ -14,7 +14,7 @@ from typing import Any
 from shardprep import __version__, report
 from shardprep.constants import debug_enabled
 from shardprep.errors import ConfigError, ShardprepError
-from shardprep.plan.make import DTYPE_NAMES
+from shardprep.format.dtypes import MODEL_DTYPES
 
 _UNITS = {
     "": 1,
@@ -244,7 +244,7 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", *DTYPE_NAMES],
+        choices=["auto", *MODEL_DTYPES],
         help="dtype of the rank files (default: auto, what vLLM's auto picks)",
     )
     parser.add_argument("--revision", metavar="REV", help="revision of a Hub model")

@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 FORMAT = "shardprep/1"
-VLLM_LAYOUT = "vllm-0.32/1"
 
 MANIFEST_NAME = "shardprep.json"
 SHARDS_DIR = "shards"
@@ -41,6 +40,10 @@ COPIED_FILE_PATTERNS = (
     "chat_template*",
     "preprocessor_config.json",
 )
+
+# Files a draft folder may carry besides its config and tokenizer: tensors a draft keeps
+# outside safetensors (DFlash's mask embedding). Each draft family names its own.
+DRAFT_SIDE_FILES = ("mask_embedding.pt",)
 
 ENV_CACHE = "SHARDPREP_CACHE"
 ENV_DEBUG = "SHARDPREP_DEBUG"

@@ -63,6 +63,11 @@ class TopologyMismatchError(ShardprepError, RuntimeError):
     """An artifact was built for another parallel layout than the one running."""
 
 
+class LayoutMismatchError(ShardprepError, RuntimeError):
+    """The running vLLM builds another parameter layout than the artifact holds, or one
+    that it cannot fill by copying (online quantization, substituted experts)."""
+
+
 class HubError(ShardprepError, OSError):
     """Publishing to or fetching from the Hugging Face Hub failed."""
 

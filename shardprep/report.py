@@ -7,7 +7,7 @@ from typing import Any
 
 from shardprep.format import manifest as mf
 from shardprep.format.headers import encode_header
-from shardprep.plan.make import ExpertPlan, FilePlan, Plan
+from shardprep.plan.records import ExpertPlan, FilePlan, Plan
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def artifact_summary(manifest: mf.Manifest) -> dict[str, Any]:
     return {
         "format": manifest.format,
         "shardprep_version": manifest.shardprep_version,
-        "vllm_layout": manifest.vllm_layout,
+        "vllm_layout": asdict(manifest.vllm_layout),
         "topology": {
             "tp": manifest.topology.tp,
             "pp": manifest.topology.pp,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from shardprep.codec import compress_file, decompress_buffer, decompress_file, reassembly
 from shardprep.codec.container import FILE_HEADER, MAGIC
 from shardprep.errors import ShardprepError
-from shardprep.format.headers import DTYPE_SIZES
+from shardprep.format.dtypes import DTYPE_SIZES
 
 SECONDS_PER_EXAMPLE = 10
 FUZZ = settings(

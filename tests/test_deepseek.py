@@ -13,7 +13,8 @@ from shardprep.cli import main
 from shardprep.demo.tiny import TINY_FP8, make_tiny_model, tiny_config
 from shardprep.errors import PlanError
 from shardprep.plan import archs
-from shardprep.plan.make import Plan, SourceModel, TensorPlan, make_plan
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import Plan, SourceModel, TensorPlan
 
 V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs/manifest.schema.json").read_text())
@@ -22,7 +23,7 @@ SCHEMA = json.loads((Path(__file__).parents[1] / "docs/manifest.schema.json").re
 def source(architecture: str, **overrides: Any) -> SourceModel:
     config = tiny_config(architecture, **overrides)
     _, family = archs.target_family(config)
-    dtypes = family.source_dtypes(config)  # type: ignore[attr-defined]
+    dtypes = family.source_dtypes(config)
     shapes = family.expected_shapes(config)
     return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
 

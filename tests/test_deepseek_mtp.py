@@ -15,7 +15,8 @@ from shardprep.cli import main
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_FP8, make_tiny_model, tiny_config
 from shardprep.format.manifest import read_manifest
-from shardprep.plan.make import SourceModel, make_plan
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import SourceModel
 
 V3 = "DeepseekV3ForCausalLM"
 MTP = "model.layers.3."  # with three decoder layers, the MTP layer is layer 3
@@ -90,9 +91,9 @@ def test_fp8_mtp_layers_stay_fp8_but_eh_proj_does_not() -> None:
     from shardprep.plan import archs
 
     shapes, dtypes = {}, {}
-    for family in (archs.target_family(config)[1], archs.draft_family("mtp")):
+    for family in (archs.target_family(config)[1], archs.draft_family("mtp", "deepseek")):
         shapes |= family.expected_shapes(config)
-        dtypes |= family.source_dtypes(config)  # type: ignore[attr-defined]
+        dtypes |= family.source_dtypes(config)
     source = SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
     plan = make_plan(source, tp=2, pp=1, draft=source, draft_method="mtp")
     ours = {t.name: t for f in plan.files if (f.role, f.tp) == ("draft", 0) for t in f.tensors}

@@ -17,7 +17,8 @@ from shardprep.convert.verify import verify
 from shardprep.demo.tiny import make_tiny_draft, tiny_config, write_mask_embedding
 from shardprep.errors import ConfigError, PlanError
 from shardprep.plan import archs
-from shardprep.plan.make import SourceModel, make_plan
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import SourceModel
 
 TARGET = tiny_config("Qwen3ForCausalLM", num_hidden_layers=6, vocab_size=1000)
 DFLASH = {
@@ -43,7 +44,7 @@ OPTIONAL = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "mask_embeddi
 
 
 def draft_source(method: str, config: dict[str, Any], drop=OPTIONAL, **extra) -> SourceModel:
-    shapes = archs.draft_family(method).expected_shapes(config, target_config=TARGET)
+    shapes = archs.draft_family(method, "llama").expected_shapes(config, target_config=TARGET)
     tensors = {n: ("BF16", s) for n, s in shapes.items() if n not in drop}
     tensors.update(extra)
     return SourceModel(config, tensors)
@@ -140,12 +141,12 @@ def test_dspark_without_an_enabled_confidence_head_drops_its_tensors() -> None:
     ],
 )
 def test_draft_kind_from_config_and_tensors(config, names, method) -> None:
-    assert archs.detect_draft_method(config, names) == method
+    assert archs.detect_draft_method(config, names, "llama") == method
 
 
 def test_a_draft_whose_kind_cannot_be_told_is_one_line() -> None:
     with pytest.raises(ConfigError) as info:
-        archs.detect_draft_method({}, ["norm.weight", "lm_head.weight"])
+        archs.detect_draft_method({}, ["norm.weight", "lm_head.weight"], "llama")
     assert str(info.value) == (
         "cannot tell which kind of draft this is from its config and tensors; pass "
         "--draft-method (dflash, dspark, eagle, eagle3)"

@@ -17,11 +17,12 @@ from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
 from shardprep.demo.tiny import make_tiny_model, tiny_config
 from shardprep.errors import ManifestError, PlanError, TopologyMismatchError
-from shardprep.format.manifest import Manifest, read_manifest
+from shardprep.format.manifest import Manifest, parse_manifest, read_manifest
 from shardprep.loader.experts import check_experts
 from shardprep.loader.reader import read_rank
 from shardprep.plan import archs
-from shardprep.plan.make import Plan, SourceModel, make_plan
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import Plan, SourceModel
 from shardprep.plan.topology import experts_of_rank
 
 QWEN3_MOE = "Qwen3MoeForCausalLM"
@@ -149,7 +150,7 @@ def test_manifest_records_dp_files_and_matches_the_schema(artifact: tuple[Path, 
     document = json.loads((out / "shardprep.json").read_text())
     jsonschema.validate(document, SCHEMA)
     manifest = read_manifest(out)
-    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert parse_manifest(manifest.to_json()) == manifest
     target = manifest.model("target")
     assert target is not None and target.experts is not None
     assert (target.experts.dp, target.experts.rank_experts) == (2, ((0, 1), (2, 3), (4, 5), (6,)))
@@ -216,7 +217,7 @@ def test_inspect_shows_the_experts_of_every_ep_rank(
 def _manifest_with(out: Path, change: Any) -> Manifest:
     data = json.loads((out / "shardprep.json").read_text())
     change(data)
-    return Manifest.from_json(json.dumps(data))
+    return parse_manifest(json.dumps(data))
 
 
 def test_a_manifest_that_loses_a_dp_rank_is_refused(artifact: tuple[Path, Path]) -> None:

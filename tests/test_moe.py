@@ -9,7 +9,8 @@ import pytest
 from shardprep.demo.tiny import tiny_config
 from shardprep.errors import PlanError
 from shardprep.plan import archs
-from shardprep.plan.make import Plan, SourceModel, make_plan
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import Plan, SourceModel
 
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
@@ -125,14 +126,14 @@ def test_moe_manifest_records_experts_and_matches_the_schema(tmp_path) -> None:
     from shardprep.convert.run import Options, convert
     from shardprep.convert.verify import verify
     from shardprep.demo.tiny import make_tiny_model
-    from shardprep.format.manifest import Manifest, read_manifest
+    from shardprep.format.manifest import parse_manifest, read_manifest
 
     model = make_tiny_model(tmp_path / "model", MIXTRAL, num_local_experts=5, num_hidden_layers=2)
     out = tmp_path / "out"
     convert(str(model), out, Options(tp=2, pp=1, expert_parallel=True), progress=False)
     jsonschema.validate(json.loads((out / "shardprep.json").read_text()), SCHEMA)
     manifest = read_manifest(out)
-    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert parse_manifest(manifest.to_json()) == manifest
     assert manifest.topology.expert_parallel
     experts = manifest.model("target").experts
     assert experts is not None

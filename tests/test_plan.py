@@ -10,7 +10,8 @@ from shardprep.demo.tiny import tiny_config
 from shardprep.errors import ConfigError, PlanError
 from shardprep.format.headers import numel
 from shardprep.plan import archs
-from shardprep.plan.make import SourceModel, make_plan
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import SourceModel
 
 
 def source(config: dict[str, Any], dtype: str = "BF16", drop=(), extra=None) -> SourceModel:
@@ -88,7 +89,7 @@ def test_tied_embeddings_on_first_and_last_stage_only_once() -> None:
 def test_draft_lives_on_the_last_stage_and_target_embedding_joins_it() -> None:
     config = tiny_config()
     draft_config = {**config, "num_hidden_layers": 1, "draft_vocab_size": 512}
-    draft_family = archs.draft_family("eagle3")
+    draft_family = archs.draft_family("eagle3", "llama")
     shapes = draft_family.expected_shapes(draft_config, target_config=config)
     draft = SourceModel(
         draft_config,

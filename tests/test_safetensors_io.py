@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardprep.errors import CorruptFileError, ShardprepError
-from shardprep.format.headers import DTYPE_SIZES, Header, numel, parse_header, read_header
+from shardprep.format.dtypes import DTYPE_SIZES
+from shardprep.format.headers import Header, numel, parse_header, read_header
 
 FUZZ = settings(
     max_examples=150,

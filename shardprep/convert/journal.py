@@ -21,7 +21,7 @@ from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, OutputExistsError
 from shardprep.format import manifest as mf
 from shardprep.format.headers import sha256_file
-from shardprep.plan.make import Plan
+from shardprep.plan.records import Plan
 
 
 @dataclass

@@ -23,8 +23,9 @@ from typing import Any
 
 from shardprep.constants import INCOMPLETE_SUFFIX
 from shardprep.convert.journal import Journal
-from shardprep.format.headers import DTYPE_SIZES, encode_header, numel
-from shardprep.plan.make import FilePlan
+from shardprep.format.dtypes import DTYPE_SIZES
+from shardprep.format.headers import encode_header, numel
+from shardprep.plan.records import FilePlan
 
 HASH_STEP = 32 * 1024**2  # a rank file's sha256 is fed in steps of this many bytes
 

@@ -16,11 +16,9 @@ from pathlib import Path
 import shardprep
 from shardprep.constants import (
     COPIED_FILE_PATTERNS,
-    DEFAULT_MAX_PART_BYTES,
     ENV_PP_PARTITION,
     FORMAT,
     INCOMPLETE_SUFFIX,
-    VLLM_LAYOUT,
     pp_partition_from_env,
 )
 from shardprep.convert import outdir
@@ -29,27 +27,32 @@ from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.scatter import write_rank_files
 from shardprep.errors import ShardprepError
 from shardprep.format import manifest as mf
-from shardprep.format.headers import TORCH_DTYPE_NAMES, TensorInfo, encode_header, sha256_file
+from shardprep.format.dtypes import safetensors_name
+from shardprep.format.headers import TensorInfo, encode_header, sha256_file
+from shardprep.format.request import ConversionRequest
+from shardprep.format.vllm_layout import current_layout
 from shardprep.plan import archs
-from shardprep.plan.make import FilePlan, ModelPlan, Plan, SourceModel, make_plan
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import FilePlan, ModelPlan, Plan, SourceModel
 
 
 @dataclass(frozen=True)
-class Options:
-    tp: int
-    pp: int
-    draft: str | None = None
-    draft_method: str | None = None
-    partition: str | None = None
-    stage: int | None = None
-    max_part_bytes: int = DEFAULT_MAX_PART_BYTES
-    dtype: str = "auto"
-    revision: str | None = None
+class Options(ConversionRequest):
+    """A conversion request, and how to execute it."""
+
     rehash_source: bool = False  # hash Hugging Face cache blobs instead of trusting their names
-    expert_parallel: bool = False
-    expert_placement: str = "linear"
-    dp: int = 1  # vLLM's --data-parallel-size: with expert parallelism, EP size = tp x dp
-    mtp_draft: bool = True  # the MTP layers a target carries become its draft
+
+    def request(self, plan: Plan, draft_source: str | None) -> ConversionRequest:
+        """What the manifest records: the options that shaped `plan`, the partition
+        resolved (the environment's included) and the draft as a path from anywhere."""
+        asked = {f.name: getattr(self, f.name) for f in dataclasses.fields(ConversionRequest)}
+        return ConversionRequest(
+            **{
+                **asked,
+                "draft": draft_source if self.draft else None,
+                "partition": ",".join(map(str, plan.topology.partition)),
+            }
+        )
 
 
 def source_model(checkpoint: Checkpoint) -> SourceModel:
@@ -67,8 +70,11 @@ def load_and_plan(
     method = options.draft_method
     if options.draft:
         draft = open_checkpoint(options.draft, progress=progress)
-        method = method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
-        checkpoints["draft"] = with_side_tensors(draft, archs.draft_family(method))
+        target_family = archs.target_family(target.config)[1].name
+        method = method or archs.detect_draft_method(
+            draft.config, sorted(draft.tensors), target_family
+        )
+        checkpoints["draft"] = with_side_tensors(draft, archs.draft_family(method, target_family))
     elif options.mtp_draft and (internal := archs.internal_draft_method(target.config)):
         # The draft's tensors are in the target checkpoint, which is read once for both.
         checkpoints["draft"], method = target, internal
@@ -90,11 +96,10 @@ def load_and_plan(
     return plan, checkpoints
 
 
-def with_side_tensors(checkpoint: Checkpoint, family: archs.Family) -> Checkpoint:
+def with_side_tensors(checkpoint: Checkpoint, family: archs.DraftFamily) -> Checkpoint:
     """The checkpoint plus the tensors its family reads from side files (held in memory:
     they are small, and safetensors is the only format shardprep reads by offset)."""
-    read = getattr(family, "side_tensors", None)
-    found = read(checkpoint.root, checkpoint.config) if read else {}
+    found = family.side_tensors(checkpoint.root, checkpoint.config)
     if not found:
         return checkpoint
     import torch
@@ -102,7 +107,7 @@ def with_side_tensors(checkpoint: Checkpoint, family: archs.Family) -> Checkpoin
     tensors, side = dict(checkpoint.tensors), {}
     for name, (file, tensor) in sorted(found.items()):
         data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
-        dtype = next(k for k, v in TORCH_DTYPE_NAMES.items() if getattr(torch, v) == tensor.dtype)
+        dtype = safetensors_name(tensor.dtype)
         tensors[name] = SourceTensor(
             name, file, TensorInfo(dtype, tuple(tensor.shape), 0, len(data))
         )
@@ -140,6 +145,7 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
                     out,
                     progress=progress,
                     rehash_source=options.rehash_source,
+                    request=options.request(plan, sources.get("draft")),
                 )
             except BaseException:
                 outdir.remove_incomplete(out)
@@ -166,6 +172,7 @@ def execute(
     *,
     progress: bool = True,
     rehash_source: bool = False,
+    request: ConversionRequest | None = None,
 ) -> mf.Manifest:
     out = Path(out)
     journal = Journal.open(out, fingerprint(plan, checkpoints), plan)
@@ -176,6 +183,7 @@ def execute(
     )
     extra = [e for role, cp in checkpoints.items() for e in _copy_extras(cp, out, role)]
     manifest = _manifest(plan, checkpoints, sources, journal.done, source_hashes, extra)
+    manifest = dataclasses.replace(manifest, request=request)
     mf.write_manifest(out, manifest)
     journal.remove()
     return manifest
@@ -241,6 +249,7 @@ def _manifest(
                 spec_decode_only=model.spec_decode_only,
                 shared_with_target=model.shared_with_target,
                 experts=_experts(model),
+                quantization=model.quantization,
             )
         )
     files = tuple(
@@ -256,7 +265,9 @@ def _manifest(
     return mf.Manifest(
         format=FORMAT,
         shardprep_version=shardprep.__version__,
-        vllm_layout=VLLM_LAYOUT,
+        vllm_layout=current_layout(
+            {m.family for m in plan.models} | {m.scheme for m in plan.models if m.scheme}
+        ),
         topology=topology,
         stages=plan.stages,
         models=tuple(models),

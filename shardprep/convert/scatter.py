@@ -30,8 +30,9 @@ from shardprep.convert.checkpoint import Checkpoint, known_sha256
 from shardprep.convert.journal import Journal
 from shardprep.convert.rankfiles import Mover, Write, open_outputs
 from shardprep.errors import CorruptFileError
-from shardprep.format.headers import DTYPE_SIZES, TORCH_DTYPE_NAMES, TensorInfo
-from shardprep.plan.make import FilePlan, Plan
+from shardprep.format.dtypes import DTYPE_SIZES, torch_dtype
+from shardprep.format.headers import TensorInfo
+from shardprep.plan.records import FilePlan, Plan
 from shardprep.progress import Progress as tqdm
 
 OUTPUT_HASHERS = 2  # worker threads hashing rank files (each file always on the same one)
@@ -308,5 +309,5 @@ def _cast(data: np.ndarray, source: str, dest: str) -> np.ndarray:
     import torch
 
     data = data.reshape(-1) if data.flags.writeable else data.reshape(-1).copy()
-    values = torch.from_numpy(data).view(getattr(torch, TORCH_DTYPE_NAMES[source]))
-    return values.to(getattr(torch, TORCH_DTYPE_NAMES[dest])).view(torch.uint8).numpy()
+    values = torch.from_numpy(data).view(torch_dtype(torch, source))
+    return values.to(torch_dtype(torch, dest)).view(torch.uint8).numpy()

@@ -3,6 +3,7 @@ round trip that rebuilds every source tensor from the rank files."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from shardprep.constants import STATE_DIR
 from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
-from shardprep.format.headers import TORCH_DTYPE_NAMES, read_header, sha256_file
+from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
+from shardprep.format.headers import read_header, sha256_file
 from shardprep.plan.layout import Block
 from shardprep.progress import Progress as tqdm
 
@@ -186,29 +188,39 @@ def _check_ranks_agree(manifest: mf.Manifest, report: Report) -> None:
                 )
 
 
+def legacy_request(manifest: mf.Manifest, target: mf.ModelEntry) -> mf.ConversionRequest:
+    """The request of an artifact made before the manifest recorded it, rebuilt from the
+    fields that record its effects. A draft whose source is the target's own checkpoint
+    (MTP layers) was not given with --draft; no draft at all means none was converted."""
+    draft = manifest.model("draft")
+    topo = manifest.topology
+    given = draft is not None and draft.source.model != target.source.model
+    return mf.ConversionRequest(
+        tp=topo.tp,
+        pp=topo.pp,
+        draft=draft.source.model if draft is not None and given else None,
+        draft_method=draft.method if draft is not None and given else None,
+        partition=",".join(map(str, topo.partition)),
+        stage=manifest.stages[0] if len(manifest.stages) == 1 and topo.pp > 1 else None,
+        dtype=next(name for name, code in MODEL_DTYPES.items() if code == target.dtype),
+        revision=target.source.revision,
+        expert_parallel=topo.expert_parallel,
+        expert_placement=target.experts.requested_placement if target.experts else "linear",
+        dp=target.experts.dp if target.experts else 1,
+        mtp_draft=draft is not None,
+    )
+
+
 def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool) -> None:
     """Re-plan from the source and compare every block of every rank file with the source
     bytes it came from; every source element must be covered."""
     from shardprep.convert.run import Options, load_and_plan
 
     target = manifest.model("target")
-    draft = manifest.model("draft")
     if target is None:
         raise ShardprepError(f"{out} has no target model in its manifest")
-    topo = manifest.topology
-    options = Options(
-        tp=topo.tp,
-        pp=topo.pp,
-        draft=draft.source.model if draft else None,
-        draft_method=draft.method if draft else None,
-        partition=",".join(map(str, topo.partition)),
-        stage=manifest.stages[0] if len(manifest.stages) == 1 and topo.pp > 1 else None,
-        dtype={"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[target.dtype],
-        revision=target.source.revision,
-        expert_parallel=topo.expert_parallel,
-        expert_placement=target.experts.requested_placement if target.experts else "linear",
-        dp=target.experts.dp if target.experts else 1,
-    )
+    request = manifest.request or legacy_request(manifest, target)
+    options = Options(**dataclasses.asdict(request))
     plan, checkpoints = load_and_plan(
         target.source.repo_id or target.source.model, options, progress=progress
     )
@@ -253,7 +265,7 @@ def _source_tensor(handles: dict[str, object], checkpoint: Checkpoint, name: str
     info = checkpoint.tensors[name].info
     if name in checkpoint.side_tensors:
         raw = torch.frombuffer(bytearray(checkpoint.side_tensors[name]), dtype=torch.uint8)
-        return raw.view(getattr(torch, TORCH_DTYPE_NAMES[info.dtype])).view(info.shape)
+        return raw.view(torch_dtype(torch, info.dtype)).view(info.shape)
     return _open(handles, checkpoint.root / checkpoint.tensors[name].file).get_tensor(name)
 
 

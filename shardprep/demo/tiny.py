@@ -10,9 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.plan import archs
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
@@ -109,13 +108,12 @@ def make_tiny_model(
     families = [family]
     internal = archs.internal_draft_method(config)
     if internal:  # the draft layers the checkpoint carries (DeepSeek-V3's MTP layers)
-        families.append(archs.draft_family(internal))
+        families.append(archs.draft_family(internal, family.name))
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     for part in families:
         shapes |= part.expected_shapes(config)
-        if hasattr(part, "source_dtypes"):
-            dtypes |= part.source_dtypes(config)
+        dtypes |= part.source_dtypes(config)
     tensors = _random_tensors(shapes, config["torch_dtype"], seed)
     if dtypes:
         tensors.update(_quantized(tensors, dtypes, seed))
@@ -176,13 +174,13 @@ def make_tiny_draft(
         # vLLM's default (2, L // 2, L - 3) collapses for tiny targets; name three layers.
         config["eagle_aux_hidden_state_layer_ids"] = [max(0, layers - 3 + i) for i in range(3)]
     config.update(overrides)
-    family = archs.draft_family(method)
+    family = archs.draft_family(method, archs.target_family(target_config)[1].name)
     shapes = family.expected_shapes(config, target_config=target_config)
     if method in _DFLASH_STYLE:
         omit = (*omit, "mask_embedding", "d2t", "t2d")
     shapes = {name: shape for name, shape in shapes.items() if name not in omit}
     tensors = _random_tensors(shapes, config["torch_dtype"], seed)
-    tensors.update(family.example_tables(config, target_config=target_config, seed=seed))  # type: ignore[attr-defined]
+    tensors.update(family.example_tables(config, target_config=target_config, seed=seed))
     _write_model(folder, config, tensors, 1)
     return folder
 
@@ -209,7 +207,10 @@ def write_mask_embedding(folder: Path, seed: int = 2) -> Path:
     token = config["dflash_config"]["mask_token_id"]
     path = folder / "mask_embedding.pt"
     torch.save(
-        {"embedding": embedding.to(TORCH_DTYPES[config["torch_dtype"]]), "mask_token_id": token},
+        {
+            "embedding": embedding.to(torch_dtype(torch, MODEL_DTYPES[config["torch_dtype"]])),
+            "mask_token_id": token,
+        },
         path,
     )
     return path
@@ -224,7 +225,7 @@ def _random_tensors(
         values = torch.randn(shape, generator=generator, dtype=torch.float32)
         # 1-D weights are norms (around 1) or biases; 2-D are projections.
         values = 1.0 + 0.1 * values if len(shape) == 1 else 0.05 * values
-        tensors[name] = values.to(TORCH_DTYPES[dtype])
+        tensors[name] = values.to(torch_dtype(torch, MODEL_DTYPES[dtype]))
     return tensors
 
 

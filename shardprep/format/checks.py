@@ -13,23 +13,23 @@ import re
 from collections.abc import Callable
 from fnmatch import fnmatchcase
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shardprep.constants import (
     COPIED_FILE_PATTERNS,
     DP_SHARD_PATTERN,
     DRAFT_DIR,
+    DRAFT_SIDE_FILES,
     FORMAT,
     MANIFEST_NAME,
     SHARD_PATTERN,
     SHARDS_DIR,
 )
 from shardprep.errors import ManifestError
-from shardprep.format.headers import DTYPE_SIZES
+from shardprep.format.dtypes import DTYPE_SIZES
 from shardprep.format.jsonio import shorten
-
-if TYPE_CHECKING:
-    from shardprep.format.manifest import Manifest, ModelEntry
+from shardprep.format.records import Manifest, ModelEntry
+from shardprep.format.vllm_layout import LEGACY_LAYOUT
 
 # Far above any real model, far below what would make arithmetic or a range() costly.
 MAX_COUNT = 2**48
@@ -181,7 +181,9 @@ _MODEL = _object(
         "spec_decode_only": _array(_pair(_string(), _COUNT)),
         "shared_with_target": _array(_string()),
         "experts": _nullable(_EXPERTS),
+        "quantization": _nullable(_string()),
     },
+    optional=frozenset({"quantization"}),
 )
 _FILE = _object(
     "FileEntry",
@@ -200,12 +202,51 @@ _FILE = _object(
     },
     optional=frozenset({"dp"}),
 )
+_BOOL = _enum(True, False)
+_NAME = _nullable(_string())
+_REQUEST = _object(
+    "ConversionRequest",
+    {
+        "tp": _integer(1, MAX_RANKS),
+        "pp": _integer(1, MAX_RANKS),
+        "draft": _NAME,
+        "draft_method": _NAME,
+        "partition": _NAME,
+        "stage": _nullable(_integer(0, MAX_RANKS)),
+        "max_part_bytes": _integer(1),
+        "dtype": _string(),
+        "revision": _NAME,
+        "expert_parallel": _BOOL,
+        "expert_placement": _PLACEMENT,
+        "dp": _integer(1, MAX_RANKS),
+        "mtp_draft": _BOOL,
+    },
+)
+_LAYOUT = _object(
+    "VllmLayout",
+    {
+        "id": _string(),
+        "revisions": _map(_string(), _integer(1)),
+        "verified_with": _array(_string()),
+        "assumptions": _map(_string(), _string()),
+    },
+)
+
+
+def _layout(value: Any, field: str) -> None:
+    """The layout record, or the bare string artifacts recorded before it had structure."""
+    if isinstance(value, str):
+        _enum(LEGACY_LAYOUT)(value, field)
+    else:
+        _LAYOUT(value, field)
+
+
 _MANIFEST = _object(
     "Manifest",
     {
         "format": _enum(FORMAT),
         "shardprep_version": _string(),
-        "vllm_layout": _string(),
+        "vllm_layout": _layout,
         "topology": _object(
             "Topology",
             {
@@ -221,7 +262,9 @@ _MANIFEST = _object(
         "extra_files": _array(
             _object("ExtraFile", {"path": _string(), "bytes": _COUNT, "sha256": _SHA})
         ),
+        "request": _nullable(_REQUEST),
     },
+    optional=frozenset({"request"}),
 )
 
 
@@ -375,10 +418,8 @@ def shard_path(role: str, pp: int, tp: int, part: int, dp: int | None = None) ->
 def is_extra_file_path(path: str, has_draft: bool) -> bool:
     """`NAME` or `draft/NAME`, where NAME is one of the files convert copies from a model
     folder (config, tokenizer, ...): never a hidden name, a shard or the manifest."""
-    from shardprep.plan.archs import draft_side_files
-
     folder, _, name = path.rpartition("/")
-    side = draft_side_files() if folder == DRAFT_DIR else frozenset()
+    side = DRAFT_SIDE_FILES if folder == DRAFT_DIR else ()
     return (
         folder in (("", DRAFT_DIR) if has_draft else ("",))
         and (name in side or any(fnmatchcase(name, pattern) for pattern in COPIED_FILE_PATTERNS))

@@ -19,27 +19,7 @@ from pathlib import Path
 from shardprep.constants import INCOMPLETE_SUFFIX, MAX_HEADER_BYTES
 from shardprep.errors import CorruptFileError
 from shardprep.format import jsonio
-
-DTYPE_SIZES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
-# The torch dtype of each (an attribute of `torch`, looked up only where torch is used).
-TORCH_DTYPE_NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}  # fmt: skip
+from shardprep.format.dtypes import DTYPE_SIZES
 
 
 @dataclass(frozen=True)

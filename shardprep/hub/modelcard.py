@@ -36,7 +36,8 @@ def model_card(manifest: mf.Manifest, repo_id: str) -> str:
         "## Compression\n\n" + _compression_lines(manifest),
         "## Use\n\n" + _usage(manifest, repo_id),
         f"Made with shardprep {manifest.shardprep_version}; manifest format "
-        f"`{manifest.format}`, vLLM parameter layout `{manifest.vllm_layout}`.",
+        f"`{manifest.format}`, vLLM parameter layout `{manifest.vllm_layout.id}` "
+        f"(verified with vLLM {', '.join(manifest.vllm_layout.verified_with)}).",
     ]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n"
 

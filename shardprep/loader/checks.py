@@ -12,6 +12,7 @@ from torch import nn
 from vllm.config import ModelConfig
 
 from shardprep.errors import TopologyMismatchError
+from shardprep.format.dtypes import TORCH_DTYPE_NAMES
 from shardprep.format.manifest import Manifest, ModelEntry
 from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
 
@@ -44,9 +45,6 @@ class RankPlace:
             tp_size=get_tensor_model_parallel_world_size(),
             dp_rank=dp.rank_in_group if dp.world_size > 1 else 0,
         )
-
-
-TORCH_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def check_dtype(artifact: Path, entry: ModelEntry, running: torch.dtype) -> None:

@@ -131,13 +131,3 @@ def _aliases(canonical: dict[str, str]) -> dict[str, set[str]]:
     for name, key in canonical.items():
         names.setdefault(key, set()).add(name)
     return names
-
-
-def mark_eagle_weights(model: nn.Module, names: Iterable[str]) -> None:
-    """What EAGLE/EAGLE3 `load_weights` sets as a side effect: `has_own_lm_head` and
-    `has_own_embed_tokens` when the draft's files hold them (else vLLM shares the
-    target's modules)."""
-    from vllm.model_executor.models.utils import process_eagle_weight
-
-    for name in names:
-        process_eagle_weight(model, name)

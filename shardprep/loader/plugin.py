@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from vllm.config import ModelConfig
@@ -34,8 +34,12 @@ from shardprep.loader.checks import (
     check_topology,
     vllm_layers,
 )
-from shardprep.loader.fill import Destinations, fill_parameters, mark_eagle_weights
+from shardprep.loader.contract import check_contract
+from shardprep.loader.fill import Destinations, fill_parameters
 from shardprep.loader.reader import read_rank
+
+if TYPE_CHECKING:
+    from shardprep.plan.archs.base import DraftFamily
 
 LOAD_FORMAT = "sharded-fast"
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -109,6 +113,7 @@ class ShardedFastLoader(BaseModelLoader):
         artifact = resolve_artifact(model_config, role, place.pp_rank)
         manifest = read_manifest(artifact)
         entry = model_entry(manifest, role, artifact)
+        check_contract(artifact, manifest, entry, model, model_config)
         check_dtype(artifact, entry, model_config.dtype)
         check_topology(artifact, manifest, place)
         if role == "target":
@@ -120,18 +125,16 @@ class ShardedFastLoader(BaseModelLoader):
             dp_rank=place.dp_rank,
         )  # fmt: skip
         where = f"{artifact} ({role}, rank pp{place.pp_rank} tp{place.tp_rank})"
-        family = draft_family(entry)
-        if family is not None and hasattr(family, "before_fill"):
+        family = draft_family(manifest, entry)
+        if family is not None:
             family.before_fill(
                 model, set(entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank))
             )
         filled = fill_parameters(
-            model, tensors, ignorable=_ignorable(entry, place), may_lack=_may_lack(entry),
-            where=where, layout=manifest.vllm_layout,
+            model, tensors, ignorable=_ignorable(entry, place), may_lack=_may_lack(manifest, entry),
+            where=where, layout=manifest.vllm_layout.id,
         )  # fmt: skip
-        if role == "draft":
-            mark_eagle_weights(model, filled)
-        if family is not None and hasattr(family, "after_fill"):
+        if family is not None:
             family.after_fill(model, set(filled))
         logger.info(
             "shardprep loaded %d tensors of %s in %.2f s",
@@ -216,23 +219,25 @@ def _ignorable(entry: ModelEntry, place: RankPlace) -> set[str]:
     return {name for name, stage in entry.spec_decode_only if stage == place.pp_rank}
 
 
-def _may_lack(entry: ModelEntry) -> set[str]:
+def _may_lack(manifest: Manifest, entry: ModelEntry) -> set[str]:
     """Draft parameters that vLLM shares with the target when the draft lacks them, or
     leaves at their initial value (the draft family says which)."""
     if entry.role != "draft":
         return set()
-    family = draft_family(entry)
-    return set(entry.shared_with_target) | set(getattr(family, "may_stay_unloaded", ()))
+    family = draft_family(manifest, entry)
+    unloaded = family.may_stay_unloaded if family is not None else frozenset()
+    return set(entry.shared_with_target) | set(unloaded)
 
 
-def draft_family(entry: ModelEntry) -> Any:
+def draft_family(manifest: Manifest, entry: ModelEntry) -> DraftFamily | None:
     """The draft's family, whose hooks redo what vLLM's own `load_weights` does besides
-    copying (e.g. DFlash's fused KV buffers); None for a target."""
-    if entry.role != "draft" or not entry.method:
+    copying (e.g. EAGLE's `has_own_*` flags, DFlash's fused KV buffers); None for a target."""
+    target = manifest.model("target")
+    if entry.role != "draft" or not entry.method or target is None:
         return None
-    from shardprep.plan import archs
+    from shardprep.plan import archs  # pure data, but only a draft needs it
 
-    return archs.draft_family(entry.method)
+    return archs.draft_family(entry.method, archs.target_family_of(target.architecture).name)
 
 
 def _device_of(model: nn.Module) -> str:

@@ -28,8 +28,8 @@ from shardprep.errors import (
     TopologyMismatchError,
     summarize,
 )
+from shardprep.format.dtypes import TORCH_DTYPE_NAMES
 from shardprep.format.headers import (
-    TORCH_DTYPE_NAMES,
     Header,
     TensorInfo,
     read_header,

@@ -3,14 +3,15 @@ rules before any layout is used, every problem collected and reported at once.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from shardprep.errors import ConfigError, summarize
-from shardprep.plan import archs
-from shardprep.plan.topology import Topology
-
-if TYPE_CHECKING:
-    from shardprep.plan.make import SourceModel
+from shardprep.format.records import Topology
+from shardprep.format.vllm_layout import expert_substitution
+from shardprep.plan.archs.base import Family, Layout
+from shardprep.plan.quant import scheme_of
+from shardprep.plan.records import SourceModel
 
 
 def dp_problems(dp: int, expert_parallel: bool) -> list[str]:
@@ -24,12 +25,12 @@ def dp_problems(dp: int, expert_parallel: bool) -> list[str]:
 
 def checked_layout(
     role: str,
-    family: archs.Family,
+    family: Family,
     source: SourceModel,
     tp: int,
     topology: Topology | None,
     context: dict[str, Any],
-) -> tuple[archs.Layout | None, list[str]]:
+) -> tuple[Layout | None, list[str]]:
     """Problems of one model; its layout when there are none and the topology is valid."""
     layers = source.config.get("num_hidden_layers")
     if isinstance(layers, (int, float)) and layers > len(source.tensors):
@@ -38,6 +39,9 @@ def checked_layout(
             f"{role}: config.json says num_hidden_layers={layers} but the checkpoint holds "
             f"only {len(source.tensors)} tensors; fix config.json"
         ]
+    refused = loading_problems(source.config, family)
+    if refused:
+        return None, [f"{role}: {p}" for p in refused]
     try:
         problems = [f"{role}: {p}" for p in family.check(source.config, tp, **context)]
         expected = family.expected_shapes(source.config, **context)
@@ -69,6 +73,27 @@ def checked_layout(
             f"{summarize(missing)}"
         )
     return layout, problems
+
+
+def loading_problems(config: Mapping[str, Any], family: Family) -> list[str]:
+    """What a copy-into-parameter loader cannot serve, whatever the topology: a
+    quantization the family does not place, and experts that vLLM would substitute."""
+    problems = []
+    scheme = scheme_of(config)
+    if scheme is not None and scheme.problem:
+        problems.append(scheme.problem)
+    elif scheme is not None and scheme.name not in family.quant_schemes:
+        problems.append(
+            f"{scheme.method} checkpoints ({scheme.name}) of the {family.name} family are not "
+            "supported yet; convert an unquantized checkpoint"
+        )
+    substituted = expert_substitution(config)
+    if substituted:
+        problems.append(
+            f"config.json asks vLLM to substitute experts ({substituted}), which drops "
+            "experts from the stacks that an artifact stores whole; remove it from config.json"
+        )
+    return problems
 
 
 def problem_summary(problems: list[str], limit: int = 8) -> str:

@@ -7,7 +7,6 @@ and every check runs before the first write.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from shardprep.constants import (
@@ -18,8 +17,10 @@ from shardprep.constants import (
     SHARDS_DIR,
 )
 from shardprep.errors import ConfigError, PlanError
-from shardprep.format.headers import TensorSpec
+from shardprep.format.dtypes import FLOAT_DTYPES, MODEL_DTYPES
+from shardprep.format.records import Topology
 from shardprep.plan import archs
+from shardprep.plan.archs.base import Family, Layout, Param, config_int
 from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
 from shardprep.plan.layout import (
     Block,
@@ -28,90 +29,16 @@ from shardprep.plan.layout import (
     is_expert_stack,
     piece_blocks,
 )
-from shardprep.plan.topology import ExpertSplit, Topology, effective_placement, make_topology
-
-# Floating dtypes that follow the model dtype; fp8 weights are quantized and stay fp8.
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-
-
-@dataclass(frozen=True)
-class SourceModel:
-    """What planning needs of a checkpoint: its config and tensor headers."""
-
-    config: Mapping[str, Any]
-    tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    blocks: tuple[Block, ...]  # stacked along dim 0; zero blocks where source is None
-    experts: int = 0  # an expert stack [experts, rows per expert, ...] when > 0
-
-    @property
-    def spec(self) -> TensorSpec:
-        return TensorSpec(self.name, self.dtype, self.shape)
-
-    @property
-    def stacked_shape(self) -> tuple[int, ...]:
-        """The shape as the dim-0 concatenation of the blocks (same bytes, row-major)."""
-        if self.experts:
-            return (self.shape[0] * self.shape[1], *self.shape[2:])
-        return self.shape
-
-
-@dataclass(frozen=True)
-class FilePlan:
-    path: str
-    role: str
-    pp: int
-    tp: int
-    part: int
-    tensors: tuple[TensorPlan, ...]
-    # The dp rank whose experts this file holds; None: shared by every dp rank.
-    dp: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.spec.nbytes for t in self.tensors)
-
-
-@dataclass(frozen=True)
-class ExpertPlan:
-    """How a mixture-of-experts model's routed experts are spread over the ranks."""
-
-    split: ExpertSplit
-    requested_placement: str  # --expert-placement-strategy; `split.placement` is vLLM's
-
-    @property
-    def rank_experts(self) -> tuple[tuple[int, ...], ...]:
-        """The global experts each MoE rank holds, in local order."""
-        return tuple(self.split.experts(rank) for rank in range(self.split.size))
-
-
-@dataclass(frozen=True)
-class ModelPlan:
-    role: str
-    architecture: str
-    method: str | None
-    dtype: str
-    folder: str
-    num_layers: int
-    spec_decode_only: tuple[tuple[str, int], ...]
-    shared_with_target: tuple[str, ...]
-    skipped: tuple[tuple[str, str], ...]
-    experts: ExpertPlan | None = None
-
-
-@dataclass(frozen=True)
-class Plan:
-    topology: Topology
-    stages: tuple[int, ...]
-    models: tuple[ModelPlan, ...]
-    files: tuple[FilePlan, ...]
+from shardprep.plan.quant import scheme_of
+from shardprep.plan.records import (
+    ExpertPlan,
+    FilePlan,
+    ModelPlan,
+    Plan,
+    SourceModel,
+    TensorPlan,
+)
+from shardprep.plan.topology import ExpertSplit, effective_placement, make_topology
 
 
 def resolve_dtype(requested: str, config: Mapping[str, Any], source: SourceModel) -> str:
@@ -124,14 +51,14 @@ def resolve_dtype(requested: str, config: Mapping[str, Any], source: SourceModel
         if not name:
             floats = [d for d, _ in source.tensors.values() if d in FLOAT_DTYPES]
             name = max(set(floats), key=floats.count) if floats else "F32"
-            name = {v: k for k, v in DTYPE_NAMES.items()}.get(name, "float32")
+            name = {v: k for k, v in MODEL_DTYPES.items()}.get(name, "float32")
         if name == "float32":
             name = "bfloat16"
-    if name not in DTYPE_NAMES:
+    if name not in MODEL_DTYPES:
         raise ConfigError(
-            f"dtype {name!r} is not supported; choose one of auto, {', '.join(DTYPE_NAMES)}"
+            f"dtype {name!r} is not supported; choose one of auto, {', '.join(MODEL_DTYPES)}"
         )
-    return DTYPE_NAMES[name]
+    return MODEL_DTYPES[name]
 
 
 def make_plan(
@@ -158,7 +85,7 @@ def make_plan(
     if dp < 1:
         raise PlanError(f"data parallel size must be at least 1, got --dp {dp}")
     architecture, family = archs.target_family(target.config)
-    num_layers = archs.config_int(target.config, "num_hidden_layers")
+    num_layers = config_int(target.config, "num_hidden_layers")
     problems: list[str] = []
     topology: Topology | None = None
     try:
@@ -174,9 +101,11 @@ def make_plan(
     moe = {"expert_parallel": expert_parallel, "dp": dp}
     draft_kind = None
     if draft is not None:
-        draft_kind = draft_method or archs.detect_draft_method(draft.config, sorted(draft.tensors))
+        draft_kind = draft_method or archs.detect_draft_method(
+            draft.config, sorted(draft.tensors), family.name
+        )
     target_context = {"with_draft": draft is not None, "draft_method": draft_kind, **moe}
-    jobs: list[tuple[str, str, str | None, archs.Family, SourceModel, dict[str, Any]]] = [
+    jobs: list[tuple[str, str, str | None, Family, SourceModel, dict[str, Any]]] = [
         ("target", architecture, None, family, target, target_context)
     ]
     if draft is not None and draft_kind is not None:
@@ -186,13 +115,20 @@ def make_plan(
             **moe,
         }
         jobs.append(
-            ("draft", draft_kind, draft_kind, archs.draft_family(draft_kind), draft, context)
+            (
+                "draft",
+                draft_kind,
+                draft_kind,
+                archs.draft_family(draft_kind, family.name),
+                draft,
+                context,
+            )
         )
     layouts = []
     for role, arch_name, method, fam, source, context in jobs:
         layout, found = checked_layout(role, fam, source, tp, topology, context)
         problems += found
-        layouts.append((role, arch_name, method, source, layout))
+        layouts.append((role, arch_name, method, fam, source, layout))
     if expert_parallel and not any(layout and layout.num_experts for *_, layout in layouts):
         problems.append(
             f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} has "
@@ -207,8 +143,9 @@ def make_plan(
         raise PlanError(problem_summary(problems))
     models: list[ModelPlan] = []
     files: list[FilePlan] = []
-    for role, arch_name, method, source, layout in layouts:
+    for role, arch_name, method, fam, source, layout in layouts:
         assert layout is not None
+        scheme = scheme_of(source.config)
         folder = "" if role == "target" else DRAFT_DIR
         models.append(
             ModelPlan(
@@ -222,6 +159,9 @@ def make_plan(
                 shared_with_target=tuple(sorted(layout.shared_with_target)),
                 skipped=tuple(sorted(layout.skipped.items())),
                 experts=_expert_plan(layout, tp, dp, expert_parallel, expert_placement),
+                family=fam.name,
+                quantization=scheme.method if scheme else None,
+                scheme=scheme.name if scheme else None,
             )
         )
         # A draft lives on the last stage only.
@@ -231,7 +171,7 @@ def make_plan(
 
 
 def _expert_plan(
-    layout: archs.Layout, tp: int, dp: int, expert_parallel: bool, requested: str
+    layout: Layout, tp: int, dp: int, expert_parallel: bool, requested: str
 ) -> ExpertPlan | None:
     if not layout.num_experts:
         return None
@@ -242,7 +182,7 @@ def _expert_plan(
 
 def _rank_files(
     model: ModelPlan,
-    layout: archs.Layout,
+    layout: Layout,
     source: SourceModel,
     stages: tuple[int, ...],
     tp: int,
@@ -279,7 +219,7 @@ def _rank_files(
 
 
 def _tensor_plan(
-    param: archs.Param,
+    param: Param,
     source: SourceModel,
     tp: int,
     rank: int,

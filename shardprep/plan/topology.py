@@ -10,30 +10,9 @@ from dataclasses import dataclass
 
 from shardprep.constants import VOCAB_PADDING
 from shardprep.errors import PlanError
+from shardprep.format.records import Topology
 
-
-@dataclass(frozen=True)
-class Topology:
-    """tp x pp, with the explicit number of layers on each stage."""
-
-    tp: int
-    pp: int
-    partition: tuple[int, ...]
-
-    def layer_range(self, stage: int) -> tuple[int, int]:
-        start = sum(self.partition[:stage])
-        return start, start + self.partition[stage]
-
-    def stage_of_layer(self, layer: int) -> int:
-        for stage in range(self.pp):
-            start, end = self.layer_range(stage)
-            if start <= layer < end:
-                return stage
-        raise PlanError(f"layer {layer} is outside the {sum(self.partition)} layers of the model")
-
-    @property
-    def last_stage(self) -> int:
-        return self.pp - 1
+__all__ = ["ExpertSplit", "Topology", "make_topology", "pad_vocab"]
 
 
 def default_partition(num_layers: int, pp: int) -> tuple[int, ...]:

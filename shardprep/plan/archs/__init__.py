@@ -1,176 +1,133 @@
-"""Architecture families: where each tensor of a checkpoint goes in vLLM.
+"""The family plug-ins and their registry: where each tensor of a checkpoint goes in vLLM.
 
-Each module registers the Hugging Face architecture names (or draft methods) it knows.
-Nothing outside this package mentions a tensor name.
+One module per family or draft; this table names them, in the style of vLLM's model
+registry, and a module is imported only when a model of it is planned. Targets are keyed
+by Hugging Face architecture name, drafts by (draft method, target family), "*" standing
+for any target. Nothing outside this package mentions a tensor name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import importlib
+from functools import cache
 
 from shardprep.errors import ConfigError, summarize
-from shardprep.plan.layout import Piece
-from shardprep.plan.topology import Topology
+from shardprep.plan.archs.base import Config, DraftFamily, Family
 
-Config = Mapping[str, Any]
-Shapes = Mapping[str, tuple[int, ...]]
+ANY_TARGET = "*"
 
-
-@dataclass(frozen=True)
-class Param:
-    """One vLLM parameter: its name, the source pieces it is made of, the stages it is on."""
-
-    name: str
-    pieces: tuple[Piece, ...]
-    stages: tuple[int, ...]
-    dtype: str | None = None  # a fixed dtype (fp8 weights, float32 scales); None: the model's
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Everything a family says about one model for one topology."""
-
-    params: tuple[Param, ...]
-    skipped: Mapping[str, str] = field(default_factory=dict)  # source name -> reason
-    # (parameter, stage) pairs that vLLM builds only when a speculative draft runs.
-    spec_decode_only: frozenset[tuple[str, int]] = frozenset()
-    # Parameters a draft may share with the target instead of holding its own.
-    shared_with_target: frozenset[str] = frozenset()
-    # Source tensors that config.json implies but a checkpoint may leave out.
-    optional_sources: frozenset[str] = frozenset()
-    # Routed experts per MoE layer (0 for a dense model): sizes the expert stacks.
-    num_experts: int = 0
-    # Expert groups of grouped routing (config's n_group), which round_robin needs.
-    num_expert_group: int | None = None
+# architecture -> (module under shardprep.plan.archs, class)
+_TARGETS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaFamily"),
+    "MistralForCausalLM": ("llama", "LlamaFamily"),
+    "Qwen2ForCausalLM": ("llama", "LlamaFamily"),
+    "Qwen3ForCausalLM": ("llama", "LlamaFamily"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeFamily"),
+    "MixtralForCausalLM": ("mixtral", "MixtralFamily"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekFamily"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekFamily"),
+}
+# (vLLM's speculative `method`, target family name or ANY_TARGET) -> (module, class)
+_DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
+    ("eagle", ANY_TARGET): ("llama", "EagleDraft"),
+    ("eagle3", ANY_TARGET): ("llama", "Eagle3Draft"),
+    ("dflash", ANY_TARGET): ("dflash", "DFlashDraft"),
+    ("dspark", ANY_TARGET): ("dflash", "DSparkDraft"),
+    ("mtp", "deepseek"): ("deepseek_mtp", "DeepseekMtpDraft"),
+}
 
 
-class Family(Protocol):
-    name: str
-
-    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
-        """Every source tensor the config implies, with its shape (Hugging Face names)."""
-        ...
-
-    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
-        """Problems that make the model unsplittable at this tp, each a full sentence."""
-        ...
-
-    def layout(
-        self, config: Config, shapes: Shapes, topology: Topology, **context: Any
-    ) -> Layout: ...
+def register_target(architecture: str, module: str, cls: str) -> None:
+    """Add a target family (`module` is a full import path for one outside shardprep).
+    Registering the same entry again does nothing; another entry for the name is an error."""
+    _register(_TARGETS, architecture, (module, cls), f"architecture {architecture!r}")
 
 
-def config_int(config: Config, key: str, default: int | None = None) -> int:
-    """A size from config.json: a whole number >= 1, else one line naming the key."""
-    value = config.get(key)
-    if value is None and default is not None:
-        return default
-    if value is None:
-        raise ConfigError(f"config.json has no {key}; it is not a complete model config")
-    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not whole or value < 1:
-        raise ConfigError(
-            f"config.json has {key}: {value!r}, which is not a whole number of at least 1; "
-            "fix config.json"
-        )
-    return int(value)
+def register_draft(method: str, target: str, module: str, cls: str) -> None:
+    """Add a draft family for `method` drafting a `target` family (or ANY_TARGET)."""
+    _register(_DRAFTS, (method, target), (module, cls), f"draft {method!r} for {target!r}")
 
 
-_TARGETS: dict[str, Family] = {}
-_DRAFTS: dict[str, Family] = {}
+def _register(table: dict, key: object, entry: tuple[str, str], what: str) -> None:
+    if table.get(key, entry) != entry:
+        raise ConfigError(f"{what} is registered twice: as {table[key]} and as {entry}")
+    table[key] = entry
 
 
-def register_arch(*names: str) -> Callable[[type], type]:
-    """Register a family for Hugging Face `architectures` names. Idempotent."""
-
-    def wrap(cls: type) -> type:
-        for name in names:
-            _TARGETS[name] = cls()
-        return cls
-
-    return wrap
-
-
-def register_draft(*methods: str) -> Callable[[type], type]:
-    """Register a family for speculative-decoding draft methods (vLLM's `method`)."""
-
-    def wrap(cls: type) -> type:
-        for method in methods:
-            _DRAFTS[method] = cls()
-        return cls
-
-    return wrap
+@cache
+def _instance(module: str, cls: str) -> Family:
+    path = module if "." in module else f"{__name__}.{module}"
+    return getattr(importlib.import_module(path), cls)()
 
 
 def target_family(config: Config) -> tuple[str, Family]:
-    _load_builtin()
     names = config.get("architectures") or []
     for name in names:
         if name in _TARGETS:
-            return name, _TARGETS[name]
+            return name, _instance(*_TARGETS[name])
     raise ConfigError(
         f"architecture {summarize(names) or '(none in config.json)'} is not supported; "
         f"shardprep supports {summarize(sorted(_TARGETS), limit=20)}"
     )
 
 
-def draft_family(method: str) -> Family:
-    _load_builtin()
-    if method not in _DRAFTS:
+def target_family_of(architecture: str) -> Family:
+    return target_family({"architectures": [architecture]})[1]
+
+
+def draft_family(method: str, target: str) -> DraftFamily:
+    """The draft family of `method` for a target of family `target`."""
+    entry = _DRAFTS.get((method, target)) or _DRAFTS.get((method, ANY_TARGET))
+    if entry is None:
         raise ConfigError(
-            f"draft method {method!r} is not supported; choose one of {', '.join(_standalone())}"
+            f"draft method {method!r} is not supported for a {target} target; choose one "
+            f"of {', '.join(standalone_methods())}"
         )
-    return _DRAFTS[method]
+    family = _instance(*entry)
+    assert isinstance(family, DraftFamily)
+    return family
 
 
-def _standalone() -> list[str]:
-    """Draft methods of drafts that come as their own folder (`--draft`), not inside
-    their target (MTP layers)."""
-    return sorted(m for m, f in _DRAFTS.items() if getattr(f, "standalone", True))
+def _drafts_for(target: str) -> dict[str, DraftFamily]:
+    methods = {method for method, _ in _DRAFTS}
+    return {
+        m: draft_family(m, target)
+        for m in sorted(methods)
+        if (m, target) in _DRAFTS or (m, ANY_TARGET) in _DRAFTS
+    }
 
 
-def detect_draft_method(config: Config, names: list[str]) -> str:
+def standalone_methods() -> list[str]:
+    """Methods of drafts that come as their own folder (`--draft`), not inside a target."""
+    return sorted({m for (m, _), entry in _DRAFTS.items() if _instance(*entry).standalone})
+
+
+def detect_draft_method(config: Config, names: list[str], target: str) -> str:
     """The draft method its config and tensors imply; each draft family decides for
     itself, and exactly one must claim the draft."""
-    _load_builtin()
-    found = [m for m, f in sorted(_DRAFTS.items()) if f.recognizes(config, names)]  # type: ignore[attr-defined]
+    drafts = _drafts_for(target).items()
+    found = [m for m, f in drafts if f.standalone and f.recognizes(config, names)]
     if len(found) == 1:
         return found[0]
     why = "from its config and tensors" if not found else f"(it could be {' or '.join(found)})"
     raise ConfigError(
         f"cannot tell which kind of draft this is {why}; pass --draft-method "
-        f"({', '.join(_standalone())})"
+        f"({', '.join(standalone_methods())})"
     )
 
 
 def supported() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The registered target architectures and draft methods, sorted."""
-    _load_builtin()
-    return tuple(sorted(_TARGETS)), tuple(sorted(_DRAFTS))
+    return tuple(sorted(_TARGETS)), tuple(sorted({m for m, _ in _DRAFTS}))
+
+
+def all_families() -> list[Family]:
+    """One instance of every registered family and draft family."""
+    return [_instance(*entry) for entry in sorted({*_TARGETS.values(), *_DRAFTS.values()})]
 
 
 def internal_draft_method(config: Config) -> str | None:
     """The draft method of the draft a target checkpoint carries inside itself (e.g.
     DeepSeek-V3's MTP layers), or None."""
     _, family = target_family(config)
-    internal = getattr(family, "internal_draft", None)
-    return internal(config) if internal else None
-
-
-def draft_side_files() -> frozenset[str]:
-    """Names of the side files (besides config and tokenizer) a draft folder may carry."""
-    _load_builtin()
-    return frozenset(name for f in _DRAFTS.values() for name in getattr(f, "side_files", ()))
-
-
-def _load_builtin() -> None:
-    from shardprep.plan.archs import (  # noqa: F401  (register themselves)
-        deepseek,
-        deepseek_mtp,
-        dflash,
-        llama,
-        mixtral,
-        qwen3_moe,
-    )
+    return family.internal_draft(config)

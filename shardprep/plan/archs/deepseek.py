@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from shardprep.plan.archs import Config, Layout, Param, Shapes, register_arch
+from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
 from shardprep.plan.layout import Cut, Piece, ScaleOf, w2_pieces, w13_pieces
+from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.fp8 import (
     BlockQuant,
     LinearShape,
     block_problems,
-    block_quant,
     moe_block_problems,
     refined_block,
 )
@@ -236,9 +236,9 @@ def split_problems(d: Dims, tp: int) -> list[str]:
     ]
 
 
-@register_arch("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-class DeepseekFamily:
+class DeepseekFamily(Family):
     name = "deepseek"
+    quant_schemes = frozenset({"fp8_block"})
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config).items()}
@@ -254,7 +254,7 @@ class DeepseekFamily:
         return {name: dtype for name, (_, dtype) in self._sources(config).items() if dtype}
 
     def _sources(self, config: Config) -> dict[str, tuple[tuple[int, ...], str | None]]:
-        d, quant = Dims.of(config), block_quant(config)
+        d, quant = Dims.of(config), scheme_of(config)
         found: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for layer in range(d.layers):
             found |= layer_sources(d, quant, layer)
@@ -265,7 +265,7 @@ class DeepseekFamily:
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         try:
-            d, quant = Dims.of(config), block_quant(config)
+            d, quant = Dims.of(config), scheme_of(config)
         except (KeyError, ValueError, TypeError):
             return []  # expected_shapes reports what config.json lacks
         problems = []
@@ -278,7 +278,7 @@ class DeepseekFamily:
                 "experts, a layout shardprep does not write yet; use --tp 1 or --dp 1"
             )
         if quant is not None and quant.problem:
-            return [*problems, quant.problem]
+            return problems  # plan/checks.py reports a scheme shardprep cannot lay out
         problems += split_problems(d, tp)
         if quant is None or problems:
             return problems
@@ -302,7 +302,7 @@ class DeepseekFamily:
         )
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        d, quant = Dims.of(config), block_quant(config)
+        d, quant = Dims.of(config), scheme_of(config)
         last = topology.last_stage
         params: list[Param] = []
         skipped: dict[str, str] = {}

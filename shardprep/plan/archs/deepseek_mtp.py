@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs import Config, Layout, Param, Shapes, register_draft
+from shardprep.plan.archs.base import Config, DraftFamily, Layout, Param, Shapes
 from shardprep.plan.archs.deepseek import (
     LAYER,
     DeepseekFamily,
@@ -29,7 +29,7 @@ from shardprep.plan.archs.deepseek import (
     layer_sources,
 )
 from shardprep.plan.layout import Cut, Piece
-from shardprep.plan.quant.fp8 import block_quant
+from shardprep.plan.quant import scheme_of
 from shardprep.plan.topology import Topology
 
 BLOCK = "mtp_block."
@@ -44,14 +44,10 @@ def mtp_layers(config: Config) -> range:
     return range(first, first + int(config.get("num_nextn_predict_layers") or 0))
 
 
-@register_draft("mtp")
-class DeepseekMtpDraft:
-    name = "mtp"
+class DeepseekMtpDraft(DraftFamily):
+    name = "deepseek_mtp"
+    quant_schemes = frozenset({"fp8_block"})
     standalone = False  # it comes inside its target, never with --draft
-
-    def recognizes(self, config: Config, names: list[str]) -> bool:
-        """Never a draft folder of its own: `convert` takes it from its target."""
-        return False
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config, **context).items()}
@@ -63,7 +59,7 @@ class DeepseekMtpDraft:
     def _sources(
         self, config: Config, **context: Any
     ) -> dict[str, tuple[tuple[int, ...], str | None]]:
-        d, quant = Dims.of(config), block_quant(config)
+        d, quant = Dims.of(config), scheme_of(config)
         names = context.get("draft_names")
         found: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for layer in mtp_layers(config):
@@ -87,7 +83,7 @@ class DeepseekMtpDraft:
         return []
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        d, quant = Dims.of(config), block_quant(config)
+        d, quant = Dims.of(config), scheme_of(config)
         last, layers = topology.last_stage, mtp_layers(config)
         params: list[Param] = []
         skipped: dict[str, str] = {}

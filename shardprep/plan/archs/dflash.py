@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs import Config, Layout, Param, Shapes, register_draft
+from shardprep.plan.archs.base import Config, Layout, Param, Shapes
 from shardprep.plan.archs.llama import Dims, _draft_dims, _EagleBase
 from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.topology import Topology
@@ -72,7 +72,6 @@ def mask_token_id(config: Config) -> int | None:
     return None if value is None else int(value)
 
 
-@register_draft("dflash")
 class DFlashDraft(_EagleBase):
     side_files: ClassVar[frozenset[str]] = frozenset({MASK_EMBEDDING_FILE})
     name = "dflash"
@@ -253,12 +252,12 @@ class DFlashDraft(_EagleBase):
     def after_fill(self, model: Any, filled: set[str]) -> None:
         """vLLM's `load_weights` ends by stacking the KV projections of every layer for
         its fused context pass, and flags the mask embedding it read."""
+        super().after_fill(model, filled)
         if "model.mask_embedding" in filled:  # only there when vLLM would have read it
             model.model.has_separate_mask_embedding = True
         model.model._build_fused_kv_buffers()
 
 
-@register_draft("dspark")
 class DSparkDraft(DFlashDraft):
     name = "dspark"
     top_level: ClassVar[dict[str, tuple[str, Cut]]] = {

@@ -12,14 +12,14 @@ import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from shardprep.plan.archs import (
+from shardprep.plan.archs.base import (
     Config,
+    DraftFamily,
+    Family,
     Layout,
     Param,
     Shapes,
     config_int,
-    register_arch,
-    register_draft,
 )
 from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.topology import Topology, pad_vocab
@@ -166,8 +166,7 @@ def _skipped(names: Iterable[str], pattern: re.Pattern[str]) -> dict[str, str]:
 TARGET_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-@register_arch("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-class LlamaFamily:
+class LlamaFamily(Family):
     name = "llama"
 
     def _variant(self, config: Config) -> tuple[bool, bool]:
@@ -227,7 +226,7 @@ def _draft_dims(config: Config, target: Config) -> Dims:
     return Dims(merged)
 
 
-class _EagleBase:
+class _EagleBase(DraftFamily):
     """What EAGLE and EAGLE3 drafts share: layers named `model.layers.{i}` (vLLM renames
     only the attention prefix after the target's layers), everything on the last stage,
     embedding and lm_head optional (vLLM shares the target's when absent)."""
@@ -259,13 +258,21 @@ class _EagleBase:
             optional_sources=self.optional_sources,
         )
 
+    def after_fill(self, model: Any, filled: set[str]) -> None:
+        """What EAGLE-style `load_weights` sets as a side effect: `has_own_lm_head` and
+        `has_own_embed_tokens` when the draft's files hold them (else vLLM shares the
+        target's modules)."""
+        from vllm.model_executor.models.utils import process_eagle_weight
+
+        for name in sorted(filled):
+            process_eagle_weight(model, name)
+
     def _layer_prefix(self, name: str) -> str:
         match = self.layer_pattern.match(name)
         assert match
         return name[: match.start(2)]
 
 
-@register_draft("eagle")
 class EagleDraft(_EagleBase):
     """EAGLE-1 heads (`fc` over [embedding, hidden], then Llama layers; no lm_head)."""
 
@@ -287,9 +294,6 @@ class EagleDraft(_EagleBase):
             and any(n.startswith("layers.") for n in names)
         )
 
-    def example_tables(self, config: Config, *, target_config: Config, seed: int) -> dict:
-        return {}
-
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         dims = _draft_dims(config, context.get("target_config", {}))
         layer = dims.layer_shapes(False, False, dims.hidden)
@@ -304,7 +308,6 @@ class EagleDraft(_EagleBase):
         return shapes
 
 
-@register_draft("eagle3")
 class Eagle3Draft(_EagleBase):
     """EAGLE-3 heads: one `midlayer` over [norm(embedding), norm(hidden)], `fc` over three
     auxiliary target states, its own (possibly smaller) vocabulary with `d2t`."""

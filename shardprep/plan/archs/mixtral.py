@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardprep.plan.archs import Config, Layout, Param, Shapes, register_arch
+from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
 from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params
 from shardprep.plan.archs.moe import (
     ExpertNames,
@@ -26,8 +26,7 @@ ATTENTION_SUFFIXES = frozenset(hf for hf, _, _ in LAYER_TENSORS if not hf.starts
 MOE = "block_sparse_moe."
 
 
-@register_arch("MixtralForCausalLM")
-class MixtralFamily:
+class MixtralFamily(Family):
     name = "mixtral"
 
     @staticmethod

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shardprep.plan.archs import Param
+from shardprep.plan.archs.base import Param
 from shardprep.plan.layout import Cut, Piece, w2_pieces, w13_pieces
 
 

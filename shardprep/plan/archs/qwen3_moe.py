@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardprep.plan.archs import Config, Layout, Param, Shapes, register_arch
+from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
 from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params
 from shardprep.plan.archs.moe import (
     ExpertNames,
@@ -46,8 +46,7 @@ class MoeDims(Dims):
         return any(not self.is_sparse(i) for i in range(self.layers))
 
 
-@register_arch("Qwen3MoeForCausalLM")
-class Qwen3MoeFamily:
+class Qwen3MoeFamily(Family):
     name = "qwen3_moe"
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:

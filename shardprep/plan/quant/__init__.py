@@ -1,2 +1,20 @@
 """Quantization schemes: how a logical weight becomes its stored tensors (weights, scales)
-and how vLLM checks and cuts each of them. Families use a scheme; none holds its rules."""
+and how vLLM checks and cuts each of them. A family says which of its weights are
+quantized and names the schemes it places (`Family.quant_schemes`); the rules of a scheme
+live here, once, whichever family uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shardprep.plan.quant.fp8 import BlockQuant, block_quant
+
+Scheme = BlockQuant
+
+
+def scheme_of(config: Mapping[str, Any]) -> Scheme | None:
+    """The scheme config.json's `quantization_config` declares; None when unquantized. A
+    scheme shardprep cannot lay out comes back with its `problem` set."""
+    return block_quant(config)

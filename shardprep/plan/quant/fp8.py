@@ -5,13 +5,18 @@ each has a float32 `weight_scale_inv` of one scale per block."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from shardprep.plan.archs import Config
+Config = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
 class BlockQuant:
+    name: ClassVar[str] = "fp8_block"  # the scheme, which keys its layout revision
+    method: ClassVar[str] = "fp8"  # vLLM's quantization method
+
     block: tuple[int, int]  # (block_n: output rows, block_k: input columns)
     problem: str = ""  # why vLLM cannot load this quantization, if it cannot
 

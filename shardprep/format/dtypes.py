@@ -1,0 +1,39 @@
+"""The one dtype table: every safetensors dtype shardprep reads, its size, its torch name,
+and the model dtypes a user may ask for (`--dtype`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# safetensors name -> (bytes per element, attribute of `torch`)
+DTYPES: dict[str, tuple[int, str]] = {
+    "F64": (8, "float64"),
+    "F32": (4, "float32"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "I64": (8, "int64"),
+    "I32": (4, "int32"),
+    "I16": (2, "int16"),
+    "I8": (1, "int8"),
+    "U8": (1, "uint8"),
+    "BOOL": (1, "bool"),
+}
+DTYPE_SIZES = {name: size for name, (size, _) in DTYPES.items()}
+TORCH_DTYPE_NAMES = {name: torch_name for name, (_, torch_name) in DTYPES.items()}
+# Floating dtypes that follow the model dtype; quantized (fp8) and integer tensors keep theirs.
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+# The model dtypes vLLM's --dtype names, as `--dtype` and config.json spell them.
+MODEL_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def torch_dtype(torch: Any, name: str) -> Any:
+    """The torch dtype of a safetensors dtype name (torch passed in: imported lazily)."""
+    return getattr(torch, TORCH_DTYPE_NAMES[name])
+
+
+def safetensors_name(torch_dtype_value: Any) -> str:
+    """The safetensors name of a torch dtype (`torch.bfloat16` -> "BF16")."""
+    text = str(torch_dtype_value).removeprefix("torch.")
+    return next(name for name, torch_name in TORCH_DTYPE_NAMES.items() if torch_name == text)

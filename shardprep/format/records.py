@@ -1,0 +1,173 @@
+"""The manifest's records: frozen dataclasses, and their JSON (`Manifest.to_json`).
+
+Reading and checking a manifest is `shardprep.format.manifest`; the JSON Schema in
+docs/manifest.schema.json describes the same document.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shardprep.errors import PlanError
+from shardprep.format.request import ConversionRequest
+from shardprep.format.vllm_layout import MOE_ASSUMPTIONS, VllmLayout
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str
+    bytes: int
+    sha256: str | None  # None when this conversion did not read the whole file
+
+
+@dataclass(frozen=True)
+class Source:
+    model: str  # the folder or repo id given on the command line
+    repo_id: str | None
+    revision: str | None
+    files: tuple[SourceFile, ...]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts of a mixture-of-experts model and how its ranks hold them."""
+
+    num_experts: int
+    expert_parallel: bool  # whole experts per rank (vLLM uses EP: the flag and tp x dp > 1)
+    dp: int
+    placement: str  # what vLLM places by: linear or round_robin
+    requested_placement: str  # --expert-placement-strategy as given
+    rank_experts: tuple[tuple[int, ...], ...]  # EP rank -> its global experts, local order
+    assumptions: dict[str, str] = field(default_factory=lambda: dict(MOE_ASSUMPTIONS))
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    role: str
+    architecture: str
+    dtype: str
+    folder: str  # "" for the target, "draft" for the draft
+    num_layers: int
+    source: Source
+    method: str | None = None  # the speculative method, for drafts
+    # rank key "pp{P}-tp{T}" -> parameter name -> spec: what vLLM holds on that rank;
+    # with dp > 1 the experts of each dp rank D are under "pp{P}-tp{T}-dp{D}"
+    ranks: dict[str, dict[str, ParamSpec]] = field(default_factory=dict)
+    spec_decode_only: tuple[tuple[str, int], ...] = ()
+    shared_with_target: tuple[str, ...] = ()
+    experts: Experts | None = None
+    # vLLM's quantization method of the stored weights (e.g. "fp8"); None: unquantized
+    quantization: str | None = None
+
+    def rank_params(self, pp: int, tp: int, dp: int = 0) -> dict[str, ParamSpec]:
+        """Every parameter the worker (pp, tp, dp) holds: its rank's, plus the experts
+        of its dp rank where they are stored apart."""
+        return {**self.ranks.get(rank_key(pp, tp), {}), **self.ranks.get(rank_key(pp, tp, dp), {})}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    role: str
+    pp: int
+    tp: int
+    part: int
+    bytes: int
+    sha256: str
+    codec: str = "none"
+    stored_bytes: int | None = None
+    stored_sha256: str | None = None
+    dp: int | None = None  # the dp rank whose experts it holds; None: every dp rank reads it
+
+
+@dataclass(frozen=True)
+class ExtraFile:
+    """A file copied from the source next to the shards (config, tokenizer)."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Topology:
+    """tp x pp, with the explicit number of layers on each stage."""
+
+    tp: int
+    pp: int
+    partition: tuple[int, ...]
+    expert_parallel: bool = False  # --enable-expert-parallel was asked for
+
+    def layer_range(self, stage: int) -> tuple[int, int]:
+        start = sum(self.partition[:stage])
+        return start, start + self.partition[stage]
+
+    def stage_of_layer(self, layer: int) -> int:
+        for stage in range(self.pp):
+            start, end = self.layer_range(stage)
+            if start <= layer < end:
+                return stage
+        raise PlanError(f"layer {layer} is outside the {sum(self.partition)} layers of the model")
+
+    @property
+    def last_stage(self) -> int:
+        return self.pp - 1
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format: str
+    shardprep_version: str
+    vllm_layout: VllmLayout
+    topology: Topology
+    stages: tuple[int, ...]
+    models: tuple[ModelEntry, ...]
+    files: tuple[FileEntry, ...]
+    extra_files: tuple[ExtraFile, ...] = ()
+    request: ConversionRequest | None = None  # None in artifacts made before it was recorded
+
+    def model(self, role: str) -> ModelEntry | None:
+        return next((m for m in self.models if m.role == role), None)
+
+    def rank_files(self, role: str, pp: int, tp: int, dp: int = 0) -> list[FileEntry]:
+        """The files the worker (pp, tp, dp) reads: its rank's, then its dp rank's experts
+        where they are stored apart."""
+        found = [
+            f
+            for f in self.files
+            if f.role == role and f.pp == pp and f.tp == tp and f.dp in (None, dp)
+        ]
+        return sorted(found, key=lambda f: (f.dp is not None, f.part))
+
+    def to_json(self) -> str:
+        data = _plain(asdict(self))
+        for entry in data["files"]:
+            if entry["dp"] is None:  # a file shared by every dp rank, as before dp existed
+                del entry["dp"]
+        return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def rank_key(pp: int, tp: int, dp: int | None = None) -> str:
+    return f"pp{pp}-tp{tp}" if dp is None else f"pp{pp}-tp{tp}-dp{dp}"
+
+
+def split_rank_key(key: str) -> tuple[int, int, int | None]:
+    """ "pp{P}-tp{T}" -> (P, T, None); "pp{P}-tp{T}-dp{D}" -> (P, T, D)."""
+    pp, tp, *dp = key.split("-")
+    return int(pp[2:]), int(tp[2:]), int(dp[0][2:]) if dp else None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

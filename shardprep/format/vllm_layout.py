@@ -1,0 +1,167 @@
+"""The layout contract with vLLM: which parameter layout each vLLM release builds.
+
+A rank file holds vLLM's parameters as `load_weights` leaves them. Shapes alone do not
+pin that down (gate/up order, MLA head order, a padding rule), so each family and each
+quantization scheme has a layout revision, and `RANGES` says which revision every vLLM
+release range builds. The manifest records the revisions an artifact uses and the vLLM
+releases they were verified with; the loader compares them with the running vLLM before
+it opens a file. When the layout canary passes on a new vLLM, add it to `VERIFIED`;
+when it fails, add a range with the family's revision bumped and what changed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardprep.errors import LayoutMismatchError
+
+LAYOUT_ID = "shardprep-vllm"
+# What `vllm_layout` was before it had structure: the vLLM 0.32 layouts, revision 1 each.
+LEGACY_LAYOUT = "vllm-0.32/1"
+ENV_ALLOW_UNVERIFIED = "SHARDPREP_ALLOW_UNVERIFIED_VLLM"
+
+# Layouts some vLLM backends build differently before processing. An artifact holds the
+# layout named here; a loader that meets another refuses and names the setting.
+MOE_ASSUMPTIONS = {
+    "moe_intermediate_padding": "none",  # FlashInfer TRT-LLM / ROCm AITER MoE round it up
+    "fused_shared_experts": "none",  # ROCm AITER can append shared experts as routed ones
+}
+ASSUMPTIONS = {
+    **MOE_ASSUMPTIONS,
+    "expert_substitution": "none",  # every routed expert is stored, none is approximated
+    "online_quantization": "none",  # stored as the checkpoint is; vLLM quantizes nothing
+}
+
+
+@dataclass(frozen=True)
+class VllmRange:
+    """vLLM releases from `first` on (until the next range's `first`) and the layout
+    revision of each family and quantization scheme they build."""
+
+    first: tuple[int, ...]
+    revisions: Mapping[str, int]
+    changes: Mapping[str, str] = field(default_factory=dict)  # name -> what changed here
+
+
+RANGES: tuple[VllmRange, ...] = (
+    VllmRange(
+        (0, 32, 0),
+        {
+            "llama": 1, "qwen3_moe": 1, "mixtral": 1, "deepseek": 1,
+            "eagle": 1, "eagle3": 1, "dflash": 1, "dspark": 1, "deepseek_mtp": 1,
+            "fp8_block": 1,
+        },
+    ),
+)  # fmt: skip
+# vLLM releases the layout canary (tests/test_vllm_layout.py and the family tests) passed on.
+VERIFIED: tuple[tuple[int, ...], ...] = ((0, 32, 0),)
+
+
+@dataclass(frozen=True)
+class VllmLayout:
+    """What the manifest records of the layout an artifact follows."""
+
+    id: str
+    revisions: dict[str, int]  # the artifact's families and schemes -> layout revision
+    verified_with: tuple[str, ...]  # vLLM releases those revisions were verified on
+    assumptions: dict[str, str] = field(default_factory=lambda: dict(ASSUMPTIONS))
+
+
+def current_layout(names: set[str]) -> VllmLayout:
+    """The layout this shardprep writes for the families and schemes `names`."""
+    newest = RANGES[-1]
+    verified = tuple(_text(v) for v in VERIFIED if v >= newest.first)
+    return VllmLayout(LAYOUT_ID, {n: newest.revisions[n] for n in sorted(names)}, verified)
+
+
+def legacy_layout() -> VllmLayout:
+    """The record an artifact that names `LEGACY_LAYOUT` stands for: valid on vLLM 0.32."""
+    return VllmLayout(LEGACY_LAYOUT, {}, ("0.32.0",))
+
+
+def release(version: str) -> tuple[int, ...]:
+    """Release numbers only: '0.32.0+cpu' and '0.32.0.dev3+g1234' are both (0, 32, 0)."""
+    match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    if not match:
+        raise LayoutMismatchError(
+            f"cannot read a release number from vLLM's version {version!r}; "
+            f"set {ENV_ALLOW_UNVERIFIED}=1 to load anyway"
+        )
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def check_layout(layout: VllmLayout, vllm_version: str, where: str) -> None:
+    """Refuse an artifact whose layout the running vLLM does not build, or a vLLM newer
+    than every release the layout was verified on (unless ENV_ALLOW_UNVERIFIED is set)."""
+    running = release(vllm_version)
+    verified = [release(v) for v in layout.verified_with]
+    served = f"vLLM {_span(verified)}" if verified else "the vLLM it was converted for"
+    if layout.id == LEGACY_LAYOUT:
+        if running[:2] != (0, 32):
+            raise LayoutMismatchError(
+                f"{where} was converted for vLLM 0.32's parameter layout ({LEGACY_LAYOUT}) but "
+                f"vLLM {vllm_version} is running; serve it with vLLM 0.32.x, or convert it "
+                "again with this shardprep"
+            )
+        return
+    if layout.id != LAYOUT_ID:
+        raise LayoutMismatchError(
+            f"{where} follows the layout {layout.id!r}, which this shardprep does not know; "
+            "install the shardprep that made it, or convert the model again"
+        )
+    in_range = _range_of(running)
+    if in_range is None:
+        raise LayoutMismatchError(
+            f"vLLM {vllm_version} is older than every vLLM this shardprep knows "
+            f"({_text(RANGES[0].first)} on); serve {where} with {served}"
+        )
+    for name, revision in sorted(layout.revisions.items()):
+        builds = in_range.revisions.get(name)
+        if builds != revision:
+            change = in_range.changes.get(name) or f"this vLLM has no {name} layout we know"
+            raise LayoutMismatchError(
+                f"{where} holds the {name} layout revision {revision} but vLLM {vllm_version} "
+                f"builds revision {builds} ({change}); serve it with {served}, or convert "
+                "it again with a shardprep that knows this vLLM"
+            )
+    if verified and running > max(verified) and not _allowed():
+        raise LayoutMismatchError(
+            f"vLLM {vllm_version} is newer than every vLLM {where} was verified with "
+            f"({', '.join(layout.verified_with)}); serve it with {served}, or set "
+            f"{ENV_ALLOW_UNVERIFIED}=1 to load anyway (every parameter's shape and dtype "
+            "is still checked)"
+        )
+
+
+def expert_substitution(config: Mapping[str, Any]) -> str:
+    """The config key by which vLLM would replace routed experts with others, or ''. An
+    artifact stores every expert whole; a copy-into-parameter loader cannot serve that."""
+    if config.get("approximate_experts"):
+        return "approximate_experts"
+    compression = config.get("compression_config")
+    transform = compression.get("transform_config") if isinstance(compression, Mapping) else None
+    if isinstance(transform, Mapping) and transform.get("expert_substitution"):
+        return "compression_config.transform_config.expert_substitution"
+    return ""
+
+
+def _range_of(running: tuple[int, ...]) -> VllmRange | None:
+    found = [r for r in RANGES if r.first <= running]
+    return found[-1] if found else None
+
+
+def _allowed() -> bool:
+    return os.environ.get(ENV_ALLOW_UNVERIFIED, "").lower() in ("1", "true", "yes", "on")
+
+
+def _span(versions: list[tuple[int, ...]]) -> str:
+    low, high = min(versions), max(versions)
+    return _text(low) if low == high else f"{_text(low)} to {_text(high)}"
+
+
+def _text(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))

@@ -1,0 +1,124 @@
+"""What a family plug-in is: the records it returns and every hook it may provide.
+
+A target family (`Family`) says, for one Hugging Face architecture, which tensors a
+config implies, what keeps a tp from working, and where each tensor goes in vLLM. A
+draft family (`DraftFamily`) says the same of a speculative-decoding draft, plus how
+to recognize one and what vLLM's `load_weights` does besides copying. Every hook has a
+default here, so the callers never probe for one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from shardprep.errors import ConfigError
+from shardprep.format.records import Topology
+from shardprep.plan.layout import Piece
+
+Config = Mapping[str, Any]
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One vLLM parameter: its name, the source pieces it is made of, the stages it is on."""
+
+    name: str
+    pieces: tuple[Piece, ...]
+    stages: tuple[int, ...]
+    dtype: str | None = None  # a fixed dtype (fp8 weights, float32 scales); None: the model's
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything a family says about one model for one topology."""
+
+    params: tuple[Param, ...]
+    skipped: Mapping[str, str] = field(default_factory=dict)  # source name -> reason
+    # (parameter, stage) pairs that vLLM builds only when a speculative draft runs.
+    spec_decode_only: frozenset[tuple[str, int]] = frozenset()
+    # Parameters a draft may share with the target instead of holding its own.
+    shared_with_target: frozenset[str] = frozenset()
+    # Source tensors that config.json implies but a checkpoint may leave out.
+    optional_sources: frozenset[str] = frozenset()
+    # Routed experts per MoE layer (0 for a dense model): sizes the expert stacks.
+    num_experts: int = 0
+    # Expert groups of grouped routing (config's n_group), which round_robin needs.
+    num_expert_group: int | None = None
+
+
+class Family:
+    """A target family. `name` keys its layout revision (format/vllm_layout.py)."""
+
+    name: ClassVar[str]
+    # Quantization schemes (plan/quant) whose stored tensors this family places.
+    quant_schemes: ClassVar[frozenset[str]] = frozenset()
+
+    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+        """Every source tensor the config implies, with its shape (Hugging Face names)."""
+        raise NotImplementedError
+
+    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+        """Problems that make the model unsplittable at this tp, each a full sentence."""
+        return []
+
+    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+        raise NotImplementedError
+
+    def source_dtypes(self, config: Config) -> dict[str, str]:
+        """Tensors whose checkpoint dtype is not the model's (fp8 weights, their scales)."""
+        return {}
+
+    def internal_draft(self, config: Config) -> str | None:
+        """The draft method of a draft the checkpoint carries inside itself (MTP layers)."""
+        return None
+
+
+class DraftFamily(Family):
+    """A speculative-decoding draft, registered per (method, target family)."""
+
+    # False: the draft comes inside its target (MTP layers), never with --draft.
+    standalone: ClassVar[bool] = True
+    # Files besides config and tokenizer that its folder may carry (constants.DRAFT_SIDE_FILES).
+    side_files: ClassVar[frozenset[str]] = frozenset()
+    # Parameters vLLM may leave at their initial value when the draft lacks them.
+    may_stay_unloaded: ClassVar[frozenset[str]] = frozenset()
+
+    def recognizes(self, config: Config, names: list[str]) -> bool:
+        """Whether a draft folder's config and tensor names are of this kind."""
+        return False
+
+    def side_tensors(self, root: Path, config: Config) -> dict[str, tuple[str, Any]]:
+        """Tensors read from side files: source name -> (file, torch tensor)."""
+        return {}
+
+    def example_tables(self, config: Config, *, target_config: Config, seed: int) -> dict:
+        """Valid non-random tensors (index tables) for a tiny model of this draft."""
+        return {}
+
+    # -- inside a vLLM worker: what vLLM's own load_weights does besides copying ----------
+
+    def before_fill(self, model: Any, names: set[str]) -> None:
+        """Before the rank's tensors are copied in (`names`: the rank's parameters)."""
+
+    def after_fill(self, model: Any, filled: set[str]) -> None:
+        """After every tensor was copied in (`filled`: the parameter names)."""
+
+
+def config_int(config: Config, key: str, default: int | None = None) -> int:
+    """A size from config.json: a whole number >= 1, else one line naming the key."""
+    value = config.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise ConfigError(f"config.json has no {key}; it is not a complete model config")
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < 1:
+        raise ConfigError(
+            f"config.json has {key}: {value!r}, which is not a whole number of at least 1; "
+            "fix config.json"
+        )
+    return int(value)

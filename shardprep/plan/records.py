@@ -1,0 +1,96 @@
+"""The plan's records: what planning reads of a checkpoint (`SourceModel`) and what it
+decides (`Plan`: every rank file, every tensor in it, the blocks it is made of). Pure data,
+so a test feeds header dicts and a 1 TB model plans in milliseconds."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardprep.format.headers import TensorSpec
+from shardprep.format.records import Topology
+from shardprep.plan.layout import Block
+from shardprep.plan.topology import ExpertSplit
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """What planning needs of a checkpoint: its config and tensor headers."""
+
+    config: Mapping[str, Any]
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    blocks: tuple[Block, ...]  # stacked along dim 0; zero blocks where source is None
+    experts: int = 0  # an expert stack [experts, rows per expert, ...] when > 0
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+    @property
+    def stacked_shape(self) -> tuple[int, ...]:
+        """The shape as the dim-0 concatenation of the blocks (same bytes, row-major)."""
+        if self.experts:
+            return (self.shape[0] * self.shape[1], *self.shape[2:])
+        return self.shape
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    path: str
+    role: str
+    pp: int
+    tp: int
+    part: int
+    tensors: tuple[TensorPlan, ...]
+    # The dp rank whose experts this file holds; None: shared by every dp rank.
+    dp: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.spec.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """How a mixture-of-experts model's routed experts are spread over the ranks."""
+
+    split: ExpertSplit
+    requested_placement: str  # --expert-placement-strategy; `split.placement` is vLLM's
+
+    @property
+    def rank_experts(self) -> tuple[tuple[int, ...], ...]:
+        """The global experts each MoE rank holds, in local order."""
+        return tuple(self.split.experts(rank) for rank in range(self.split.size))
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    role: str
+    architecture: str
+    method: str | None
+    dtype: str
+    folder: str
+    num_layers: int
+    spec_decode_only: tuple[tuple[str, int], ...]
+    shared_with_target: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
+    experts: ExpertPlan | None = None
+    family: str = ""  # the family plug-in's name, which keys its layout revision
+    quantization: str | None = None  # vLLM's quantization method of the stored weights
+    scheme: str | None = None  # the quantization scheme's name, which keys its revision
+
+
+@dataclass(frozen=True)
+class Plan:
+    topology: Topology
+    stages: tuple[int, ...]
+    models: tuple[ModelPlan, ...]
+    files: tuple[FilePlan, ...]
