@@ -52,7 +52,7 @@ import torch
 
 from shardprep.cli import parse_size
 from shardprep.demo.tiny import tiny_config
-from shardprep.format.headers import StreamingWriter, TensorSpec
+from shardprep.format.headers import TensorSpec, encode_header
 
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 
@@ -125,16 +125,21 @@ def write_checkpoint_files(
         name = f"model-{index + 1:05d}-of-{files:05d}.safetensors"
         chunk = shapes[index * per_file : (index + 1) * per_file]
         specs = [TensorSpec(n, "BF16", s) for n, s in chunk]
-        writer = StreamingWriter(folder / name, specs, {"format": "pt"})
-        for spec in specs:
-            left = spec.nbytes
-            while left:
-                step = min(left, len(block_bytes))
-                writer.write(memoryview(block_bytes)[:step])
-                left -= step
-            weight_map[spec.name] = name
-            largest = max(largest, spec.nbytes)
-        hashes[name] = writer.commit()
+        digest = hashlib.sha256()
+        with open(folder / name, "wb") as file:
+            header = encode_header(specs, {"format": "pt"})
+            file.write(header)
+            digest.update(header)
+            for spec in specs:
+                left = spec.nbytes
+                while left:
+                    step = min(left, len(block_bytes))
+                    file.write(memoryview(block_bytes)[:step])
+                    digest.update(memoryview(block_bytes)[:step])
+                    left -= step
+                weight_map[spec.name] = name
+                largest = max(largest, spec.nbytes)
+        hashes[name] = digest.hexdigest()
         total += (folder / name).stat().st_size
     index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index_doc))

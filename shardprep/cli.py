@@ -15,6 +15,7 @@ from shardprep import __version__, report
 from shardprep.constants import debug_enabled
 from shardprep.errors import ConfigError, ShardprepError
 from shardprep.format.dtypes import MODEL_DTYPES
+from shardprep.plan import archs
 
 _UNITS = {
     "": 1,
@@ -222,7 +223,7 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--draft-method",
-        choices=["dflash", "dspark", "eagle", "eagle3"],
+        choices=archs.standalone_methods(),
         help="default: told from the tensors",
     )
     parser.add_argument(

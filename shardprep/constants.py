@@ -24,6 +24,7 @@ STATE_DIR = ".shardprep"
 
 MAX_HEADER_BYTES = 100_000_000
 MAX_JSON_BYTES = 100_000_000  # a model index or a manifest
+MAX_SIDE_FILE_BYTES = 64 * 1024**2  # a draft's .pt side file (a mask embedding)
 DEFAULT_MAX_PART_BYTES = 5 * 1024**3
 CHUNK_BYTES = 64 * 1024**2
 VOCAB_PADDING = 64

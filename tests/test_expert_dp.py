@@ -154,6 +154,8 @@ def test_manifest_records_dp_files_and_matches_the_schema(artifact: tuple[Path, 
     target = manifest.model("target")
     assert target is not None and target.experts is not None
     assert (target.experts.dp, target.experts.rank_experts) == (2, ((0, 1), (2, 3), (4, 5), (6,)))
+    assert manifest.request is not None  # what verify --full below replays
+    assert (manifest.request.dp, manifest.request.expert_parallel) == (2, True)
     keys = {f"pp{p}-tp{t}" for p in range(2) for t in range(2)}
     assert set(target.ranks) == keys | {f"{k}-dp{d}" for k in keys for d in range(2)}
     assert target.ranks["pp1-tp1-dp1"].keys() == {

@@ -33,6 +33,7 @@ from shardprep.errors import (
     WeightMismatchError,
 )
 from shardprep.format.manifest import read_manifest
+from shardprep.plan import archs
 
 pytestmark = [
     pytest.mark.vllm,
@@ -211,8 +212,13 @@ def test_draft_flags_follow_the_files() -> None:
         pass
 
     draft = Draft()
-    filling.mark_eagle_weights(draft, ["model.layers.0.mlp.down_proj.weight", "lm_head.weight"])
+    eagle3 = archs.draft_family("eagle3", "llama")
+    eagle3.after_fill(draft, {"model.layers.0.mlp.down_proj.weight", "lm_head.weight"})
     assert draft.has_own_lm_head is True and draft.has_own_embed_tokens is False
+    # The flags are EAGLE's: vLLM's DeepSeek MTP draft has none, and none is set on it.
+    mtp = Draft()
+    archs.draft_family("mtp", "deepseek").after_fill(mtp, {"lm_head.weight"})
+    assert "has_own_lm_head" not in vars(mtp)
 
 
 def place(tp: int, pp: int, pp_rank: int = 0) -> checks.RankPlace:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from shardprep.constants import MAX_JSON_BYTES
+from shardprep.constants import MAX_JSON_BYTES, MAX_SIDE_FILE_BYTES
 from shardprep.errors import ConfigError, CorruptFileError, summarize
 from shardprep.format import jsonio
 from shardprep.format.headers import TensorInfo, read_header
@@ -267,3 +267,24 @@ def local_dir_sha256(root: Path, file: str) -> str | None:
 
 def _is_sha256(text: str) -> bool:
     return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def load_side_file(path: Path) -> Any:
+    """What a side file (a draft's `.pt` tensors) holds, unpickled safely
+    (`torch.load(weights_only=True)`), its size checked first."""
+    size = path.stat().st_size
+    if size > MAX_SIDE_FILE_BYTES:
+        raise ConfigError(
+            f"{path} is {size:,} bytes, more than a draft's side file can be "
+            f"({MAX_SIDE_FILE_BYTES:,}); remove it or replace it with the right file"
+        )
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # the unpickler raises many kinds; all mean "unusable"
+        # torch's own message spans lines and suggests loading the file unsafely: not that.
+        raise ConfigError(
+            f"{path} is not a file of plain tensors (a safe load refused it with "
+            f"{type(exc).__name__}); use the file that came with this draft"
+        ) from None

@@ -22,7 +22,13 @@ from shardprep.constants import (
     pp_partition_from_env,
 )
 from shardprep.convert import outdir
-from shardprep.convert.checkpoint import Checkpoint, SourceTensor, known_sha256, open_checkpoint
+from shardprep.convert.checkpoint import (
+    Checkpoint,
+    SourceTensor,
+    known_sha256,
+    load_side_file,
+    open_checkpoint,
+)
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.scatter import write_rank_files
 from shardprep.errors import ShardprepError
@@ -99,7 +105,11 @@ def load_and_plan(
 def with_side_tensors(checkpoint: Checkpoint, family: archs.DraftFamily) -> Checkpoint:
     """The checkpoint plus the tensors its family reads from side files (held in memory:
     they are small, and safetensors is the only format shardprep reads by offset)."""
-    found = family.side_tensors(checkpoint.root, checkpoint.config)
+    found = {
+        name: (file, family.side_tensor(name, load_side_file(path), checkpoint.config, str(path)))
+        for name, file in family.side_tensor_files(checkpoint.config).items()
+        if (path := checkpoint.root / file).is_file()
+    }
     if not found:
         return checkpoint
     import torch

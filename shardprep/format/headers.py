@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardprep.constants import INCOMPLETE_SUFFIX, MAX_HEADER_BYTES
+from shardprep.constants import MAX_HEADER_BYTES
 from shardprep.errors import CorruptFileError
 from shardprep.format import jsonio
 from shardprep.format.dtypes import DTYPE_SIZES
@@ -224,46 +224,6 @@ def encode_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str]) -> b
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
-
-class StreamingWriter:
-    """Writes one safetensors file tensor by tensor to `<path>.incomplete`, hashing as
-    it goes; `commit()` checks the byte count and renames it into place."""
-
-    def __init__(
-        self, path: Path, specs: Sequence[TensorSpec], metadata: Mapping[str, str]
-    ) -> None:
-        self.path = path
-        self.tmp_path = path.with_name(path.name + INCOMPLETE_SUFFIX)
-        header = encode_header(specs, metadata)
-        self.expected_size = len(header) + sum(spec.nbytes for spec in specs)
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.tmp_path, "wb")  # noqa: SIM115 - closed in commit/abort
-        self.write(header)
-
-    def write(self, data: bytes | memoryview) -> None:
-        self._file.write(data)
-        self.sha256.update(data)
-        self.size += len(data)
-
-    def commit(self) -> str:
-        """Close, check, rename into place; returns the sha256 hex digest."""
-        self._file.close()
-        if self.size != self.expected_size:
-            self.tmp_path.unlink(missing_ok=True)
-            raise CorruptFileError(
-                f"internal error: wrote {self.size:,} bytes to {self.path}, "
-                f"expected {self.expected_size:,}",
-                path=str(self.path),
-            )
-        os.replace(self.tmp_path, self.path)
-        return self.sha256.hexdigest()
-
-    def abort(self) -> None:
-        self._file.close()
-        self.tmp_path.unlink(missing_ok=True)
 
 
 def sha256_file(path: Path, chunk: int = 16 * 1024**2) -> str:

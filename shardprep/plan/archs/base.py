@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
@@ -91,9 +90,13 @@ class DraftFamily(Family):
         """Whether a draft folder's config and tensor names are of this kind."""
         return False
 
-    def side_tensors(self, root: Path, config: Config) -> dict[str, tuple[str, Any]]:
-        """Tensors read from side files: source name -> (file, torch tensor)."""
+    def side_tensor_files(self, config: Config) -> dict[str, str]:
+        """Tensors vLLM reads from side files (not safetensors): source name -> file."""
         return {}
+
+    def side_tensor(self, name: str, state: Any, config: Config, where: str) -> Any:
+        """The tensor `name` from what its side file holds (loaded safely by convert)."""
+        raise NotImplementedError
 
     def example_tables(self, config: Config, *, target_config: Config, seed: int) -> dict:
         """Valid non-random tensors (index tables) for a tiny model of this draft."""

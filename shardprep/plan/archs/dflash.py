@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
@@ -31,7 +30,6 @@ from shardprep.plan.topology import Topology
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 MASK_EMBEDDING = "mask_embedding"  # the source name shardprep gives the side file's tensor
-MAX_SIDE_FILE_BYTES = 64 * 1024**2
 CONFIDENCE = ("confidence_head.proj.weight", "confidence_head.proj.bias")
 SINK_BIAS = "self_attn.attention_sink_bias"
 
@@ -212,37 +210,28 @@ class DFlashDraft(_EagleBase):
 
     # -- the side file --------------------------------------------------------------------
 
-    def side_tensors(self, root: Path, config: Config) -> dict[str, tuple[str, Any]]:
-        """{source name: (side file, tensor)}: the mask embedding vLLM would read from
-        `mask_embedding.pt` (safely: `torch.load(weights_only=True)`), if it would."""
-        path = root / MASK_EMBEDDING_FILE
-        token = mask_token_id(config)
-        if token is None or not self._reads_mask_embedding(config) or not path.is_file():
-            return {}
-        if path.stat().st_size > MAX_SIDE_FILE_BYTES:
-            raise ConfigError(
-                f"{path} is {path.stat().st_size:,} bytes, more than a mask embedding can be "
-                f"({MAX_SIDE_FILE_BYTES:,}); remove it or replace it with the right file"
-            )
+    def side_tensor_files(self, config: Config) -> dict[str, str]:
+        return {MASK_EMBEDDING: MASK_EMBEDDING_FILE} if self._reads_mask_embedding(config) else {}
+
+    def side_tensor(self, name: str, state: Any, config: Config, where: str) -> Any:
+        """The mask embedding from `mask_embedding.pt`: a tensor, or a dict holding it
+        under 'embedding' with the draft's `mask_token_id`."""
         import torch
 
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # the unpickler raises many kinds; all mean "unusable"
-            raise ConfigError(f"{path} cannot be read as a tensor file ({exc})") from None
+        token = mask_token_id(config)
         if isinstance(state, dict):
             if state.get("mask_token_id", token) != token:
                 raise ConfigError(
-                    f"{path} is for mask_token_id {state.get('mask_token_id')} but the draft's "
+                    f"{where} is for mask_token_id {state.get('mask_token_id')} but the draft's "
                     f"config.json says {token}; use the file that came with this draft"
                 )
             state = state.get("embedding")
         if not isinstance(state, torch.Tensor) or not state.is_floating_point():
             raise ConfigError(
-                f"{path} holds no floating-point tensor (nor a dict with 'embedding'); "
+                f"{where} holds no floating-point tensor (nor a dict with 'embedding'); "
                 "use the file that came with this draft"
             )
-        return {MASK_EMBEDDING: (MASK_EMBEDDING_FILE, state.reshape(-1).contiguous())}
+        return state.reshape(-1).contiguous()
 
     # -- what vLLM's load_weights does besides copying ------------------------------------
 

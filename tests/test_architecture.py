@@ -1,0 +1,184 @@
+"""The package's layout rules, read from the source: folders by lifecycle, each importing
+only the floors below it, no import cycle, a pure planner, and a loader that imports
+nothing heavy inside vLLM until it needs it."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_env import require_python
+
+PACKAGE = Path(__file__).resolve().parents[1] / "shardprep"
+# Lowest first: a module may import its own floor and the floors below, never above.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("shardprep", "shardprep.errors", "shardprep.constants", "shardprep.progress"),
+    ("shardprep.format",),
+    ("shardprep.codec",),
+    ("shardprep.plan",),
+    ("shardprep.report",),
+    ("shardprep.convert",),
+    ("shardprep.hub",),
+    ("shardprep.loader",),
+    ("shardprep.demo",),
+    ("shardprep.cli",),
+)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every shardprep module `name` imports, at module level or inside a function."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, `level - 1` folders up
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base]).strip(".")
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
+            ]
+        found |= {t for t in targets if t in MODULES and t != name}
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def floor_of(module: str) -> int:
+    best = [
+        (len(prefix), index)
+        for index, floor in enumerate(FLOORS)
+        for prefix in floor
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert best, f"{module} is on no floor; add its folder to FLOORS and the README"
+    return max(best)[1]
+
+
+def test_every_module_is_on_a_floor() -> None:
+    for module in MODULES:
+        floor_of(module)
+
+
+def test_no_import_runs_up_a_floor() -> None:
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in sorted(GRAPH.items())
+        for target in sorted(targets)
+        if floor_of(target) > floor_of(module)
+    ]
+    assert not upward, upward
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
+
+
+def test_format_knows_no_family() -> None:
+    """The contract names no tensor and imports nothing above the ground floor."""
+    for module, targets in GRAPH.items():
+        if floor_of(module) == 1:
+            assert {floor_of(t) for t in targets} <= {0, 1}, (module, targets)
+    for path in (PACKAGE / "format").glob("*.py"):
+        text = path.read_text()
+        named = [n for n in ("q_proj", "gate_proj", "embed_tokens", "model.layers") if n in text]
+        assert not named, (path, named)
+
+
+WEIGHT_READERS = ("safe_open", "read_header", "torch.load", "np.fromfile", "mmap", "open(")
+
+
+def test_plan_opens_no_weight_file() -> None:
+    """plan/ turns headers and configs into records; every byte is read in convert/."""
+    for path in sorted((PACKAGE / "plan").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        calls = {
+            ast.unparse(node.func) + "(" for node in ast.walk(tree) if isinstance(node, ast.Call)
+        }
+        used = [r for r in WEIGHT_READERS if any(r in call or call == r for call in calls)]
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not used, (path, used)
+        assert not {"safetensors", "safetensors.torch", "mmap"} & imported, path
+
+
+def test_a_weight_reader_in_plan_would_be_seen(tmp_path: Path) -> None:
+    """The guard above reads calls as written: it sees each reader it names."""
+    for reader in WEIGHT_READERS:
+        tree = ast.parse(f"x = {reader.rstrip('(')}('f')")
+        calls = {ast.unparse(n.func) + "(" for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        assert any(reader in call for call in calls), reader
+
+
+LOADER_IMPORT = """
+import sys
+import shardprep.loader.plugin
+mods = sorted(m for m in sys.modules if m.startswith("shardprep"))
+print("\\n".join(mods))
+"""
+
+
+@pytest.mark.vllm
+def test_loader_imports_only_format_inside_vllm() -> None:
+    """What a vLLM worker imports of shardprep when the plugin loads: the ground floor,
+    format/ and loader/ only (plan/ comes later, for a draft's hooks)."""
+    out = subprocess.run(
+        [require_python(), "-c", LOADER_IMPORT], capture_output=True, text=True, check=True
+    ).stdout.split()
+    above = [m for m in out if floor_of(m) not in (0, 1) and not m.startswith("shardprep.loader")]
+    assert "shardprep.loader.plugin" in out
+    assert not above, above
+
+
+def test_loader_imports_only_format_at_import_time() -> None:
+    """The same rule, read from the source: loader/'s module-level imports."""
+    for name, path in MODULES.items():
+        if not name.startswith("shardprep.loader"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardprep"):
+                assert floor_of(node.module or "") in (0, 1) or node.module.startswith(
+                    "shardprep.loader"
+                ), (name, node.module)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))

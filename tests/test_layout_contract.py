@@ -1,0 +1,184 @@
+"""The layout contract with vLLM: the manifest records which layout revision of each
+family and scheme an artifact holds; the loader refuses a vLLM that builds another, one
+newer than every vLLM the layout was verified with, online quantization and substituted
+experts, each in one line, before it opens a rank file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from shardprep.convert.run import Options, convert
+from shardprep.demo.tiny import tiny_config
+from shardprep.errors import LayoutMismatchError, PlanError
+from shardprep.format import vllm_layout as vl
+from shardprep.format.manifest import parse_manifest, read_manifest
+from shardprep.plan import archs
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import SourceModel
+
+contract = pytest.importorskip("shardprep.loader.contract", reason="needs vLLM importable")
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("contract") / "out"
+    convert(str(tiny.model("contract-llama")), out, Options(tp=1, pp=1), progress=False)
+    return out
+
+
+def test_release_numbers_ignore_local_and_dev_suffixes() -> None:
+    assert vl.release("0.32.0+cpu") == (0, 32, 0)
+    assert vl.release("0.33.1.dev3+g1234abc") == (0, 33, 1)
+    assert vl.release("0.34+cu130") == (0, 34, 0)
+    with pytest.raises(LayoutMismatchError):
+        vl.release("main")
+
+
+def test_the_manifest_records_the_layout_and_it_reads_back(artifact: Path) -> None:
+    layout = read_manifest(artifact).vllm_layout
+    assert layout == vl.VllmLayout(
+        "shardprep-vllm", {"llama": 1}, ("0.32.0",), dict(vl.ASSUMPTIONS)
+    )
+    vl.check_layout(layout, "0.32.0+cpu", "out")
+
+
+def test_a_newer_vllm_than_every_verified_one_is_refused_unless_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layout = vl.current_layout({"llama"})
+    with pytest.raises(LayoutMismatchError) as info:
+        vl.check_layout(layout, "0.33.0", "out")
+    assert str(info.value) == (
+        "vLLM 0.33.0 is newer than every vLLM out was verified with (0.32.0); serve it "
+        f"with vLLM 0.32.0, or set {vl.ENV_ALLOW_UNVERIFIED}=1 to load anyway (every "
+        "parameter's shape and dtype is still checked)"
+    )
+    monkeypatch.setenv(vl.ENV_ALLOW_UNVERIFIED, "1")
+    vl.check_layout(layout, "0.33.0", "out")
+    monkeypatch.setenv(vl.ENV_ALLOW_UNVERIFIED, "0")
+    with pytest.raises(LayoutMismatchError):
+        vl.check_layout(layout, "0.33.0", "out")
+
+
+def test_another_revision_names_both_sides_what_changed_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bumped = vl.VllmRange(
+        (0, 33, 0),
+        {**vl.RANGES[-1].revisions, "llama": 2},
+        {"llama": "gate_up_proj holds up rows before gate rows"},
+    )
+    monkeypatch.setattr(vl, "RANGES", (*vl.RANGES, bumped))
+    monkeypatch.setattr(vl, "VERIFIED", (*vl.VERIFIED, (0, 33, 0)))
+    old = vl.VllmLayout("shardprep-vllm", {"llama": 1, "fp8_block": 1}, ("0.32.0",))
+    with pytest.raises(LayoutMismatchError) as info:
+        vl.check_layout(old, "0.33.0", "out")
+    assert str(info.value) == (
+        "out holds the llama layout revision 1 but vLLM 0.33.0 builds revision 2 (gate_up_proj "
+        "holds up rows before gate rows); serve it with vLLM 0.32.0, or convert it again "
+        "with a shardprep that knows this vLLM"
+    )
+    vl.check_layout(old, "0.32.0", "out")
+    new = vl.current_layout({"llama"})
+    assert new.revisions == {"llama": 2} and new.verified_with == ("0.33.0",)
+    vl.check_layout(new, "0.33.0", "out")
+    with pytest.raises(LayoutMismatchError):
+        vl.check_layout(new, "0.32.0", "out")
+
+
+def test_the_old_layout_string_loads_on_the_vllm_it_names(artifact: Path) -> None:
+    data = json.loads((artifact / "shardprep.json").read_text())
+    data["vllm_layout"] = vl.LEGACY_LAYOUT
+    del data["request"]
+    for model in data["models"]:
+        del model["quantization"]
+    legacy = parse_manifest(json.dumps(data)).vllm_layout
+    assert legacy.id == vl.LEGACY_LAYOUT
+    vl.check_layout(legacy, "0.32.0+cpu", "out")
+    vl.check_layout(legacy, "0.32.3", "out")
+    with pytest.raises(LayoutMismatchError) as info:
+        vl.check_layout(legacy, "0.33.0", "out")
+    assert str(info.value) == (
+        "out was converted for vLLM 0.32's parameter layout (vllm-0.32/1) but vLLM 0.33.0 is "
+        "running; serve it with vLLM 0.32.x, or convert it again with this shardprep"
+    )
+    data["vllm_layout"] = "vllm-0.31/1"
+    with pytest.raises(Exception, match="vllm_layout"):
+        parse_manifest(json.dumps(data))
+
+
+def test_an_unknown_layout_id_or_an_older_vllm_is_refused() -> None:
+    with pytest.raises(LayoutMismatchError, match="does not know"):
+        vl.check_layout(vl.VllmLayout("other/3", {}, ("0.32.0",)), "0.32.0", "out")
+    with pytest.raises(LayoutMismatchError, match="older than every vLLM"):
+        vl.check_layout(vl.current_layout({"llama"}), "0.31.2", "out")
+
+
+class Toy(nn.Module):
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2, device=device)
+
+
+def test_online_quantization_is_refused_before_a_file_is_read(artifact: Path) -> None:
+    manifest = read_manifest(artifact)
+    entry = manifest.model("target")
+    with pytest.raises(LayoutMismatchError) as info:
+        contract.check_quantization(artifact, manifest, entry, Toy(), "fp8")
+    assert str(info.value) == (
+        f"{artifact} holds unquantized weights but vLLM runs with --quantization fp8, which "
+        "quantizes online into parameters a copy cannot fill; leave --quantization out, or "
+        "convert a checkpoint that is already quantized that way"
+    )
+    with pytest.raises(LayoutMismatchError, match="proj.weight on the meta device"):
+        contract.check_quantization(artifact, manifest, entry, Toy("meta"), None)
+    contract.check_quantization(artifact, manifest, entry, Toy(), None)
+    fp8 = dataclasses.replace(entry, quantization="fp8")
+    contract.check_quantization(artifact, manifest, fp8, Toy(), "fp8")
+
+
+def source(config: dict) -> SourceModel:
+    shapes = archs.target_family(config)[1].expected_shapes(config)
+    return SourceModel(config, {name: ("BF16", shape) for name, shape in shapes.items()})
+
+
+SUBSTITUTIONS = [
+    {"approximate_experts": True},
+    {"compression_config": {"transform_config": {"expert_substitution": {"k": 2}}}},
+]
+
+
+@pytest.mark.parametrize("config", SUBSTITUTIONS)
+def test_expert_substitution_is_refused_by_loader_and_plan(config: dict) -> None:
+    with pytest.raises(LayoutMismatchError, match="substitute experts"):
+        contract.check_substitution(Path("out"), config)
+    model = tiny_config("Qwen3MoeForCausalLM", **config)
+    with pytest.raises(PlanError, match="substitute experts") as info:
+        make_plan(source(model), tp=1, pp=1)
+    assert "remove it from config.json" in str(info.value)
+    contract.check_substitution(Path("out"), {"approximate_experts": False})
+
+
+def test_a_quantization_the_family_does_not_place_is_refused_up_front() -> None:
+    config = tiny_config(
+        "LlamaForCausalLM",
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]},
+    )
+    with pytest.raises(PlanError) as info:
+        make_plan(source(config), tp=1, pp=1)
+    assert str(info.value) == (
+        "cannot convert: target: fp8 checkpoints (fp8_block) of the llama family are not "
+        "supported yet; convert an unquantized checkpoint"
+    )
+
+
+def test_meta_parameters_are_what_torch_calls_meta() -> None:
+    assert next(Toy("meta").parameters()).is_meta
+    assert not next(Toy().parameters()).is_meta
+    assert torch.empty(1, device="meta").is_meta
