@@ -182,3 +182,14 @@ def test_meta_parameters_are_what_torch_calls_meta() -> None:
     assert next(Toy("meta").parameters()).is_meta
     assert not next(Toy().parameters()).is_meta
     assert torch.empty(1, device="meta").is_meta
+
+
+def test_the_installed_vllm_is_one_the_layout_canary_verified() -> None:
+    """The layout canary is the byte-for-byte suite (test_vllm_layout, test_vllm_moe,
+    test_vllm_deepseek, test_vllm_dflash, test_vllm_dspark, test_vllm_mtp): every family's
+    rank files equal the installed vLLM's own per-rank state. This ties its verdict to the
+    table: on a new vLLM, the suite passing makes adding it to VERIFIED a one-line change;
+    the suite failing means the family's revision is bumped in a new range."""
+    import vllm
+
+    assert vl.release(vllm.__version__) in vl.VERIFIED, vllm.__version__
