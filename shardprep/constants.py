@@ -49,10 +49,15 @@ DRAFT_SIDE_FILES = ("mask_embedding.pt",)
 ENV_CACHE = "SHARDPREP_CACHE"
 ENV_DEBUG = "SHARDPREP_DEBUG"
 ENV_PP_PARTITION = "VLLM_PP_LAYER_PARTITION"
+ENV_ALLOW_UNVERIFIED_VLLM = "SHARDPREP_ALLOW_UNVERIFIED_VLLM"
 
 
 def debug_enabled() -> bool:
     return os.environ.get(ENV_DEBUG, "") not in ("", "0")
+
+
+def unverified_vllm_allowed() -> bool:
+    return os.environ.get(ENV_ALLOW_UNVERIFIED_VLLM, "").lower() in ("1", "true", "yes", "on")
 
 
 def pp_partition_from_env() -> str | None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardprep.constants import ENV_ALLOW_UNVERIFIED_VLLM
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import tiny_config
 from shardprep.errors import LayoutMismatchError, PlanError
@@ -56,12 +57,12 @@ def test_a_newer_vllm_than_every_verified_one_is_refused_unless_allowed(
         vl.check_layout(layout, "0.33.0", "out")
     assert str(info.value) == (
         "vLLM 0.33.0 is newer than every vLLM out was verified with (0.32.0); serve it "
-        f"with vLLM 0.32.0, or set {vl.ENV_ALLOW_UNVERIFIED}=1 to load anyway (every "
+        f"with vLLM 0.32.0, or set {ENV_ALLOW_UNVERIFIED_VLLM}=1 to load anyway (every "
         "parameter's shape and dtype is still checked)"
     )
-    monkeypatch.setenv(vl.ENV_ALLOW_UNVERIFIED, "1")
+    monkeypatch.setenv(ENV_ALLOW_UNVERIFIED_VLLM, "1")
     vl.check_layout(layout, "0.33.0", "out")
-    monkeypatch.setenv(vl.ENV_ALLOW_UNVERIFIED, "0")
+    monkeypatch.setenv(ENV_ALLOW_UNVERIFIED_VLLM, "0")
     with pytest.raises(LayoutMismatchError):
         vl.check_layout(layout, "0.33.0", "out")
 

@@ -11,18 +11,17 @@ when it fails, add a range with the family's revision bumped and what changed.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardprep.constants import ENV_ALLOW_UNVERIFIED_VLLM, unverified_vllm_allowed
 from shardprep.errors import LayoutMismatchError
 
 LAYOUT_ID = "shardprep-vllm"
 # What `vllm_layout` was before it had structure: the vLLM 0.32 layouts, revision 1 each.
 LEGACY_LAYOUT = "vllm-0.32/1"
-ENV_ALLOW_UNVERIFIED = "SHARDPREP_ALLOW_UNVERIFIED_VLLM"
 
 # Layouts some vLLM backends build differently before processing. An artifact holds the
 # layout named here; a loader that meets another refuses and names the setting.
@@ -89,14 +88,14 @@ def release(version: str) -> tuple[int, ...]:
     if not match:
         raise LayoutMismatchError(
             f"cannot read a release number from vLLM's version {version!r}; "
-            f"set {ENV_ALLOW_UNVERIFIED}=1 to load anyway"
+            f"set {ENV_ALLOW_UNVERIFIED_VLLM}=1 to load anyway"
         )
     return tuple(int(part or 0) for part in match.groups())
 
 
 def check_layout(layout: VllmLayout, vllm_version: str, where: str) -> None:
     """Refuse an artifact whose layout the running vLLM does not build, or a vLLM newer
-    than every release the layout was verified on (unless ENV_ALLOW_UNVERIFIED is set)."""
+    than every release the layout was verified on (unless ENV_ALLOW_UNVERIFIED_VLLM is set)."""
     running = release(vllm_version)
     verified = [release(v) for v in layout.verified_with]
     served = f"vLLM {_span(verified)}" if verified else "the vLLM it was converted for"
@@ -128,11 +127,11 @@ def check_layout(layout: VllmLayout, vllm_version: str, where: str) -> None:
                 f"builds revision {builds} ({change}); serve it with {served}, or convert "
                 "it again with a shardprep that knows this vLLM"
             )
-    if verified and running > max(verified) and not _allowed():
+    if verified and running > max(verified) and not unverified_vllm_allowed():
         raise LayoutMismatchError(
             f"vLLM {vllm_version} is newer than every vLLM {where} was verified with "
             f"({', '.join(layout.verified_with)}); serve it with {served}, or set "
-            f"{ENV_ALLOW_UNVERIFIED}=1 to load anyway (every parameter's shape and dtype "
+            f"{ENV_ALLOW_UNVERIFIED_VLLM}=1 to load anyway (every parameter's shape and dtype "
             "is still checked)"
         )
 
@@ -152,10 +151,6 @@ def expert_substitution(config: Mapping[str, Any]) -> str:
 def _range_of(running: tuple[int, ...]) -> VllmRange | None:
     found = [r for r in RANGES if r.first <= running]
     return found[-1] if found else None
-
-
-def _allowed() -> bool:
-    return os.environ.get(ENV_ALLOW_UNVERIFIED, "").lower() in ("1", "true", "yes", "on")
 
 
 def _span(versions: list[tuple[int, ...]]) -> str:
