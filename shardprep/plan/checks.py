@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardprep.errors import ConfigError, summarize
+from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.format.records import Topology
 from shardprep.format.vllm_layout import expert_substitution
 from shardprep.plan.archs.base import Family, Layout
@@ -59,6 +60,7 @@ def checked_layout(
                 f"{list(expected[name])}"
             )
     layout = family.layout(source.config, shapes, topology, **context)
+    problems += [f"{role}: {p}" for p in dtype_problems(layout, source, family)]
     consumed = {piece.source for param in layout.params for piece in param.pieces}
     unknown = sorted(set(shapes) - consumed - set(layout.skipped))
     if unknown:
@@ -73,6 +75,26 @@ def checked_layout(
             f"{summarize(missing)}"
         )
     return layout, problems
+
+
+def dtype_problems(layout: Layout, source: SourceModel, family: Family) -> list[str]:
+    """A parameter that follows the model dtype is floating point in vLLM: its source
+    must be too, or quantized as the family declares (`source_dtypes`); an integer
+    parameter has its dtype fixed by the family."""
+    declared = family.source_dtypes(source.config)
+    problems = []
+    for param in layout.params:
+        if param.dtype is not None:
+            continue
+        for piece in param.pieces:
+            dtype = source.tensors.get(piece.source, ("F32",))[0]  # absent: reported apart
+            if dtype not in FLOAT_DTYPES and declared.get(piece.source) != dtype:
+                problems.append(
+                    f"{piece.source} is {dtype} in the checkpoint, but vLLM holds "
+                    f"{param.name} as a floating-point parameter; use a checkpoint whose "
+                    "weights are floating point"
+                )
+    return problems
 
 
 def loading_problems(config: Mapping[str, Any], family: Family) -> list[str]:

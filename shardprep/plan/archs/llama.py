@@ -235,6 +235,8 @@ class _EagleBase(DraftFamily):
     top_level: ClassVar[dict[str, tuple[str, Cut]]]
     skipped_names: ClassVar[dict[str, str]] = {}
     optional_sources: ClassVar[frozenset[str]] = frozenset({"embed_tokens.weight"})
+    # Index tables vLLM holds as integers (draft-to-target token ids: torch.long).
+    integer_tables: ClassVar[dict[str, str]] = {"d2t": "I64"}
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         return _draft_dims(config, context.get("target_config", {})).check(tp)
@@ -250,7 +252,8 @@ class _EagleBase(DraftFamily):
             params += layer_params(names, hf_prefix, f"model.layers.{index}.", dims, last)
         for hf, (vllm, cut) in self.top_level.items():
             if hf in shapes and hf not in skipped:
-                params.append(Param(vllm, (Piece(hf, cut),), (last,)))
+                dtype = self.integer_tables.get(hf)
+                params.append(Param(vllm, (Piece(hf, cut),), (last,), dtype))
         return Layout(
             tuple(params),
             skipped,
