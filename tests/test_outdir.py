@@ -153,3 +153,78 @@ def test_a_folder_of_someone_else_is_left_as_it_was(tiny, tmp_path: Path, capsys
     err = in_process_error(capsys, "convert", str(tiny.model("llama")), "-o", str(out))
     assert "already holds files that are not a shardprep artifact" in err
     assert sorted(p.name for p in out.iterdir()) == ["film.mkv.incomplete"]
+
+
+# A file outside the output folder that links planted inside it point to.
+VICTIM_TEXT = "a file of the user's, outside the artifact\n"
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "elsewhere" / "victim.txt"
+    victim.parent.mkdir()
+    victim.write_text(VICTIM_TEXT)
+    return victim
+
+
+def _links(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_symlink())
+
+
+def test_a_lock_name_linked_outside_is_refused_and_the_target_untouched(
+    tiny, tmp_path: Path
+) -> None:
+    victim = _victim(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).symlink_to(victim)
+    err = one_line_error(run("convert", str(tiny.model("llama")), "-o", str(out), "--quiet"))
+    assert f"{out / LOCK_NAME} is a symbolic link, not shardprep's lock" in err
+    assert victim.read_text() == VICTIM_TEXT
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
+
+
+def test_links_planted_in_an_artifact_are_replaced_never_written_through(
+    tiny, tmp_path: Path
+) -> None:
+    """Every name a rerun writes (rank files and their temporary names, copied files, the
+    journal's and the manifest's temporary names) planted as a link to a file outside:
+    the rerun repairs the artifact, which then holds no link, and the file is unchanged."""
+    victim = _victim(tmp_path)
+    model = tiny.model("llama")
+    out = tmp_path / "out"
+    args = ["convert", str(model), "-o", str(out), "--tp", "2", "--quiet"]
+    assert run(*args).returncode == 0
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    rank_file = out / manifest["files"][0]["path"]
+    planted = [
+        rank_file,
+        rank_file.with_name(rank_file.name + INCOMPLETE_SUFFIX),
+        out / manifest["files"][1]["path"],
+        out / "config.json",
+        out / ("config.json" + INCOMPLETE_SUFFIX),
+        out / (PARTIAL_MARKER + INCOMPLETE_SUFFIX),
+    ]
+    for path in planted:
+        path.unlink(missing_ok=True)
+        path.symlink_to(victim)
+    done = run(*args)
+    assert done.returncode == 0, done.stderr
+    assert victim.read_text() == VICTIM_TEXT
+    assert _links(out) == [] and not leftovers(out)
+    assert (out / "config.json").read_bytes() == (model / "config.json").read_bytes()
+    verified = run("verify", str(out), "--quiet")
+    assert verified.returncode == 0, verified.stderr
+
+
+def test_a_rank_folder_linked_outside_is_refused(tiny, tmp_path: Path) -> None:
+    elsewhere = _victim(tmp_path).parent
+    model = tiny.model("llama")
+    out = tmp_path / "out"
+    args = ["convert", str(model), "-o", str(out), "--quiet"]
+    assert run(*args).returncode == 0
+    shutil.rmtree(out / "shards")
+    (out / "shards").symlink_to(elsewhere, target_is_directory=True)
+    err = one_line_error(run(*args))
+    assert f"{out / 'shards'} is a symbolic link; shardprep writes only inside {out}" in err
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["victim.txt"]
+    assert (elsewhere / "victim.txt").read_text() == VICTIM_TEXT

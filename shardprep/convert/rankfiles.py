@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardprep import safefs
 from shardprep.constants import INCOMPLETE_SUFFIX
 from shardprep.convert.journal import Journal
 from shardprep.format.headers import DTYPE_SIZES, encode_header, numel
@@ -82,7 +83,7 @@ def open_outputs(
         path = out / file_plan.path
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + INCOMPLETE_SUFFIX)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = safefs.create_new(tmp, read=True)  # a stale or planted name: removed
         handle = OpenFile(file_plan, path, tmp, fd, len(header) + file_plan.nbytes)
         files.append(handle)
         os.pwrite(fd, header, 0)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardprep import safefs
 from shardprep.constants import INCOMPLETE_SUFFIX, MAX_HEADER_BYTES
 from shardprep.errors import CorruptFileError
 from shardprep.format import jsonio
@@ -260,7 +261,7 @@ class StreamingWriter:
         self.sha256 = hashlib.sha256()
         self.size = 0
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.tmp_path, "wb")  # noqa: SIM115 - closed in commit/abort
+        self._file = os.fdopen(safefs.create_new(self.tmp_path), "wb")  # closed in commit/abort
         self.write(header)
 
     def write(self, data: bytes | memoryview) -> None:
