@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import re
+import signal
 import sys
+import threading
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,11 +36,21 @@ _UNITS = {
 
 
 def parse_size(text: str) -> int:
-    """'5GiB', '500MB', '1000000' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    """'5GiB', '500MB', '1.5GB', '1000000' -> bytes (at least one)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"size {text!r} is not understood; write it as e.g. 5GiB or 500MB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size < 1:
+        raise ConfigError(f"size {text!r} is not a size a file can have; write e.g. 5GiB")
+    return size
+
+
+def _flag_size(flag: str, text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -45,6 +60,19 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 def _options(args: argparse.Namespace) -> Any:
     from shardprep.convert.run import Options
 
+    if args.tp < 1:
+        raise ConfigError(f"--tp {args.tp}: the tensor parallel size is at least 1")
+    if args.pp_partition is not None and not args.pp_partition.strip():
+        raise ConfigError(
+            "--pp-partition is empty; give the layers per stage, e.g. --pp-partition 31,30, "
+            "or leave the flag out for vLLM's split"
+        )
+    if args.draft_method and not args.draft:
+        raise ConfigError(
+            f"--draft-method {args.draft_method} needs --draft DRAFT (the draft model it "
+            "describes); leave it out to convert the target alone"
+        )
+    max_part_bytes = _flag_size("--max-part-size", args.max_part_size)
     return Options(
         tp=args.tp,
         pp=args.pp,
@@ -52,7 +80,7 @@ def _options(args: argparse.Namespace) -> Any:
         draft_method=args.draft_method,
         partition=args.pp_partition,
         stage=args.stage,
-        max_part_bytes=parse_size(args.max_part_size),
+        max_part_bytes=max_part_bytes,
         dtype=args.dtype,
         revision=args.revision,
         rehash_source=getattr(args, "rehash_source", False),
@@ -317,24 +345,80 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MAX_ERROR_CHARS = 1000  # an error line longer than this is cut, saying how much was left out
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, taken the way Ctrl-C is: temporary files removed, the work resumable."""
+
+    signum = signal.SIGTERM
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def error_line(message: object) -> str:
+    """One line of at most MAX_ERROR_CHARS characters: line breaks and every other control
+    character (an escape code a server or a file name carried) become spaces or escapes."""
+    text = _CONTROL.sub(_visible, str(message))
+    if len(text) > MAX_ERROR_CHARS:
+        rest = len(text) - MAX_ERROR_CHARS
+        text = f"{text[:MAX_ERROR_CHARS]}… ({rest:,} more characters)"
+    return f"shardprep: error: {text}"
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _visible(match: re.Match[str]) -> str:
+    char = match.group()
+    return " " if char in "\n\r\t\u2028\u2029" else f"\\x{ord(char):02x}"
+
+
+def _quiet(args: argparse.Namespace) -> None:
+    """--quiet: only the result, or the one error line; no log record, no warning."""
+    if getattr(args, "quiet", False):
+        logging.disable(logging.CRITICAL)
+        warnings.simplefilter("ignore")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet(args)
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+    except BrokenPipeError:
+        # The reader went away (`| head`): as the Python docs advise, send the rest of the
+        # output to devnull so that the flush at exit stays silent, and exit 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except ShardprepError as exc:
         if debug_enabled():
             traceback.print_exc()
-        print(f"shardprep: error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 1
     except OSError as exc:  # an I/O failure no library function turned into a message
         if debug_enabled():
             traceback.print_exc()
         where = f" ({exc.filename})" if exc.filename else ""
-        print(f"shardprep: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(error_line(f"{exc.strerror or exc}{where}"), file=sys.stderr)
         return 1
+    except Terminated:
+        print("shardprep: terminated; rerun the same command to resume", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("shardprep: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

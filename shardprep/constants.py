@@ -48,7 +48,8 @@ ENV_PP_PARTITION = "VLLM_PP_LAYER_PARTITION"
 
 
 def debug_enabled() -> bool:
-    return os.environ.get(ENV_DEBUG, "") not in ("", "0")
+    """SHARDPREP_DEBUG set to anything but empty, 0, false, no or off (any case)."""
+    return os.environ.get(ENV_DEBUG, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def pp_partition_from_env() -> str | None:
