@@ -170,6 +170,10 @@ def execute(
 ) -> mf.Manifest:
     out = Path(out)
     journal = Journal.open(out, fingerprint(plan, checkpoints), plan)
+    # The folder is shardprep's now: what an interrupted run of this or another plan left
+    # (temporary files, rank files this plan does not name) goes before anything is written.
+    outdir.remove_incomplete(out)
+    outdir.remove_unplanned(out, {f.path for f in plan.files})
     done = journal.verified_files(out)
     todo = [f for f in plan.files if f.path not in done]
     source_hashes = write_rank_files(
