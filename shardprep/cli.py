@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -12,13 +13,13 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from shardprep import __version__, report
 from shardprep.constants import debug_enabled
-from shardprep.errors import ConfigError, ShardprepError
+from shardprep.errors import ConfigError, ShardprepError, printable
 from shardprep.plan.make import DTYPE_NAMES
 
 _UNITS = {
@@ -361,37 +362,48 @@ def _terminate(signum: int, frame: object) -> None:
 def error_line(message: object) -> str:
     """One line of at most MAX_ERROR_CHARS characters: line breaks and every other control
     character (an escape code a server or a file name carried) become spaces or escapes."""
-    text = _CONTROL.sub(_visible, str(message))
-    if len(text) > MAX_ERROR_CHARS:
-        rest = len(text) - MAX_ERROR_CHARS
-        text = f"{text[:MAX_ERROR_CHARS]}… ({rest:,} more characters)"
-    return f"shardprep: error: {text}"
+    return f"shardprep: error: {printable(message, MAX_ERROR_CHARS)}"
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-def _visible(match: re.Match[str]) -> str:
-    char = match.group()
-    return " " if char in "\n\r\t\u2028\u2029" else f"\\x{ord(char):02x}"
-
-
-def _quiet(args: argparse.Namespace) -> None:
-    """--quiet: only the result, or the one error line; no log record, no warning."""
-    if getattr(args, "quiet", False):
-        logging.disable(logging.CRITICAL)
-        warnings.simplefilter("ignore")
+@contextlib.contextmanager
+def _quiet(args: argparse.Namespace) -> Iterator[None]:
+    """--quiet: only the result, or the one error line, on the terminal: log records still
+    reach the handlers a caller installed, but none is printed (no last-resort handler, the
+    Hugging Face client's own stderr handler muted) and no warning is shown. For the
+    command's time only: main() may be called again in the same process."""
+    if not getattr(args, "quiet", False):
+        yield
+        return
+    root, null = logging.getLogger(), logging.NullHandler()
+    printing = [
+        handler
+        for logger in (root, logging.getLogger("huggingface_hub"))
+        for handler in logger.handlers
+        if type(handler) is logging.StreamHandler
+    ]
+    levels = [handler.level for handler in printing]
+    root.addHandler(null)  # a handler is found: logging's last resort prints nothing
+    for handler in printing:
+        handler.setLevel(logging.CRITICAL + 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        root.removeHandler(null)
+        for handler, level in zip(printing, levels, strict=True):
+            handler.setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _quiet(args)
     previous = signal.getsignal(signal.SIGTERM)
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
         signal.signal(signal.SIGTERM, _terminate)
     try:
-        args.func(args)
+        with _quiet(args):
+            args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     except BrokenPipeError:
         # The reader went away (`| head`): as the Python docs advise, send the rest of the

@@ -8,7 +8,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from shardprep.constants import MAX_JSON_BYTES
-from shardprep.errors import ConfigError, CorruptFileError, summarize
+from shardprep.errors import ConfigError, CorruptFileError, HubError, printable, summarize
 from shardprep.format import jsonio
 from shardprep.format.headers import TensorInfo, read_header
 
@@ -57,19 +57,24 @@ def resolve_model(
     if path.exists() or model.count("/") != 1 or model.startswith((".", "/")):
         raise ConfigError(f"{model} is neither a model folder nor a Hugging Face repo id")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
 
+    from shardprep.hub.client import hub_errors
     from shardprep.progress import Progress, Silent
 
     try:
-        local = snapshot_download(
-            model,
-            revision=revision,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
-            tqdm_class=Progress if progress else Silent,
-        )
-    except (HfHubHTTPError, OSError) as exc:
-        raise ConfigError(f"could not download {model} from the Hugging Face Hub: {exc}") from None
+        with hub_errors(f"Downloading {model}", model, None):
+            local = snapshot_download(
+                model,
+                revision=revision,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
+                tqdm_class=Progress if progress else Silent,
+            )
+    except HubError:
+        raise
+    except OSError as exc:
+        raise ConfigError(
+            f"could not download {model} from the Hugging Face Hub: {printable(exc, 300)}"
+        ) from None
     return Path(local), model, revision
 
 
