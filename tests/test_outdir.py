@@ -308,3 +308,22 @@ def test_sigterm_stops_cleanly_and_the_rerun_resumes(tmp_path: Path) -> None:
     assert "found complete and verified" in resumed.stdout
     assert run("verify", str(out), "--quiet").returncode == 0
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_file_of_an_artifact_takes_the_umask_mode(tiny, tmp_path: Path, umask: int) -> None:
+    """The manifest as the rank files and the copied files: 0666 less the umask (mkstemp
+    alone would make it 0600)."""
+    out = tmp_path / "out"
+    result = run(
+        "convert", str(tiny.model("llama")), "-o", str(out), "--tp", "2", "--quiet",
+        preexec_fn=lambda: os.umask(umask),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    modes = {
+        str(p.relative_to(out)): oct(p.stat().st_mode & 0o777)
+        for p in out.rglob("*")
+        if p.is_file()
+    }
+    assert MANIFEST_NAME in modes and len(modes) > 3
+    assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))
