@@ -14,6 +14,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,11 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"size {text!r} is not understood; write it as e.g. 5GiB or 500MB")
-    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size < 1:
-        raise ConfigError(f"size {text!r} is not a size a file can have; write e.g. 5GiB")
+    size = int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])  # exact, no inf
+    if not 1 <= size < 2**63:
+        raise ConfigError(
+            f"size {printable(text, 40)!r} is not a size a file can have; write e.g. 5GiB"
+        )
     return size
 
 

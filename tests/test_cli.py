@@ -65,6 +65,7 @@ def test_plan_json_writes_nothing(tiny, tmp_path: Path, capsys) -> None:
         (["--max-part-size", "1.2.3"], "--max-part-size: size '1.2.3' is not understood"),
         (["--max-part-size", "0"], "--max-part-size: size '0' is not a size a file can have"),
         (["--max-part-size", "0.1"], "size '0.1' is not a size a file can have"),
+        (["--max-part-size", "9" * 400], "is not a size a file can have"),
         (["--pp-partition", ""], "--pp-partition is empty; give the layers per stage"),
         (["--draft-method", "eagle3"], "--draft-method eagle3 needs --draft DRAFT"),
     ],
@@ -117,7 +118,14 @@ def test_demo_runs_offline() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "size"), [("5GiB", 5 * 2**30), ("500MB", 500 * 10**6), ("123", 123)]
+    ("text", "size"),
+    [
+        ("5GiB", 5 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("123", 123),
+        ("1.5GiB", 3 * 2**29),
+        (".5KiB", 512),
+    ],
 )
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
