@@ -355,8 +355,6 @@ MAX_ERROR_CHARS = 1000  # an error line longer than this is cut, saying how much
 class Terminated(KeyboardInterrupt):
     """SIGTERM, taken the way Ctrl-C is: temporary files removed, the work resumable."""
 
-    signum = signal.SIGTERM
-
 
 def _terminate(signum: int, frame: object) -> None:
     raise Terminated

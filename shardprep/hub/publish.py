@@ -117,9 +117,9 @@ def _verified_manifest(artifact: Path, progress: bool) -> mf.Manifest:
 
 
 def _staging_folder(artifact: Path) -> Path:
-    """`OUT/.shardprep-publish/`, a real folder: a link there (or a linked folder inside
-    it) would put the staged files outside the artifact, so it is refused; links inside
-    it are removed (they are never followed, and `_link` makes them anew)."""
+    """`OUT/.shardprep-publish/`, a real folder: a link there would put the staged files
+    outside the artifact, so it is refused; links inside it (to files or folders) are
+    removed, never followed (`_link` makes its own anew)."""
     staging = artifact / PUBLISH_STAGING
     if staging.is_symlink():
         raise ConfigError(
