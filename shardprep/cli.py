@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
 import re
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from shardprep import __version__, report
 from shardprep.constants import debug_enabled
-from shardprep.errors import ConfigError, ShardprepError
+from shardprep.errors import ConfigError, ShardprepError, printable
 from shardprep.format.dtypes import MODEL_DTYPES
 from shardprep.plan import archs
 
@@ -32,11 +39,23 @@ _UNITS = {
 
 
 def parse_size(text: str) -> int:
-    """'5GiB', '500MB', '1000000' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    """'5GiB', '500MB', '1.5GB', '1000000' -> bytes (at least one)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"size {text!r} is not understood; write it as e.g. 5GiB or 500MB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])  # exact, no inf
+    if not 1 <= size < 2**63:
+        raise ConfigError(
+            f"size {printable(text, 40)!r} is not a size a file can have; write e.g. 5GiB"
+        )
+    return size
+
+
+def _flag_size(flag: str, text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -46,6 +65,19 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 def _options(args: argparse.Namespace) -> Any:
     from shardprep.convert.run import Options
 
+    if args.tp < 1:
+        raise ConfigError(f"--tp {args.tp}: the tensor parallel size is at least 1")
+    if args.pp_partition is not None and not args.pp_partition.strip():
+        raise ConfigError(
+            "--pp-partition is empty; give the layers per stage, e.g. --pp-partition 31,30, "
+            "or leave the flag out for vLLM's split"
+        )
+    if args.draft_method and not args.draft:
+        raise ConfigError(
+            f"--draft-method {args.draft_method} needs --draft DRAFT (the draft model it "
+            "describes); leave it out to convert the target alone"
+        )
+    max_part_bytes = _flag_size("--max-part-size", args.max_part_size)
     return Options(
         tp=args.tp,
         pp=args.pp,
@@ -53,7 +85,7 @@ def _options(args: argparse.Namespace) -> Any:
         draft_method=args.draft_method,
         partition=args.pp_partition,
         stage=args.stage,
-        max_part_bytes=parse_size(args.max_part_size),
+        max_part_bytes=max_part_bytes,
         dtype=args.dtype,
         revision=args.revision,
         rehash_source=getattr(args, "rehash_source", False),
@@ -318,24 +350,89 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MAX_ERROR_CHARS = 1000  # an error line longer than this is cut, saying how much was left out
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, taken the way Ctrl-C is: temporary files removed, the work resumable."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def error_line(message: object) -> str:
+    """One line of at most MAX_ERROR_CHARS characters: line breaks and every other control
+    character (an escape code a server or a file name carried) become spaces or escapes."""
+    return f"shardprep: error: {printable(message, MAX_ERROR_CHARS)}"
+
+
+@contextlib.contextmanager
+def _quiet(args: argparse.Namespace) -> Iterator[None]:
+    """--quiet: only the result, or the one error line, on the terminal: log records still
+    reach the handlers a caller installed, but none is printed (no last-resort handler, the
+    Hugging Face client's own stderr handler muted) and no warning is shown. For the
+    command's time only: main() may be called again in the same process."""
+    if not getattr(args, "quiet", False):
+        yield
+        return
+    root, null = logging.getLogger(), logging.NullHandler()
+    printing = [
+        handler
+        for logger in (root, logging.getLogger("huggingface_hub"))
+        for handler in logger.handlers
+        if type(handler) is logging.StreamHandler
+    ]
+    levels = [handler.level for handler in printing]
+    root.addHandler(null)  # a handler is found: logging's last resort prints nothing
+    for handler in printing:
+        handler.setLevel(logging.CRITICAL + 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        root.removeHandler(null)
+        for handler, level in zip(printing, levels, strict=True):
+            handler.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        signal.signal(signal.SIGTERM, _terminate)
     try:
-        args.func(args)
+        with _quiet(args):
+            args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+    except BrokenPipeError:
+        # The reader went away (`| head`): as the Python docs advise, send the rest of the
+        # output to devnull so that the flush at exit stays silent, and exit 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except ShardprepError as exc:
         if debug_enabled():
             traceback.print_exc()
-        print(f"shardprep: error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 1
     except OSError as exc:  # an I/O failure no library function turned into a message
         if debug_enabled():
             traceback.print_exc()
         where = f" ({exc.filename})" if exc.filename else ""
-        print(f"shardprep: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(error_line(f"{exc.strerror or exc}{where}"), file=sys.stderr)
         return 1
+    except Terminated:
+        print("shardprep: terminated; rerun the same command to resume", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("shardprep: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

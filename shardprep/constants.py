@@ -53,7 +53,8 @@ ENV_ALLOW_UNVERIFIED_VLLM = "SHARDPREP_ALLOW_UNVERIFIED_VLLM"
 
 
 def debug_enabled() -> bool:
-    return os.environ.get(ENV_DEBUG, "") not in ("", "0")
+    """SHARDPREP_DEBUG set to anything but empty, 0, false, no or off (any case)."""
+    return os.environ.get(ENV_DEBUG, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def unverified_vllm_allowed() -> bool:

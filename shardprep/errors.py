@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 
@@ -81,3 +82,21 @@ def summarize(items: Iterable[str], limit: int = 3) -> str:
     shown = ", ".join(items[:limit])
     rest = len(items) - limit
     return f"{shown} and {rest} more" if rest > 0 else shown
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def printable(text: object, limit: int | None = None) -> str:
+    """`text` fit for one line on a terminal: line breaks and tabs become spaces, every other
+    control character (an escape code a server or a file name carried) a visible `\\xNN`;
+    past `limit` characters it is cut, saying how many were left out."""
+    line = _CONTROL.sub(_visible, str(text))
+    if limit is not None and len(line) > limit:
+        line = f"{line[:limit]}… ({len(line) - limit:,} more characters)"
+    return line
+
+
+def _visible(match: re.Match[str]) -> str:
+    char = match.group()
+    return " " if char in "\n\r\t\u2028\u2029" else f"\\x{ord(char):02x}"

@@ -15,7 +15,13 @@ from vllm_env import require_python
 PACKAGE = Path(__file__).resolve().parents[1] / "shardprep"
 # Lowest first: a module may import its own floor and the floors below, never above.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("shardprep", "shardprep.errors", "shardprep.constants", "shardprep.progress"),
+    (
+        "shardprep",
+        "shardprep.errors",
+        "shardprep.constants",
+        "shardprep.progress",
+        "shardprep.safefs",
+    ),
     ("shardprep.format",),
     ("shardprep.codec",),
     ("shardprep.plan",),

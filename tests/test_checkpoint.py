@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from shardprep.cli import main
 from shardprep.convert.checkpoint import INDEX_NAME, parse_index
+from shardprep.demo.tiny import make_tiny_model
 from shardprep.errors import ConfigError
 
 FUZZ = settings(max_examples=150, deadline=10_000, database=None)
@@ -142,3 +144,31 @@ def test_an_unreadable_config_is_one_line(
     err = capsys.readouterr().err
     assert err.startswith("shardprep: error: ") and message in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["plan", "convert"])
+def test_a_source_folder_named_in_no_utf8_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """A folder whose name is Latin-1 bytes (not UTF-8): the manifest could not record it
+    (every reader would refuse it), so plan and convert refuse it in one line at once."""
+    model = Path(os.fsdecode(os.fsencode(tmp_path) + b"/mod\xe8le"))
+    make_tiny_model(model, num_hidden_layers=2)
+    out = tmp_path / "out"
+    extra = ["-o", str(out)] if command == "convert" else []
+    assert main([command, str(model), *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardprep: error: the source folder ")
+    assert "mod\\xe8le has a name that is not valid UTF-8" in err
+    assert not out.exists()
+
+
+def test_a_copied_file_named_in_no_utf8_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = make_tiny_model(tmp_path / "model", num_hidden_layers=2)
+    Path(os.fsdecode(os.fsencode(model) + b"/tokenizer-\xff.json")).write_text("{}")
+    assert main(["convert", str(model), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "the source file " in err and "tokenizer-\\xff.json has a name" in err
+    assert not (tmp_path / "out").exists()

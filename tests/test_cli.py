@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,13 +61,26 @@ def test_plan_json_writes_nothing(tiny, tmp_path: Path, capsys) -> None:
         (["--pp", "2", "--pp-partition", "1,1"], "sums to 2 but the model has 4 layers"),
         (["--max-part-size", "5 parsecs"], "size '5 parsecs' is not understood"),
         (["--stage", "3", "--pp", "2"], "--stage 3 is outside the pipeline stages 0..1"),
+        (["--tp", "0"], "--tp 0: the tensor parallel size is at least 1"),
+        (["--max-part-size", "1.2.3"], "--max-part-size: size '1.2.3' is not understood"),
+        (["--max-part-size", "0"], "--max-part-size: size '0' is not a size a file can have"),
+        (["--max-part-size", "0.1"], "size '0.1' is not a size a file can have"),
+        (["--max-part-size", "9" * 400], "is not a size a file can have"),
+        (["--pp-partition", ""], "--pp-partition is empty; give the layers per stage"),
+        (["--draft-method", "eagle3"], "--draft-method eagle3 needs --draft DRAFT"),
     ],
 )
-def test_user_mistakes_are_one_line_and_exit_1(tiny, args, message, capsys) -> None:
-    assert main(["plan", str(tiny.model("llama")), *args]) == 1
+@pytest.mark.parametrize("command", ["plan", "convert"])
+def test_user_mistakes_are_one_line_and_exit_1(
+    tiny, tmp_path: Path, args, message, command, capsys
+) -> None:
+    out = tmp_path / "out"
+    extra = ["-o", str(out)] if command == "convert" else []
+    assert main([command, str(tiny.model("llama")), *args, *extra]) == 1
     err = capsys.readouterr().err
     assert err.startswith("shardprep: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
 
 
 def test_verify_of_a_folder_without_manifest(tmp_path: Path, capsys) -> None:
@@ -84,6 +98,19 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     assert result.returncode == 1 and "Traceback" in result.stderr
 
 
+@pytest.mark.parametrize("value", ["0", "false", "no", "off", "OFF", ""])
+def test_debug_off_in_words_shows_no_traceback(tmp_path: Path, value: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "shardprep.cli", "verify", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        # PYTHONPATH kept: the package under test, not one installed elsewhere
+        env={"SHARDPREP_DEBUG": value, "PATH": "", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
 def test_demo_runs_offline() -> None:
     result = run("demo")
     assert result.returncode == 0, result.stderr
@@ -91,7 +118,14 @@ def test_demo_runs_offline() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "size"), [("5GiB", 5 * 2**30), ("500MB", 500 * 10**6), ("123", 123)]
+    ("text", "size"),
+    [
+        ("5GiB", 5 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("123", 123),
+        ("1.5GiB", 3 * 2**29),
+        (".5KiB", 512),
+    ],
 )
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size

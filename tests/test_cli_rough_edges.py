@@ -7,6 +7,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,50 @@ def test_a_folder_in_place_of_a_rank_file_is_one_line_in_verify(
     shard.mkdir()
     err = one_line_error(capsys, "verify", str(out), "-q")
     assert str(shard.name) in err
+
+
+CLI = [sys.executable, "-m", "shardprep.cli"]
+
+
+def test_an_error_line_is_bounded(tiny, tmp_path: Path) -> None:
+    """A manifest that names a parameter a million characters long: verify's error is one
+    line of about a thousand characters that says how much was left out."""
+    out = tmp_path / "out"
+    assert main(["convert", str(tiny.model("llama")), "-o", str(out), "--quiet"]) == 0
+    manifest = json.loads((out / "shardprep.json").read_text())
+    rank = manifest["models"][0]["ranks"]["pp0-tp0"]
+    rank["x" * 1_000_000] = {"dtype": "F32", "shape": [1]}
+    (out / "shardprep.json").write_text(json.dumps(manifest))
+    result = subprocess.run(
+        [*CLI, "verify", str(out), "--quiet"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("shardprep: error: ")
+    assert len(result.stderr) < 1200 and " more characters)\n" in result.stderr
+
+
+def test_a_closed_pipe_ends_the_output_quietly(tiny) -> None:
+    """`shardprep plan ... | head`: the reader is gone before the output is written; no
+    "Broken pipe" message and no traceback, exit status 1 as the Python docs advise."""
+    proc = subprocess.Popen(
+        [*CLI, "plan", str(tiny.model("llama")), "--tp", "2", "--json", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command has printed anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert err == ""
+
+
+def test_a_cache_dir_that_is_a_file_is_named(tmp_path: Path, capsys) -> None:
+    taken = tmp_path / "cache"
+    taken.write_text("not a folder")
+    assert main(["fetch", "org/Model", "--stage", "0", "--cache-dir", str(taken)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"shardprep: error: the cache folder {taken} is a file, not a folder; point "
+        "--cache-dir at a folder\n"
+    )
+    assert taken.read_text() == "not a folder"

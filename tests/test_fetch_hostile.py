@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +159,28 @@ def test_fetch_verify_finds_and_repairs_a_flipped_byte(
     assert err.count("\n") == 1, err
     assert f"{SHARD} of {REPO} in the cache ({folder}) did not match {MANIFEST_NAME}" in err
     assert not (folder / SHARD).exists()
+
+
+def test_quiet_offline_verify_of_a_damaged_stage_is_one_line(
+    hub: HubServer, artifact: Path
+) -> None:
+    """`fetch --verify --quiet` offline over a damaged cached file logs a warning (the file
+    was removed) and then fails: with --quiet, stderr holds the error line only."""
+    publish(artifact, REPO, endpoint=hub.endpoint, progress=False)
+    code, out, _ = fetch_cli(hub, "--stage", "1")
+    folder = Path(out.strip())
+    assert code == 0
+    flipped = bytearray((folder / SHARD).read_bytes())
+    flipped[len(flipped) // 2] ^= 0x01
+    (folder / SHARD).write_bytes(bytes(flipped))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "shardprep.cli", "fetch", REPO, "--stage", "1", "--verify", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith("shardprep: error: ") and result.stderr.count("\n") == 1
+    assert f"{SHARD} of {REPO} in the cache ({folder}) did not match" in result.stderr

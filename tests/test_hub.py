@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -426,3 +427,63 @@ def test_a_decompression_bomb_fails_at_once_and_places_nothing(
     assert list((staging / "shards").glob("*.incomplete")) == []
     assert not (folder / MANIFEST_NAME).exists()
     assert sum(p.stat().st_size for p in _files_under(folder)) < 10 * 1024**2
+
+
+def test_publish_refuses_a_linked_staging_folder(
+    hub: HubServer, artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (copy / ".shardprep-publish").symlink_to(elsewhere, target_is_directory=True)
+    assert cli.main(["publish", str(copy), REPO, "--endpoint", hub.endpoint, "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardprep: error: ") and err.count("\n") == 1
+    assert f"{copy / '.shardprep-publish'} is a symbolic link" in err
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_publish_never_writes_through_links_in_its_staging_folder(
+    hub: HubServer, artifact: Path, tmp_path: Path
+) -> None:
+    """Links to a file and a folder outside, planted at the names publish writes in its
+    staging folder (the card, the manifest, the compression journal and its temporary
+    name, a copied file, the shards folder): the upload is right, nothing outside moved."""
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    staging = copy / ".shardprep-publish"
+    staging.mkdir()
+    for name in ["README.md", MANIFEST_NAME, ".compressed.json", ".compressed.json.incomplete"]:
+        (staging / name).symlink_to(victim)
+    (staging / "config.json").symlink_to(victim)
+    (staging / "shards").symlink_to(elsewhere, target_is_directory=True)
+    publish(copy, REPO, compress="zstd", endpoint=hub.endpoint, progress=False)
+    assert victim.read_text() == "the user's\n" and list(elsewhere.iterdir()) == []
+    assert not staging.exists()
+    folder = fetch(REPO, stage=0, endpoint=hub.endpoint, progress=False)
+    for path in _wanted_paths(artifact, 0):
+        assert (folder / path).read_bytes() == (artifact / path).read_bytes(), path
+
+
+def test_the_cache_files_take_the_umask_mode(
+    hub: HubServer, published: str, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    result = subprocess.run(
+        [sys.executable, "-m", "shardprep.cli", "fetch", REPO, "--stage", "1", "-q",
+         "--cache-dir", str(cache), "--endpoint", hub.endpoint],
+        capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o022),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    modes = {
+        str(p.relative_to(cache)): oct(p.stat().st_mode & 0o777)
+        for p in cache.rglob("*")
+        if p.is_file()
+    }
+    assert any("/.shardprep/done/" in p for p in modes) and any("/refs/" in p for p in modes)
+    assert modes == dict.fromkeys(modes, oct(0o644))

@@ -101,6 +101,8 @@ def test_a_consistently_dropped_stage_is_what_it_says(copy: Path, capsys) -> Non
             model["ranks"] = {k: v for k, v in model["ranks"].items() if k.startswith("pp0-")}
 
     edit_manifest(copy, drop)
+    for path in copy.glob("**/model-pp-1-*"):  # files the manifest no longer lists
+        path.unlink()
     assert main(["verify", str(copy), "-q"]) == 0
     assert capsys.readouterr().out.startswith("ok (stage 0 of pp=2): ")
 
@@ -143,3 +145,14 @@ def test_a_relative_source_is_stored_absolute(
     assert json.loads(capsys.readouterr().out)["round_trip_tensors"] > 0
     assert not list((tmp_path / "out").glob(".manifest-*.tmp"))
     assert (tmp_path / "out" / MANIFEST_NAME).is_file()
+
+
+def test_a_rank_file_the_manifest_does_not_list_is_found(copy: Path, capsys) -> None:
+    """What a killed convert of another plan left under shards/ and draft/shards/ (a rank
+    file of another --max-part-size, a temporary file) is not part of the artifact."""
+    shutil.copyfile(copy / SHARD, copy / "shards/model-pp-0-tp-0-part-1.safetensors")
+    draft_file = next(p for p in (copy / "draft/shards").iterdir())
+    (copy / "draft/shards" / (draft_file.name + ".incomplete")).write_bytes(b"half")
+    err = one_line_error(capsys, "verify", str(copy))
+    assert "shards/model-pp-0-tp-0-part-1.safetensors, draft/shards/" in err
+    assert ".incomplete are not listed in the manifest (left by an earlier convert" in err

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from shardprep.constants import MAX_JSON_BYTES, MAX_SIDE_FILE_BYTES
-from shardprep.errors import ConfigError, CorruptFileError, summarize
+from shardprep.constants import COPIED_FILE_PATTERNS, MAX_JSON_BYTES, MAX_SIDE_FILE_BYTES
+from shardprep.errors import ConfigError, CorruptFileError, HubError, printable, summarize
 from shardprep.format import jsonio
 from shardprep.format.headers import TensorInfo, read_header
 
@@ -57,26 +58,35 @@ def resolve_model(
     if path.exists() or model.count("/") != 1 or model.startswith((".", "/")):
         raise ConfigError(f"{model} is neither a model folder nor a Hugging Face repo id")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError
 
+    from shardprep.hub.client import hub_errors
     from shardprep.progress import Progress, Silent
 
     try:
-        local = snapshot_download(
-            model,
-            revision=revision,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
-            tqdm_class=Progress if progress else Silent,
-        )
-    except (HfHubHTTPError, OSError) as exc:
-        raise ConfigError(f"could not download {model} from the Hugging Face Hub: {exc}") from None
+        with hub_errors(f"Downloading {model}", model, None):
+            local = snapshot_download(
+                model,
+                revision=revision,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
+                tqdm_class=Progress if progress else Silent,
+            )
+    except HubError:
+        raise
+    except OSError as exc:
+        raise ConfigError(
+            f"could not download {model} from the Hugging Face Hub: {printable(exc, 300)}"
+        ) from None
     return Path(local), model, revision
 
 
 def open_checkpoint(model: str, revision: str | None = None, progress: bool = True) -> Checkpoint:
     root, repo_id, revision = resolve_model(model, revision, progress)
+    _require_utf8(str(root.resolve()), "folder", root)
     config = load_config(root)
     files = _weight_files(root)
+    copied = {p.name for pattern in COPIED_FILE_PATTERNS for p in root.glob(pattern)}
+    for name in sorted({*files, *copied}):
+        _require_utf8(name, "file", root / name)
     tensors: dict[str, SourceTensor] = {}
     for file in files:
         header = read_header(root / file)
@@ -90,6 +100,20 @@ def open_checkpoint(model: str, revision: str | None = None, progress: bool = Tr
             tensors[name] = SourceTensor(name, file, info)
     _check_index(root, tensors)
     return Checkpoint(root, config, tensors, tuple(files), repo_id, revision)
+
+
+def _require_utf8(name: str, what: str, path: Path) -> None:
+    """The manifest records source names as UTF-8 JSON, which every reader insists on: a
+    name that is not valid UTF-8 (kept by Python as lone surrogates) is refused before
+    anything is written."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = printable(repr(os.fsencode(path))[2:-1], 300)  # the bytes that are not UTF-8
+        raise ConfigError(
+            f"the source {what} {shown} has a name that is not valid UTF-8, which the "
+            "manifest cannot record; rename it (e.g. `convmv -f latin1 -t utf8`) and rerun"
+        ) from None
 
 
 def _require_regular(path: Path) -> None:

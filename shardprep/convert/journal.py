@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardprep.constants import INCOMPLETE_SUFFIX, LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
+from shardprep import safefs
+from shardprep.constants import LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
 from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, OutputExistsError
 from shardprep.format import manifest as mf
@@ -68,9 +68,7 @@ class Journal:
 
     def _save(self) -> None:
         state = {"plan": self.fingerprint, "done": dict(sorted(self.done.items()))}
-        tmp = self.path.with_name(self.path.name + INCOMPLETE_SUFFIX)
-        tmp.write_text(json.dumps(state, indent=1) + "\n")
-        os.replace(tmp, self.path)
+        safefs.write_atomic(self.path, json.dumps(state, indent=1) + "\n")
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -114,7 +112,8 @@ def _check_same_plan(out: Path, previous: mf.Manifest, plan: Plan) -> None:
 
 
 def _hash_matches(path: Path, digest: str) -> bool:
-    return path.is_file() and sha256_file(path) == digest
+    """A regular file (a link is never kept: it is rewritten) that hashes to `digest`."""
+    return not path.is_symlink() and path.is_file() and sha256_file(path) == digest
 
 
 def fingerprint(plan: Plan, checkpoints: dict[str, Checkpoint]) -> str:

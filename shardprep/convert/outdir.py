@@ -14,11 +14,20 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardprep.constants import INCOMPLETE_SUFFIX, LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
+from shardprep.constants import (
+    DRAFT_DIR,
+    INCOMPLETE_SUFFIX,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    PARTIAL_MARKER,
+    SHARDS_DIR,
+)
 from shardprep.errors import OutputExistsError, OutputLockedError, OutputWriteError
 
 
@@ -49,7 +58,21 @@ def locked(out: Path) -> Iterator[None]:
 
 def _acquire(path: Path, out: Path) -> int:
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # Never through a link: the holder's pid would be written into its target.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise OutputExistsError(
+                f"{path} is a symbolic link, not shardprep's lock; remove it and rerun"
+            ) from None
+        if os.fstat(fd).st_nlink != 1 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OutputExistsError(
+                f"{path} is not shardprep's lock (a hard link or not a regular file); "
+                "remove it and rerun"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -79,14 +102,53 @@ def _read_holder(fd: int) -> str:
         return "its pid is not recorded yet"
 
 
+# Folders of an artifact that shardprep creates and writes into.
+WRITTEN_FOLDERS = (SHARDS_DIR, DRAFT_DIR, f"{DRAFT_DIR}/{SHARDS_DIR}")
+RANK_FOLDERS = (SHARDS_DIR, f"{DRAFT_DIR}/{SHARDS_DIR}")
+_MANIFEST_TMP = re.compile(r"\.manifest-.*\.tmp")  # write_manifest's temporary name
+
+
+def is_ours(out: Path) -> bool:
+    """A folder that holds shardprep's journal or manifest is shardprep's to tidy."""
+    return any((out / name).is_file() for name in (PARTIAL_MARKER, MANIFEST_NAME))
+
+
 def remove_incomplete(out: Path) -> None:
-    """Delete the temporary files a failed convert leaves, in a folder that is shardprep's
-    own (it holds a journal or a manifest); a folder of someone else's is never touched."""
-    if not ((out / PARTIAL_MARKER).is_file() or (out / MANIFEST_NAME).is_file()):
+    """Delete the temporary files a failed convert leaves (`*.incomplete`, a manifest's
+    temporary name), in a folder that is shardprep's own (it holds a journal or a
+    manifest); a folder of someone else's is never touched. A link is removed as a link:
+    nothing it points to is touched, and no linked folder is entered."""
+    if not is_ours(out):
         return
-    for path in out.rglob(f"*{INCOMPLETE_SUFFIX}"):
-        if path.is_file() and not path.is_symlink():
-            path.unlink(missing_ok=True)
+    for folder in (out, *(out / name for name in WRITTEN_FOLDERS)):
+        for path in _entries(folder):
+            ours = path.name.endswith(INCOMPLETE_SUFFIX) or _MANIFEST_TMP.fullmatch(path.name)
+            if ours and (path.is_symlink() or path.is_file()):
+                path.unlink(missing_ok=True)
+
+
+def remove_unplanned(out: Path, planned: set[str]) -> list[str]:
+    """Delete every file under the rank folders (`shards/`, `draft/shards/`) that the plan
+    being written does not name: the rank files of an earlier plan (another
+    --max-part-size, another topology) that a killed run left. Only in shardprep's own
+    folder; returns the removed paths, relative to `out`."""
+    if not is_ours(out):
+        return []
+    removed = []
+    for name in RANK_FOLDERS:
+        for path in _entries(out / name):
+            rel = f"{name}/{path.name}"
+            if rel not in planned and (path.is_symlink() or path.is_file()):
+                path.unlink(missing_ok=True)
+                removed.append(rel)
+    return removed
+
+
+def _entries(folder: Path) -> list[Path]:
+    """The entries of a real folder (not of a link to one); none when it is absent."""
+    if folder.is_symlink() or not folder.is_dir():
+        return []
+    return sorted(folder.iterdir())
 
 
 def file_id(path: Path) -> tuple[int, int, int] | None:

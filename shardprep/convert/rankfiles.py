@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardprep import safefs
 from shardprep.constants import INCOMPLETE_SUFFIX
 from shardprep.convert.journal import Journal
 from shardprep.format.dtypes import DTYPE_SIZES
@@ -83,7 +84,7 @@ def open_outputs(
         path = out / file_plan.path
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + INCOMPLETE_SUFFIX)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = safefs.create_new(tmp, read=True)  # a stale or planted name: removed
         handle = OpenFile(file_plan, path, tmp, fd, len(header) + file_plan.nbytes)
         files.append(handle)
         os.pwrite(fd, header, 0)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import shardprep
+from shardprep import safefs
 from shardprep.constants import (
     COPIED_FILE_PATTERNS,
     ENV_PP_PARTITION,
@@ -146,6 +146,7 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
     outdir.prepare(out)
     try:
         with outdir.locked(out):
+            safefs.refuse_linked_folders(out, outdir.WRITTEN_FOLDERS)
             before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
             try:
                 manifest = execute(
@@ -186,6 +187,10 @@ def execute(
 ) -> mf.Manifest:
     out = Path(out)
     journal = Journal.open(out, fingerprint(plan, checkpoints), plan)
+    # The folder is shardprep's now: what an interrupted run of this or another plan left
+    # (temporary files, rank files this plan does not name) goes before anything is written.
+    outdir.remove_incomplete(out)
+    outdir.remove_unplanned(out, {f.path for f in plan.files})
     done = journal.verified_files(out)
     todo = [f for f in plan.files if f.path not in done]
     source_hashes = write_rank_files(
@@ -210,7 +215,7 @@ def _copy_extras(checkpoint: Checkpoint, out: Path, role: str) -> list[mf.ExtraF
         if not src.is_file():
             continue
         tmp = folder / (name + INCOMPLETE_SUFFIX)
-        shutil.copyfile(src, tmp)
+        safefs.copy_new(src, tmp)  # never through a link planted at either name
         os.replace(tmp, folder / name)
         rel = name if role == "target" else f"draft/{name}"
         copied.append(mf.ExtraFile(rel, src.stat().st_size, sha256_file(folder / name)))

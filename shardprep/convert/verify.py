@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardprep.constants import STATE_DIR
+from shardprep.constants import DRAFT_DIR, SHARDS_DIR, STATE_DIR
 from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
@@ -95,6 +95,7 @@ def verify(out: Path, *, full: bool = False, progress: bool = False) -> Report:
     checked = set(report.checked)
     files = [f for f in manifest.files if (f.pp, f.tp) in checked]
     _check_hashes(out, manifest, files, report, progress)
+    _check_no_stray_files(out, manifest, report)
     if report.ok:
         _check_coverage(out, manifest, report)
         _check_ranks_agree(manifest, report)
@@ -122,6 +123,26 @@ def _check_hashes(
                 report.checked_files += 1
                 report.checked_bytes += size
             bar.update(size)
+
+
+def _check_no_stray_files(out: Path, manifest: mf.Manifest, report: Report) -> None:
+    """No file under the rank folders that the manifest does not list: what an earlier,
+    interrupted convert left there (a rerun of convert removes it)."""
+    listed = {f.path for f in manifest.files}
+    stray = []
+    for name in (SHARDS_DIR, f"{DRAFT_DIR}/{SHARDS_DIR}"):
+        folder = out / name
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            rel = f"{name}/{path.name}"
+            if rel not in listed and (path.is_symlink() or not path.is_dir()):
+                stray.append(rel)
+    if stray:
+        report.problems.append(
+            f"{summarize(stray)} {'are' if len(stray) > 1 else 'is'} not listed in the manifest "
+            "(left by an earlier convert: rerun that convert, which removes it, or delete it)"
+        )
 
 
 def _check_coverage(out: Path, manifest: mf.Manifest, report: Report) -> None:

@@ -7,11 +7,10 @@ every field checked by `shardprep.format.checks`) and written atomically.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from shardprep import safefs
 from shardprep.constants import FORMAT, MANIFEST_NAME, MAX_JSON_BYTES
 from shardprep.errors import ManifestError
 from shardprep.format import jsonio
@@ -112,14 +111,7 @@ def load_manifest_file(path: Path, where: str) -> Manifest:
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
     """Write atomically: a temporary name, then rename; the temporary file never stays."""
     path = folder / MANIFEST_NAME
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".manifest-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(manifest.to_json())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    safefs.write_atomic(path, manifest.to_json(), prefix=".manifest-", suffix=".tmp")
     return path
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from huggingface_hub import constants as hf_constants
 
-from shardprep.constants import MANIFEST_NAME, cache_root
+from shardprep.constants import ENV_CACHE, MANIFEST_NAME, cache_root
 from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
 from shardprep.format.headers import sha256_file
 from shardprep.format.manifest import Manifest
@@ -62,6 +62,11 @@ logger = logging.getLogger("shardprep.hub.cache")
 def repo_folder(repo_id: str, cache_dir: Path | str | None = None) -> Path:
     """`models--{org}--{name}` under the cache root (SHARDPREP_CACHE or the HF home)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    if root.exists() and not root.is_dir():
+        given = "--cache-dir" if cache_dir is not None else f"{ENV_CACHE} (or HF_HOME)"
+        raise ConfigError(
+            f"the cache folder {root} is a file, not a folder; point {given} at a folder"
+        )
     return root / ("models--" + repo_id.replace("/", "--"))
 
 

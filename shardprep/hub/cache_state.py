@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +13,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from shardprep.constants import INCOMPLETE_SUFFIX, MANIFEST_NAME, STATE_DIR
+from shardprep import safefs
+from shardprep.constants import MANIFEST_NAME, STATE_DIR
 
 logger = logging.getLogger("shardprep.hub.cache")
 
@@ -102,7 +101,4 @@ def fetch_lock(folder: Path, name: str, what: str, progress: bool) -> Iterator[N
 def write_atomic(path: Path, text: str) -> None:
     """A unique temporary name, then a rename: concurrent writers never mix their bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=INCOMPLETE_SUFFIX)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    safefs.write_atomic(path, text)  # the umask's mode, as every file of the cache

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, constants, hf_hub_download
 from huggingface_hub.errors import (
-    HfHubHTTPError,
     HFValidationError,
     OfflineModeIsEnabled,
     RemoteEntryNotFoundError,
@@ -27,7 +26,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from shardprep import __version__
 from shardprep.constants import MANIFEST_NAME
-from shardprep.errors import ConfigError, HubError, ManifestError
+from shardprep.errors import ConfigError, HubError, ManifestError, printable
 from shardprep.format import manifest as mf
 from shardprep.format.headers import sha256_file
 from shardprep.progress import Progress as tqdm
@@ -154,7 +153,10 @@ class _Silent(tqdm):
 def hub_errors(
     action: str, repo_id: str, endpoint: str | None, *, write: bool = False
 ) -> Iterator[None]:
-    """Turn the client's exceptions into one HubError that says what to do."""
+    """Turn the client's exceptions into one HubError that says what to do. Nothing the
+    server wrote (its error text, its body) goes into the message: a hostile server could
+    put escape codes or advice of its own on the user's screen. The status and the URL
+    asked for are given, made printable and bounded; SHARDPREP_DEBUG=1 shows the rest."""
     where = endpoint or constants.ENDPOINT
     login = "log in with `hf auth login` or set HF_TOKEN"
     try:
@@ -175,20 +177,58 @@ def hub_errors(
             f"{MANIFEST_NAME} lists it; the upload is incomplete. Publish it again with "
             f"`shardprep publish OUT {repo_id}`"
         ) from exc
-    except HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else None
-        if status in (401, 403):
-            need = "write access" if write else "read access"
-            raise HubError(
-                f"{action} failed: {where} refused the request ({status}); {login} with a "
-                f"token that has {need} to {repo_id}"
-            ) from exc
-        raise HubError(f"{action} failed: {where} answered {status}: {exc}") from exc
     except Exception as exc:
+        response = failed_response(exc)
+        if response is not None:
+            status = response.status_code
+            if status in (401, 403):
+                need = "write access" if write else "read access"
+                raise HubError(
+                    f"{action} failed: {where} refused the request ({status}); {login} with a "
+                    f"token that has {need} to {repo_id}"
+                ) from exc
+            raise HubError(
+                f"{action} failed: {where} answered {status} to {_request_line(response)}; "
+                f"{_advice(status)} (SHARDPREP_DEBUG=1 shows the server's answer)"
+            ) from exc
         if not is_connection_error(exc):
             raise
         raise HubError(
-            f"{action} failed: cannot reach {where} ({type(exc).__name__}: {exc}). Check the "
-            "network, HF_ENDPOINT or --endpoint; a stage fetched before works offline with "
-            "HF_HUB_OFFLINE=1"
+            f"{action} failed: cannot reach {where} ({type(exc).__name__}: "
+            f"{printable(exc, 200)}). Check the network, HF_ENDPOINT or --endpoint; a stage "
+            "fetched before works offline with HF_HUB_OFFLINE=1"
         ) from exc
+
+
+def failed_response(exc: BaseException) -> object | None:
+    """The HTTP error answer behind `exc`, if any: the client's HfHubHTTPError carries it,
+    and so does the exception it raises while reading a body it cannot decode (a
+    UnicodeDecodeError whose context is the HTTP status error)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        status = getattr(response, "status_code", None)
+        if isinstance(status, int) and status >= 400:
+            return response
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _request_line(response: object) -> str:
+    request = getattr(response, "request", None)
+    method = getattr(request, "method", None)
+    url = getattr(response, "url", None) or getattr(request, "url", "")
+    return printable(f"{method} {url}" if method else url, 300)
+
+
+def _advice(status: int) -> str:
+    if status == 429:
+        return "it is limiting requests: wait a few minutes and try again"
+    if status >= 500:
+        return (
+            "the server failed; try again later, and check HF_ENDPOINT or --endpoint if it "
+            "keeps failing"
+        )
+    return "check the repo id, the revision, the token and HF_ENDPOINT or --endpoint"

@@ -20,8 +20,8 @@ from pathlib import Path
 from huggingface_hub import HfApi, constants
 from huggingface_hub.utils import disable_progress_bars
 
-from shardprep import __version__
-from shardprep.constants import INCOMPLETE_SUFFIX, MANIFEST_NAME
+from shardprep import __version__, safefs
+from shardprep.constants import MANIFEST_NAME
 from shardprep.errors import ConfigError, CorruptFileError, HubError
 from shardprep.format import manifest as mf
 from shardprep.format.headers import sha256_file
@@ -63,7 +63,7 @@ def publish(
         _link(artifact / extra.path, staging / extra.path)
     published = dataclasses.replace(manifest, files=files)
     mf.write_manifest(staging, published)
-    (staging / CARD_NAME).write_text(model_card(published, repo_id))
+    safefs.write_atomic(staging / CARD_NAME, model_card(published, repo_id))
     names = [MANIFEST_NAME, CARD_NAME, *(e.path for e in manifest.extra_files)]
     names += [stored_path(f) for f in files]
     api = HfApi(endpoint=endpoint, token=token)
@@ -117,7 +117,15 @@ def _verified_manifest(artifact: Path, progress: bool) -> mf.Manifest:
 
 
 def _staging_folder(artifact: Path) -> Path:
+    """`OUT/.shardprep-publish/`, a real folder: a link there would put the staged files
+    outside the artifact, so it is refused; links inside it (to files or folders) are
+    removed, never followed (`_link` makes its own anew)."""
     staging = artifact / PUBLISH_STAGING
+    if staging.is_symlink():
+        raise ConfigError(
+            f"Refusing to publish {artifact}: {staging} is a symbolic link, and publishing "
+            "stages the upload inside the artifact only. Remove the link and publish again"
+        )
     try:
         staging.mkdir(exist_ok=True)
     except OSError as exc:
@@ -125,6 +133,10 @@ def _staging_folder(artifact: Path) -> Path:
             f"Cannot create {staging} ({exc.strerror}): publishing stages the upload inside the "
             "artifact. Make the folder writable, or copy the artifact somewhere writable"
         ) from exc
+    for folder, dirs, files in os.walk(staging):
+        for name in [*dirs, *files]:
+            if os.path.islink(os.path.join(folder, name)):
+                os.unlink(os.path.join(folder, name))
     return staging
 
 
@@ -195,9 +207,7 @@ def _read_journal(staging: Path) -> dict[str, dict]:
 
 
 def _write_journal(staging: Path, journal: dict[str, dict]) -> None:
-    tmp = staging / (_JOURNAL + INCOMPLETE_SUFFIX)
-    tmp.write_text(json.dumps(journal, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, staging / _JOURNAL)
+    safefs.write_atomic(staging / _JOURNAL, json.dumps(journal, indent=1, sort_keys=True) + "\n")
 
 
 def _link(src: Path, dst: Path) -> None:
