@@ -17,7 +17,7 @@ from typing import Any
 
 from shardprep import safefs
 from shardprep.constants import LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
-from shardprep.convert.checkpoint import Checkpoint
+from shardprep.convert.checkpoint import Checkpoint, known_sha256
 from shardprep.errors import CorruptFileError, OutputExistsError
 from shardprep.format import manifest as mf
 from shardprep.format.headers import sha256_file
@@ -34,7 +34,9 @@ class Journal:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def open(cls, out: Path, fingerprint: str, plan: Plan) -> Journal:
+    def open(
+        cls, out: Path, fingerprint: str, plan: Plan, checkpoints: dict[str, Checkpoint]
+    ) -> Journal:
         path = out / PARTIAL_MARKER
         if path.is_file():
             state = _read_state(path, out)
@@ -43,7 +45,7 @@ class Journal:
         if (out / MANIFEST_NAME).is_file():
             previous = mf.read_manifest(out)
             done = {f.path: f.sha256 for f in previous.files}
-            _check_same_plan(out, previous, plan)
+            _check_same_plan(out, previous, plan, checkpoints, fingerprint)
             journal = cls(path, fingerprint, done)
             journal._save()
             return journal
@@ -95,20 +97,71 @@ def _read_state(path: Path, out: Path) -> dict[str, Any]:
     return {"plan": plan, "done": done}
 
 
-def _check_same_plan(out: Path, previous: mf.Manifest, plan: Plan) -> None:
-    """A complete artifact is re-verified and kept only if it is this very plan's."""
-    same = (
-        (previous.topology.tp, previous.topology.pp, previous.topology.partition)
-        == (plan.topology.tp, plan.topology.pp, plan.topology.partition)
-        and previous.stages == plan.stages
-        and sorted(f.path for f in previous.files) == sorted(f.path for f in plan.files)
-        and sorted(m.role for m in previous.models) == sorted(m.role for m in plan.models)
+def _check_same_plan(
+    out: Path,
+    previous: mf.Manifest,
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    fingerprint: str,
+) -> None:
+    """A complete artifact is re-verified and kept only if it is this very plan's: the
+    fingerprint the manifest recorded, else (an artifact made before it was recorded)
+    every field the manifest holds of the plan and its sources."""
+    if previous.plan_fingerprint == fingerprint:
+        return
+    differences = plan_differences(previous, plan, checkpoints)
+    if not differences and previous.plan_fingerprint is None:
+        return
+    if not differences:
+        differences = ["a source file's size or modification time changed since"]
+    raise OutputExistsError(
+        f"{out} holds a shardprep artifact of another model or topology "
+        f"({'; '.join(differences[:3])}); choose a new output folder or delete that one"
     )
-    if not same:
-        raise OutputExistsError(
-            f"{out} holds a shardprep artifact of another model or topology; "
-            "choose a new output folder or delete that one"
-        )
+
+
+def plan_differences(
+    previous: mf.Manifest, plan: Plan, checkpoints: dict[str, Checkpoint]
+) -> list[str]:
+    """What the manifest records differently from this plan and its sources, in words."""
+    found = []
+    topo, new = previous.topology, plan.topology
+    if (topo.tp, topo.pp, topo.partition) != (new.tp, new.pp, new.partition):
+        found.append(f"tp{topo.tp} x pp{topo.pp} {list(topo.partition)}, not "
+                     f"tp{new.tp} x pp{new.pp} {list(new.partition)}")  # fmt: skip
+    if previous.stages != plan.stages:
+        found.append(f"stages {list(previous.stages)}, not {list(plan.stages)}")
+    if sorted(f.path for f in previous.files) != sorted(f.path for f in plan.files):
+        found.append("other rank files")
+    for model in plan.models:
+        entry = previous.model(model.role)
+        if entry is None:
+            found.append(f"no {model.role} model")
+            continue
+        if entry.dtype != model.dtype:
+            found.append(f"{model.role} dtype {entry.dtype}, not {model.dtype}")
+        found += _source_differences(model.role, entry.source, checkpoints[model.role])
+    return found
+
+
+def _source_differences(role: str, source: mf.Source, checkpoint: Checkpoint) -> list[str]:
+    recorded = {f.path: f for f in source.files}
+    if checkpoint.repo_id and (source.repo_id, source.revision) != (
+        checkpoint.repo_id,
+        checkpoint.revision,
+    ):
+        return [f"{role} source {source.repo_id}@{source.revision}"]
+    if not checkpoint.repo_id and source.model != str(checkpoint.root.resolve()):
+        return [f"{role} source {source.model}"]
+    if sorted(recorded) != sorted(checkpoint.files):
+        return [f"{role} source files {sorted(recorded)[:3]}"]
+    for name in checkpoint.files:
+        size = (checkpoint.root / name).stat().st_size
+        known = known_sha256(checkpoint, name)
+        entry = recorded[name]
+        if entry.bytes != size or (known and entry.sha256 and known.sha256 != entry.sha256):
+            return [f"{role} source file {name} changed"]
+    return []
 
 
 def _hash_matches(path: Path, digest: str) -> bool:
@@ -117,11 +170,20 @@ def _hash_matches(path: Path, digest: str) -> bool:
 
 
 def fingerprint(plan: Plan, checkpoints: dict[str, Checkpoint]) -> str:
-    """Changes whenever the plan or the source files' sizes and times change."""
+    """Changes whenever the plan (dtype, every tensor and file) or the sources' identity
+    changes: their folder or repo and revision, each file's size, time and known sha256."""
     stats = {
-        f"{role}/{f}": [(cp.root / f).stat().st_size, (cp.root / f).stat().st_mtime_ns]
+        f"{role}/{f}": [
+            (cp.root / f).stat().st_size,
+            (cp.root / f).stat().st_mtime_ns,
+            known.sha256 if (known := known_sha256(cp, f)) else None,
+        ]
         for role, cp in checkpoints.items()
         for f in (*cp.files, *cp.side_files())
     }
-    text = json.dumps([repr(plan), stats], sort_keys=True)
+    where = {
+        role: [cp.repo_id, cp.revision, None if cp.repo_id else str(cp.root.resolve())]
+        for role, cp in checkpoints.items()
+    }
+    text = json.dumps([repr(plan), stats, where], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()

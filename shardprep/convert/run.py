@@ -186,7 +186,7 @@ def execute(
     request: ConversionRequest | None = None,
 ) -> mf.Manifest:
     out = Path(out)
-    journal = Journal.open(out, fingerprint(plan, checkpoints), plan)
+    journal = Journal.open(out, fingerprint(plan, checkpoints), plan, checkpoints)
     # The folder is shardprep's now: what an interrupted run of this or another plan left
     # (temporary files, rank files this plan does not name) goes before anything is written.
     outdir.remove_incomplete(out)
@@ -198,7 +198,7 @@ def execute(
     )
     extra = [e for role, cp in checkpoints.items() for e in _copy_extras(cp, out, role)]
     manifest = _manifest(plan, checkpoints, sources, journal.done, source_hashes, extra)
-    manifest = dataclasses.replace(manifest, request=request)
+    manifest = dataclasses.replace(manifest, request=request, plan_fingerprint=journal.fingerprint)
     mf.write_manifest(out, manifest)
     journal.remove()
     return manifest

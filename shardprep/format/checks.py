@@ -263,8 +263,9 @@ _MANIFEST = _object(
             _object("ExtraFile", {"path": _string(), "bytes": _COUNT, "sha256": _SHA})
         ),
         "request": _nullable(_REQUEST),
+        "plan_fingerprint": _nullable(_SHA),
     },
-    optional=frozenset({"request"}),
+    optional=frozenset({"request", "plan_fingerprint"}),
 )
 
 

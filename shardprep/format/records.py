@@ -133,6 +133,8 @@ class Manifest:
     files: tuple[FileEntry, ...]
     extra_files: tuple[ExtraFile, ...] = ()
     request: ConversionRequest | None = None  # None in artifacts made before it was recorded
+    # The plan and its sources' identity, hashed: a rerun keeps the files only if it matches.
+    plan_fingerprint: str | None = None
 
     def model(self, role: str) -> ModelEntry | None:
         return next((m for m in self.models if m.role == role), None)
