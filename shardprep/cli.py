@@ -102,6 +102,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
     done = convert_folder(args.model, Path(args.output), _options(args), progress=not args.quiet)
     summary = report.artifact_summary(done.manifest)
     summary["kept_files"], summary["written_files"] = done.kept, done.written
+    summary["notes"] = list(done.notes)
     if done.written == 0:
         head = (
             f"{args.output} was already complete: all {done.kept} rank files verified against "
@@ -114,7 +115,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
         )
     else:
         head = f"wrote {args.output}"
-    _emit(args, summary, head + "\n" + report.table(report.manifest_rows(done.manifest)))
+    notes = "".join(f"\nnote: {note}" for note in done.notes)
+    _emit(args, summary, head + notes + "\n" + report.table(report.manifest_rows(done.manifest)))
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

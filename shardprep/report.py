@@ -104,6 +104,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
             "partition": list(plan.topology.partition),
         },
         "stages": list(plan.stages),
+        "notes": list(plan.notes),
         "models": [
             {
                 "role": m.role,
@@ -169,6 +170,7 @@ def describe_models(summary: dict[str, Any]) -> str:
         if model.get("experts"):
             lines += expert_lines(model["experts"], topo["tp"])
         lines += skipped_lines(model.get("skipped") or {})
+    lines += [f"note: {note}" for note in summary.get("notes", ())]
     return "\n".join(lines)
 
 

@@ -74,6 +74,7 @@ def load_and_plan(
     target = open_checkpoint(model, options.revision, progress)
     checkpoints = {"target": target}
     method = options.draft_method
+    notes: list[str] = []
     if options.draft:
         draft = open_checkpoint(options.draft, progress=progress)
         target_family = archs.target_family(target.config)[1].name
@@ -83,7 +84,14 @@ def load_and_plan(
         checkpoints["draft"] = with_side_tensors(draft, archs.draft_family(method, target_family))
     elif options.mtp_draft and (internal := archs.internal_draft_method(target.config)):
         # The draft's tensors are in the target checkpoint, which is read once for both.
-        checkpoints["draft"], method = target, internal
+        family = archs.draft_family(internal, archs.target_family(target.config)[1].name)
+        if set(family.expected_shapes(target.config)) & set(target.tensors):
+            checkpoints["draft"], method = target, internal
+        else:  # e.g. a DeepSeek-V3 re-saved by transformers, which drops the MTP layers
+            notes.append(
+                f"config.json promises a {internal} draft inside the checkpoint, which holds "
+                f"none of its tensors: the target is converted without a {internal} draft"
+            )
     plan = make_plan(
         source_model(target),
         tp=options.tp,
@@ -99,6 +107,7 @@ def load_and_plan(
         expert_placement=options.expert_placement,
         dp=options.dp,
     )
+    plan = dataclasses.replace(plan, notes=tuple(notes))
     return plan, checkpoints
 
 
@@ -134,6 +143,7 @@ class Converted:
     manifest: mf.Manifest
     kept: int  # rank files found complete and verified, left as they were
     written: int  # rank files written by this run
+    notes: tuple[str, ...] = ()  # the plan's notes
 
 
 def convert_folder(model: str, out: Path, options: Options, *, progress: bool = True) -> Converted:
@@ -166,7 +176,7 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
     except OSError as exc:
         raise outdir.write_error(out, exc) from exc
     kept = sum(1 for path, id_ in before.items() if id_ and id_ == outdir.file_id(out / path))
-    return Converted(manifest, kept, len(plan.files) - kept)
+    return Converted(manifest, kept, len(plan.files) - kept, plan.notes)
 
 
 def _source_name(given: str, checkpoint: Checkpoint) -> str:

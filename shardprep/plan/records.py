@@ -94,3 +94,4 @@ class Plan:
     stages: tuple[int, ...]
     models: tuple[ModelPlan, ...]
     files: tuple[FilePlan, ...]
+    notes: tuple[str, ...] = ()  # what a user should know of the plan, each a sentence
