@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
 from shardprep.demo.tiny import TINY_FP8, make_tiny_model, tiny_config
 from shardprep.format.manifest import read_manifest
 from shardprep.plan.make import make_plan
@@ -163,3 +164,31 @@ def test_a_promised_mtp_layer_the_checkpoint_lacks_converts_the_target_alone(
     ) in text
     manifest = read_manifest(out)
     assert manifest.model("draft") is None and manifest.request.mtp_draft
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_draft_copy_is_left_out_only_when_its_bytes_equal_the_targets(
+    mtp_model: Path, tmp_path: Path, pp: int
+) -> None:
+    """vLLM 0.33's runner shares a draft module only when the weights are equal: an MTP
+    head or embedding that differs from the target's is written to the draft."""
+    same = convert(str(mtp_model), tmp_path / "same", Options(tp=2, pp=pp), progress=False)
+    draft = same.model("draft")
+    assert MTP + "shared_head.head.weight" in draft.shared_with_target
+    assert ("model.embed_tokens.weight" in draft.shared_with_target) == (pp == 1)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_bytes((mtp_model / "config.json").read_bytes())
+    tensors = load_file(mtp_model / "model.safetensors")
+    for name in (MTP + "shared_head.head.weight", MTP + "embed_tokens.weight"):
+        tensors[name] = tensors[name] + 1
+    save_file(tensors, model / "model.safetensors")
+    other = convert(str(model), tmp_path / "other", Options(tp=2, pp=pp), progress=False)
+    draft = other.model("draft")
+    assert draft.shared_with_target == ()
+    held = rank_files(tmp_path / "other", "draft", pp - 1, 0)
+    head, mine = tensors[MTP + "shared_head.head.weight"], held[MTP + "shared_head.head.weight"]
+    rows = min(head.shape[0], mine.shape[0])  # tp rank 0's rows of the padded vocabulary
+    assert torch.equal(mine[:rows], head[:rows])
+    assert "model.embed_tokens.weight" in held
+    assert verify(tmp_path / "other", full=True, progress=False).ok

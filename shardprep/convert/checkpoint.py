@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from shardprep.constants import COPIED_FILE_PATTERNS, MAX_JSON_BYTES, MAX_SIDE_FILE_BYTES
+from shardprep.constants import (
+    CHUNK_BYTES,
+    COPIED_FILE_PATTERNS,
+    MAX_JSON_BYTES,
+    MAX_SIDE_FILE_BYTES,
+)
 from shardprep.errors import ConfigError, CorruptFileError, HubError, printable, summarize
 from shardprep.format import jsonio
 from shardprep.format.headers import TensorInfo, read_header
@@ -312,3 +317,20 @@ def load_side_file(path: Path) -> Any:
             f"{path} is not a file of plain tensors (a safe load refused it with "
             f"{type(exc).__name__}); use the file that came with this draft"
         ) from None
+
+
+def same_bytes(a: Checkpoint, a_name: str, b: Checkpoint, b_name: str) -> bool:
+    """Whether two source tensors hold the same dtype, shape and bytes (read in chunks)."""
+    first, second = a.tensors[a_name], b.tensors[b_name]
+    if (first.info.dtype, first.info.shape) != (second.info.dtype, second.info.shape):
+        return False
+    with open(a.root / first.file, "rb") as f, open(b.root / second.file, "rb") as g:
+        f.seek(first.info.offset)
+        g.seek(second.info.offset)
+        left = first.info.nbytes
+        while left:
+            step = min(left, CHUNK_BYTES)
+            if f.read(step) != g.read(step):
+                return False
+            left -= step
+    return True

@@ -28,6 +28,7 @@ from shardprep.convert.checkpoint import (
     known_sha256,
     load_side_file,
     open_checkpoint,
+    same_bytes,
 )
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.scatter import write_rank_files
@@ -106,9 +107,26 @@ def load_and_plan(
         expert_parallel=options.expert_parallel,
         expert_placement=options.expert_placement,
         dp=options.dp,
+        distinct_copies=distinct_copies(checkpoints, method),
     )
     plan = dataclasses.replace(plan, notes=tuple(notes))
     return plan, checkpoints
+
+
+def distinct_copies(checkpoints: dict[str, Checkpoint], method: str | None) -> frozenset[str]:
+    """The draft's copies of target tensors whose bytes differ from the target's: those
+    the draft must hold itself (the others vLLM serves with the target's)."""
+    target, draft = checkpoints["target"], checkpoints.get("draft")
+    if draft is None or method is None:
+        return frozenset()
+    family = archs.draft_family(method, archs.target_family(target.config)[1].name)
+    return frozenset(
+        copy
+        for copy, original in family.shared_copies(draft.config).items()
+        if copy in draft.tensors
+        and original in target.tensors
+        and not same_bytes(draft, copy, target, original)
+    )
 
 
 def with_side_tensors(checkpoint: Checkpoint, family: archs.DraftFamily) -> Checkpoint:

@@ -115,6 +115,9 @@ def make_tiny_model(
         shapes |= part.expected_shapes(config)
         dtypes |= part.source_dtypes(config)
     tensors = _random_tensors(shapes, config["torch_dtype"], seed)
+    for part in families[1:]:  # a draft's copies of target tensors are copies, as published
+        for copy, original in part.shared_copies(config).items():
+            tensors[copy] = tensors[original].clone()
     if dtypes:
         tensors.update(_quantized(tensors, dtypes, seed))
     _write_model(folder, config, tensors, files)

@@ -76,11 +76,14 @@ def make_plan(
     expert_parallel: bool = False,
     expert_placement: str = "linear",
     dp: int = 1,
+    distinct_copies: frozenset[str] = frozenset(),
 ) -> Plan:
     """Validate everything, then lay out every rank file. Raises one PlanError listing
     every problem found. `partition_origin` names where `partition` came from when it
     was not the command line; `expert_parallel`, `expert_placement` and `dp` are vLLM's
-    --enable-expert-parallel, --expert-placement-strategy and --data-parallel-size."""
+    --enable-expert-parallel, --expert-placement-strategy and --data-parallel-size.
+    `distinct_copies`: the draft's copies of target tensors (`DraftFamily.shared_copies`)
+    whose bytes differ from the target's, so the draft must hold them itself."""
     effective_placement(expert_placement, num_expert_group=None, dp=1)  # raises if unknown
     if dp < 1:
         raise PlanError(f"data parallel size must be at least 1, got --dp {dp}")
@@ -112,6 +115,7 @@ def make_plan(
         context = {
             "target_config": target.config,
             "draft_names": sorted(draft.tensors),
+            "distinct_copies": distinct_copies,
             **moe,
         }
         jobs.append(

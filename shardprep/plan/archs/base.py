@@ -86,6 +86,12 @@ class DraftFamily(Family):
     # Parameters vLLM may leave at their initial value when the draft lacks them.
     may_stay_unloaded: ClassVar[frozenset[str]] = frozenset()
 
+    def shared_copies(self, config: Config) -> dict[str, str]:
+        """Draft tensors that are copies of target tensors (draft name -> target name),
+        which vLLM may serve with the target's: left out only when the bytes are equal
+        (convert compares them and passes the others as `distinct_copies`)."""
+        return {}
+
     def recognizes(self, config: Config, names: list[str]) -> bool:
         """Whether a draft folder's config and tensor names are of this kind."""
         return False

@@ -78,6 +78,13 @@ class DeepseekMtpDraft(DraftFamily):
             found[prefix + LAYER_EMBED] = ((d.vocab, d.hidden), None)
         return found
 
+    def shared_copies(self, config: Config) -> dict[str, str]:
+        """Each MTP layer's vocab head copies lm_head; the first one's embedding copies
+        the target's."""
+        layers = mtp_layers(config)
+        copies = {f"model.layers.{layer}.{HEAD}": "lm_head.weight" for layer in layers}
+        return copies | {f"model.layers.{layers.start}.{LAYER_EMBED}": EMBED}
+
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         """The MTP layers have the target's sizes: the target's checks cover them."""
         return []
@@ -89,24 +96,34 @@ class DeepseekMtpDraft(DraftFamily):
         skipped: dict[str, str] = {}
         shared: set[str] = set()
         optional: set[str] = set()
+        distinct = context.get("distinct_copies", frozenset())
         for layer in layers:
             prefix = f"model.layers.{layer}."
             block = DeepseekFamily().layer_params(d, quant, layer, prefix, topology.tp)
             params += fused_params(_in_block(block, prefix), last)
             for name in OWN:
                 params.append(Param(prefix + name, (Piece(prefix + name, Cut.REPLICATE),), (last,)))
-            shared.add(prefix + HEAD)
             optional |= {prefix + HEAD, prefix + LAYER_EMBED}
-            skipped[prefix + HEAD] = "vLLM serves the MTP draft with the target's lm_head"
+            if prefix + HEAD in distinct:  # vLLM shares the target's only where they are equal
+                params.append(Param(prefix + HEAD, (Piece(prefix + HEAD, Cut.VOCAB),), (last,)))
+            else:
+                shared.add(prefix + HEAD)
+                skipped[prefix + HEAD] = (
+                    "equal to lm_head.weight, byte for byte: vLLM serves the MTP draft with the "
+                    "target's lm_head"
+                )
             if layer != layers.start:
                 skipped[prefix + LAYER_EMBED] = "vLLM loads the first MTP layer's embedding only"
         first_copy = f"model.layers.{layers.start}.{LAYER_EMBED}"
         embed = first_copy if first_copy in shapes else EMBED
-        if topology.pp > 1:
+        if topology.pp > 1 or first_copy in distinct:
             params.append(Param(EMBED, (Piece(embed, Cut.VOCAB),), (last,)))
         else:
             shared.add(EMBED)
-            skipped[first_copy] = "at pp=1 vLLM serves the MTP draft with the target's embedding"
+            skipped[first_copy] = (
+                f"equal to {EMBED}, byte for byte: at pp=1 vLLM serves the MTP draft with the "
+                "target's embedding"
+            )
         used = {piece.source for param in params for piece in param.pieces}
         for name in shapes:
             match = LAYER.match(name)
