@@ -1,11 +1,19 @@
-"""Shared fixtures: tiny checkpoints built once per session, caches isolated per test."""
+"""Shared fixtures: tiny checkpoints built once per session, caches isolated per test.
+
+The tests mirror the package's folders; what several of them use (the Hub server, the
+vLLM runner and its environment, hostile-file builders, the manifest schema) is in
+tests/support/, importable by module name from every test."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
 from hub_server import HubServer
 
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model

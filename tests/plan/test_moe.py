@@ -121,7 +121,7 @@ def test_moe_manifest_records_experts_and_matches_the_schema(tmp_path) -> None:
 
     import jsonschema
     from safetensors import safe_open
-    from test_manifest import SCHEMA
+    from schema import SCHEMA
 
     from shardprep.convert.run import Options, convert
     from shardprep.convert.verify import verify

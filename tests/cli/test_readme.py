@@ -18,7 +18,7 @@ import pytest
 
 from shardprep.cli import build_parser
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def usage_lines(text: str) -> dict[str, list[str]]:

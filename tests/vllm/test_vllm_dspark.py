@@ -154,7 +154,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_dspark_rank_files_equal_vllm_module_state_at_tp1_and_tp2(prepared: Path) -> None:
     import vllm_env
-    from test_collective_free import free_port
+    from ports import free_port
 
     if vllm_env.vllm_python() is None:
         pytest.skip("needs the vLLM environment")

@@ -8,14 +8,13 @@ depend on the frame size only; any safetensors file of any dtype round-trips exa
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 import time
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hostile import safetensors_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,20 +39,6 @@ def compiled_joins_ready() -> None:
 
 
 # ---------------------------------------------------------------------------- inputs
-
-
-def safetensors_bytes(tensors: list[tuple[str, str, list[int], bytes]]) -> bytes:
-    header, offset = {}, 0
-    for name, dtype, shape, data in tensors:
-        header[name] = {
-            "dtype": dtype,
-            "shape": shape,
-            "data_offsets": [offset, offset + len(data)],
-        }
-        offset += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(t[3] for t in tensors)
 
 
 @st.composite

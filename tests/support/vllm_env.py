@@ -36,9 +36,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
-RUNNER = TESTS / "vllm_runner.py"
+REPO = Path(__file__).resolve().parents[2]
+SUPPORT = Path(__file__).resolve().parent
+RUNNER = SUPPORT / "vllm_runner.py"
 PYTHON_ENV = "SHARDPREP_VLLM_PYTHON"
 DUMP_DIR_ENV = "SHARDPREP_DUMP_DIR"
 DUMP_FORMAT = "dump-default"
@@ -90,7 +90,7 @@ def require_dump_plugin() -> None:
     if DUMP_PLUGIN not in out.split():
         raise VllmRunError(
             f"the {DUMP_FORMAT} plugin is not installed in the vLLM environment: run "
-            f"{require_python()} -m pip install -e {TESTS / 'vllm_dump_plugin'}"
+            f"{require_python()} -m pip install -e {REPO / 'tests' / 'vllm_dump_plugin'}"
         )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 import subprocess
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from codec_bombs import FRAME_SIZE, bomb
+from hostile import safetensors_bytes
 from safetensors.torch import save_file
 
 from shardprep.codec import CodecResult, codec_names, compress_file, decompress_file
@@ -45,19 +45,7 @@ def round_trip(src: Path, **options: object) -> tuple[CodecResult, CodecResult, 
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, str, list[int], bytes]]) -> Path:
-    """A safetensors file with the tensors in the given order (save_file sorts by dtype,
-    which would never put a bf16 tensor at an odd offset)."""
-    header, offset = {}, 0
-    for name, dtype, shape, data in tensors:
-        header[name] = {
-            "dtype": dtype,
-            "shape": shape,
-            "data_offsets": [offset, offset + len(data)],
-        }
-        offset += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(t[3] for t in tensors))
+    path.write_bytes(safetensors_bytes(tensors))
     return path
 
 

@@ -1,5 +1,6 @@
-"""What an attacker would hand shardprep: rewritten headers and manifests, made on real
-artifacts so that only the one field under test is wrong."""
+"""safetensors files made by hand, and what an attacker would hand shardprep: rewritten
+headers and manifests, made on real artifacts so that only the one field under test is
+wrong."""
 
 from __future__ import annotations
 
@@ -20,6 +21,22 @@ def pack(header: dict[str, Any] | str | bytes, data: bytes = b"") -> bytes:
     else:
         raw = header.encode() if isinstance(header, str) else header
     return struct.pack("<Q", len(raw)) + raw + data
+
+
+def safetensors_bytes(tensors: list[tuple[str, str, list[int], bytes]]) -> bytes:
+    """A well-formed safetensors file of (name, dtype, shape, data), in the given order
+    (save_file sorts by dtype, which would never put a bf16 tensor at an odd offset)."""
+    header, offset = {}, 0
+    for name, dtype, shape, data in tensors:
+        header[name] = {
+            "dtype": dtype,
+            "shape": shape,
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return pack(text, b"".join(t[3] for t in tensors))
 
 
 def split(blob: bytes) -> tuple[dict[str, Any], bytes]:

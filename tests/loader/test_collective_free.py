@@ -16,7 +16,6 @@ import argparse
 import ast
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ LAST = PP - 1
 FINISH_TIMEOUT_S = 120.0  # four torch imports on two cores; a load takes well under 1 s
 START_TIMEOUT_S = 90.0
 HANG_S = 20.0
-PACKAGE = Path(__file__).resolve().parents[1] / "shardprep"
+PACKAGE = Path(__file__).resolve().parents[2] / "shardprep"
 
 # Everything in torch.distributed that talks to other ranks.
 COLLECTIVES = (
@@ -206,13 +205,9 @@ def artifact(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_ranks(mode: str, artifact: Path, logs: Path, extra: list[str]) -> list:
+    from ports import free_port  # tests/support: this file also runs as each rank's script
+
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     procs = []

@@ -10,7 +10,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from test_manifest import SCHEMA
+from schema import SCHEMA
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert

@@ -15,14 +15,13 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schema import SCHEMA
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
 from shardprep.errors import ManifestError
 from shardprep.format.manifest import Manifest, parse_manifest, read_manifest
 from shardprep.loader.reader import read_rank
-
-SCHEMA = json.loads((Path(__file__).parents[1] / "docs/manifest.schema.json").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from schema import SCHEMA
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
@@ -21,7 +22,6 @@ from shardprep.plan.records import SourceModel
 
 V3 = "DeepseekV3ForCausalLM"
 MTP = "model.layers.3."  # with three decoder layers, the MTP layer is layer 3
-SCHEMA = json.loads((Path(__file__).parents[1] / "docs/manifest.schema.json").read_text())
 
 
 def rank_files(artifact: Path, role: str, pp: int, tp: int) -> dict[str, torch.Tensor]:

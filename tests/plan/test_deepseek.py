@@ -8,6 +8,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from schema import SCHEMA
 
 from shardprep.cli import main
 from shardprep.demo.tiny import TINY_FP8, make_tiny_model, tiny_config
@@ -17,7 +18,6 @@ from shardprep.plan.make import make_plan
 from shardprep.plan.records import Plan, SourceModel, TensorPlan
 
 V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
-SCHEMA = json.loads((Path(__file__).parents[1] / "docs/manifest.schema.json").read_text())
 
 
 def source(architecture: str, **overrides: Any) -> SourceModel:
