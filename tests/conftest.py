@@ -79,6 +79,6 @@ def hf_client_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 @pytest.fixture
 def hub(tmp_path: Path) -> Iterator[HubServer]:
-    """A Hub-protocol server on 127.0.0.1 (tests/hub_server.py)."""
+    """A Hub-protocol server on 127.0.0.1 (tests/support/hub_server.py)."""
     with HubServer(tmp_path / "hub_storage") as server:
         yield server

@@ -56,7 +56,7 @@ RANGES: tuple[VllmRange, ...] = (
         },
     ),
 )  # fmt: skip
-# vLLM releases the layout canary (tests/test_vllm_layout.py and the family tests) passed on.
+# vLLM releases the layout canary (the byte-for-byte tests in tests/vllm/) passed on.
 VERIFIED: tuple[tuple[int, ...], ...] = ((0, 32, 0),)
 
 

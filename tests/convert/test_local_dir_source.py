@@ -2,7 +2,7 @@
 beside each file is trusted the way huggingface_hub itself trusts it, checked on request.
 
 The folders are downloaded with the real huggingface_hub client from the test Hub
-(tests/hub_server.py); stale or forged metadata is written with huggingface_hub's own
+(tests/support/hub_server.py); stale or forged metadata is written with huggingface_hub's own
 writer and read back with its own reader, so both sides agree on the format.
 """
 

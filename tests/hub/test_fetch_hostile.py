@@ -1,4 +1,4 @@
-"""`shardprep fetch` from a repo made by someone else (tests/hub_server.py, the real
+"""`shardprep fetch` from a repo made by someone else (tests/support/hub_server.py, the real
 huggingface_hub client), and `fetch --verify` on a cache whose bytes changed."""
 
 from __future__ import annotations

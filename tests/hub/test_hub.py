@@ -1,9 +1,9 @@
-"""Publish and fetch through the test Hub (tests/hub_server.py) with the real huggingface_hub
+"""Publish and fetch through the test Hub (support/hub_server.py) with the real huggingface_hub
 client: one stage per node, a lock per stage, verified bytes, zstd transport, offline use.
 
 huggingface_hub reads HF_HUB_DISABLE_XET, HF_HUB_OFFLINE and HF_HOME at import, so the
 autouse fixture patches `huggingface_hub.constants` for this process and the environment for
-subprocesses; the endpoint goes through `endpoint=` (see tests/test_hub_server.py).
+subprocesses; the endpoint goes through `endpoint=` (see tests/hub/test_hub_server.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The test Hub (tests/hub_server.py) driven by the real huggingface_hub client.
+"""The test Hub (tests/support/hub_server.py) driven by the real huggingface_hub client.
 
 huggingface_hub reads HF_HUB_DISABLE_XET, HF_HUB_OFFLINE, HF_HOME/HF_HUB_CACHE, HF_TOKEN_PATH and
 HF_ENDPOINT once, at import, into `huggingface_hub.constants`. Setting the environment variable

@@ -7,7 +7,7 @@ The seed scenario beside it (vLLM issue #50959): the same four ranks, the draft 
 with fastsafetensors' ParallelLoader on the WORLD group by the last stage only, hang.
 A static guard checks that no module of the package calls a collective.
 
-This file is also the worker: `python tests/test_collective_free.py --mode ... --rank R`.
+This file is also the worker: `python tests/loader/test_collective_free.py --mode ... --rank R`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Run a real vLLM (CPU build) once and print ``{"tokens": [[...], ...]}`` as the last line.
 
-Run it with the vLLM environment's python, from ``tests/vllm_env.py``:
+Run it with the vLLM environment's python, from ``tests/support/vllm_env.py``:
 
-    python tests/vllm_runner.py --model DIR --tp 2 --pp 2 --load-format auto \\
+    python tests/support/vllm_runner.py --model DIR --tp 2 --pp 2 --load-format auto \\
         --prompts-json '[[1, 2, 3]]' [--server] [--dump-dir DIR] [--speculative-config JSON]
 
 Offline mode uses ``vllm.LLM``; ``--server`` starts the OpenAI server in a subprocess on
@@ -164,7 +164,7 @@ def generate_server(args: argparse.Namespace, prompts: list[list[int]]) -> list[
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     # The server's logs go to our stderr so that stdout ends with the result line. It stays
-    # in our process group, which tests/vllm_env.py kills as a whole if the run times out.
+    # in our process group, which tests/support/vllm_env.py kills as a whole if the run times out.
     proc = subprocess.Popen(server_command(args, port), stdout=sys.stderr)
     try:
         wait_healthy(base, proc, args.server_timeout)

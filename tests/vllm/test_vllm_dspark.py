@@ -13,7 +13,7 @@ and load it twice:
   (the fused KV buffers, the flags, and `confidence_head = None` when the checkpoint
   has no confidence head although the config enables one).
 
-This file is also the worker: `python tests/test_vllm_dspark.py --rank R ...`.
+This file is also the worker: `python tests/vllm/test_vllm_dspark.py --rank R ...`.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def artifacts(tiny, tmp_path_factory: pytest.TempPathFactory) -> Artifacts:
 @pytest.fixture(scope="module")
 def baseline(artifacts: Artifacts) -> list[list[int]]:
     """Hugging Face transformers on the original checkpoint (float32), which vLLM's default
-    loader equals token for token (tests/test_vllm_harness.py)."""
+    loader equals token for token (tests/vllm/test_vllm_harness.py)."""
     return vllm_env.transformers_greedy(artifacts.model, vllm_env.DEFAULT_PROMPTS, 8)
 
 
