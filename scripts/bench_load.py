@@ -17,7 +17,8 @@ state, in alternating rounds. Every rank's `load_weights` is timed by one wrappe
 same for every loader: the timing plugin of tests/vllm_dump_plugin
 (`$SHARDPREP_LOAD_TIMES`), put first on the workers' PYTHONPATH. `cold`: the page cache
 dropped just before the engine starts; `warm`: dropped, then the contender's weight
-files read once. The engine is stopped once every rank has reported (`--ready`: run to
+files read once and held in the page cache (locked by a helper process) until the
+engine stops. The engine is stopped once every rank has reported (`--ready`: run to
 the first token and report the time to ready too). Printed: each run's ranks, then per
 cell the best round's ranks and its slowest rank against the default loader's slowest,
 and the git revision of the code measured. It holds the harness lock (one vLLM at a
@@ -228,15 +229,42 @@ def vllm_contenders(args: argparse.Namespace, model: Path, root: Path, tp: int, 
     return chosen
 
 
-def page_cache(folder: Path, cache: str) -> None:
-    """Drop the page cache; for `warm`, then read the contender's weight files once."""
+# Keeps files in the page cache: maps each one shared and read-only and locks it
+# (mlock), until killed. On this machine the kernel's proactive reclaim (DAMON
+# `pageout`, kdamond) evicted rank files read once within 5 s, long before vLLM loads.
+PIN_FILES = r"""
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+for path in sys.argv[1:]:
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    if addr in (None, ctypes.c_void_p(-1).value) or libc.mlock(addr, size) != 0:
+        sys.exit(f"cannot pin {path}: errno {ctypes.get_errno()}")
+print("pinned", flush=True)
+signal.pause()
+"""
+
+
+def page_cache(folder: Path, cache: str) -> subprocess.Popen[str] | None:
+    """Drop the page cache; for `warm`, then read the contender's weight files once and
+    keep them there (a process that holds them locked, to be killed after the run)."""
     if not drop_caches():
         sys.exit("bench_load: cannot write /proc/sys/vm/drop_caches (root needed for --vllm)")
-    if cache == "warm":
-        for path in sorted(folder.rglob("*.safetensors")):
-            with open(path, "rb", buffering=0) as f:
-                while f.read(64 << 20):
-                    pass
+    if cache != "warm":
+        return None
+    files = [str(p) for p in sorted(folder.rglob("*.safetensors"))]
+    pin = subprocess.Popen(
+        [sys.executable, "-c", PIN_FILES, *files], stdout=subprocess.PIPE, text=True
+    )
+    if pin.stdout is None or pin.stdout.readline().strip() != "pinned":
+        pin.kill()
+        sys.exit("bench_load: could not keep the weight files in the page cache (mlock)")
+    return pin
 
 
 def start_vllm(contender: Contender, tp: int, pp: int, cache: str, ready: bool) -> dict:
@@ -257,7 +285,7 @@ def start_vllm(contender: Contender, tp: int, pp: int, cache: str, ready: bool) 
     paths += [str(TIMING_PLUGIN), os.environ.get("PYTHONPATH", "")]
     extra_env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p), TIMES_ENV: str(times)}
     env = vllm_env.vllm_environ(tp * pp, tmpdir, extra_env)
-    page_cache(contender.folder, cache)
+    pin = page_cache(contender.folder, cache)
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -275,6 +303,9 @@ def start_vllm(contender: Contender, tp: int, pp: int, cache: str, ready: bool) 
     finally:
         vllm_env.kill_group(proc)
         proc.wait()
+        if pin is not None:
+            pin.kill()
+            pin.wait()
     seconds = time.perf_counter() - start
     ranks = read_times(times)
     output = log.read_text(errors="replace")
