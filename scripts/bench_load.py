@@ -1,21 +1,28 @@
-"""Rank-local loading, side by side: bytes read and throughput per rank, and vLLM's
-time to ready.
+"""Rank-local loading, side by side: bytes read and throughput per rank, and every
+rank's weight-load phase in a real vLLM.
 
     python scripts/bench_load.py --size 3GB [--ranks 0:0,1:7] [--dir DIR] [--json]
-    python scripts/bench_load.py --vllm [--before CHECKOUT]   # real vLLM, tp2 x pp2
+    python scripts/bench_load.py --vllm [--repeat 3] [--cache cold,warm] \
+        [--topologies tp2,tp2xpp2] [--formats default,sharded-fast] [--before CHECKOUT]
 
 Part one converts a synthetic Llama-shaped bf16 checkpoint at tp8 x pp2 and, for each
 chosen rank, from a cold page cache, in a child process that reads its own I/O counters:
 (a) shardprep's rank-local reader (sharded-fast), (b) the default way (open the source
 files that hold the stage with safetensors and cut the rank's slices), (c) fastsafetensors
 over those source files, (d) a raw sequential read of the rank's own files (the limit).
-Part two starts a real vLLM (CPU, tp2 x pp2) on a bf16 model of about 2 GB with each
-load format (the default loader, vLLM's `fastsafetensors`, vLLM's `sharded_state` on the
-artifact plus the attention scale buffers it requires, and `sharded-fast`), each from a
-cold page cache, and prints the weight-load phase of worker pp0 tp0 ("Loading weights
-took", which vLLM's loaders log on that worker only; "shardprep loaded" for sharded-fast,
-whose slowest worker is shown too) and the time until it answered, as ratios to the
-default loader. It holds the harness lock (one vLLM at a time) for the whole run.
+
+Part two (`--vllm`, as root: it drops the page cache) starts a real vLLM (CPU, bf16
+Llama of about 1 GB with the default 8 layers) once per loader, topology and page-cache
+state, in alternating rounds. Every rank's `load_weights` is timed by one wrapper, the
+same for every loader: the timing plugin of tests/vllm_dump_plugin
+(`$SHARDPREP_LOAD_TIMES`), put first on the workers' PYTHONPATH. `cold`: the page cache
+dropped just before the engine starts; `warm`: dropped, then the contender's weight
+files read once and held in the page cache (locked by a helper process) until the
+engine stops. The engine is stopped once every rank has reported (`--ready`: run to
+the first token and report the time to ready too). Printed: each run's ranks, then per
+cell the best round's ranks and its slowest rank against the default loader's slowest,
+and the git revision of the code measured. It holds the harness lock (one vLLM at a
+time) for the whole run.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,6 +47,7 @@ from shardprep.cli import parse_size
 from shardprep.convert.run import Options, convert
 
 METHODS = ("sharded-fast", "default", "fastsafetensors", "raw")
+TIMES_ENV = "SHARDPREP_LOAD_TIMES"  # the timing plugin's (tests/vllm_dump_plugin)
 
 CHILD = r"""
 import json, os, sys, time
@@ -146,21 +155,20 @@ def print_reader_table(rows: dict) -> None:
               f"{speed:>7.2f} {speed / raw_speed:>6.2f}x")  # fmt: skip
 
 
-# The weight-load phase as each loader logs it. vLLM's loaders log it with `info_once`,
-# whose default scope is the first local rank: worker pp0 tp0 only. sharded-fast logs it
-# on every worker, naming the rank; like is compared with like on pp0 tp0.
-LOAD_PHASE = (
-    re.compile(r"Loading weights took ([\d.]+) seconds"),  # vLLM's default/sharded_state
-    re.compile(r"shardprep loaded \d+ tensors of .* in ([\d.]+) s"),  # sharded-fast
-)
 ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 ROOT_CAUSE = re.compile(r"\b(?!EngineCore)\w*(Error|Exception): (?!Engine core initialization).*")
+TOPOLOGIES = {"tp2": (2, 1), "tp2xpp2": (2, 2)}
+FORMATS = ("default", "sharded-fast", "sharded_state")
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+TIMING_PLUGIN = TESTS / "vllm_dump_plugin"
 
 
 def vllm_model(root: Path, layers: int) -> Path:
-    """A bf16 Llama of about 0.26 + 0.09 x `layers` GB (20 layers: 2.06 GB)."""
+    """A bf16 Llama of about 0.26 + 0.09 x `layers` GB (8 layers: 0.98 GB)."""
     from shardprep.demo.tiny import make_tiny_model
 
+    if (root / "model" / "config.json").is_file():  # kept (--keep) from an earlier run
+        return root / "model"
     return make_tiny_model(
         root / "model", hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
         num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32000,
@@ -176,6 +184,7 @@ def with_attention_scales(artifact: Path, out: Path) -> Path:
 
     from shardprep.format.manifest import read_manifest
 
+    shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(artifact, out)
     for entry in read_manifest(out).files:
         tensors = load_file(out / entry.path)
@@ -187,135 +196,223 @@ def with_attention_scales(artifact: Path, out: Path) -> Path:
     return out
 
 
-def vllm_contenders(args: argparse.Namespace, model: Path, root: Path) -> list[tuple]:
-    """(label, model folder, load format, extra config, PYTHONPATH or None) to start."""
+@dataclass(frozen=True)
+class Contender:
+    label: str  # "default", "sharded-fast", "sharded_state", "sharded-fast (before)"
+    loader: str  # the loader the timing plugin names
+    folder: Path
+    load_format: str
+    extra: dict | None = None
+    pythonpath: str | None = None  # a checkout to import shardprep from
+
+
+def vllm_contenders(args: argparse.Namespace, model: Path, root: Path, tp: int, pp: int):
+    """The engines to start for one topology, converting its artifact once."""
     from shardprep.constants import VLLM_SHARDED_STATE_PATTERN
 
-    artifact = root / "artifact"
-    convert(str(model), artifact, Options(tp=2, pp=2), progress=False)
-    sharded_state = with_attention_scales(artifact, root / "sharded-state")
-    pattern = {"pattern": VLLM_SHARDED_STATE_PATTERN}
-    chosen = [
-        ("default", model, "auto", None, None),
-        ("fastsafetensors", model, "fastsafetensors", None, None),
-        ("sharded_state", sharded_state, "sharded_state", pattern, None),
-        ("sharded-fast", artifact, "sharded-fast", None, None),
-    ]
+    artifact = root / f"artifact-tp{tp}-pp{pp}"
+    if not (artifact / "shardprep.json").is_file():
+        convert(str(model), artifact, Options(tp=tp, pp=pp), progress=False)
+    wanted = args.formats.split(",")
+    chosen = []
+    if "default" in wanted:
+        chosen.append(Contender("default", "default", model, "auto"))
+    if "sharded-fast" in wanted:
+        chosen.append(Contender("sharded-fast", "sharded-fast", artifact, "sharded-fast"))
+    if "sharded_state" in wanted:
+        state = with_attention_scales(artifact, root / f"sharded-state-tp{tp}-pp{pp}")
+        extra = {"pattern": VLLM_SHARDED_STATE_PATTERN}
+        chosen.append(Contender("sharded_state", "sharded_state", state, "sharded_state", extra))
     if args.before:
-        chosen.append(("sharded-fast (before)", artifact, "sharded-fast", None, args.before))
+        label = "sharded-fast (before)"
+        chosen.append(Contender(label, "sharded-fast", artifact, "sharded-fast", None, args.before))
     return chosen
 
 
-def start_vllm(
-    folder: Path, fmt: str, extra: dict | None, pythonpath: str | None, cache: str
-) -> dict:
-    """Start a real vLLM (tp2 x pp2, one token), from a cold page cache (or with the
-    model's files read once just before, `warm`); the time until it answered, and the
-    load phase each worker logged."""
+# Keeps files in the page cache: maps each one shared and read-only and locks it
+# (mlock), until killed. On this machine the kernel's proactive reclaim (DAMON
+# `pageout`, kdamond) evicted rank files read once within 5 s, long before vLLM loads.
+PIN_FILES = r"""
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+for path in sys.argv[1:]:
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    if addr in (None, ctypes.c_void_p(-1).value) or libc.mlock(addr, size) != 0:
+        sys.exit(f"cannot pin {path}: errno {ctypes.get_errno()}")
+print("pinned", flush=True)
+signal.pause()
+"""
+
+
+def page_cache(folder: Path, cache: str) -> subprocess.Popen[str] | None:
+    """Drop the page cache; for `warm`, then read the contender's weight files once and
+    keep them there (a process that holds them locked, to be killed after the run)."""
+    if not drop_caches():
+        sys.exit("bench_load: cannot write /proc/sys/vm/drop_caches (root needed for --vllm)")
+    if cache != "warm":
+        return None
+    files = [str(p) for p in sorted(folder.rglob("*.safetensors"))]
+    pin = subprocess.Popen(
+        [sys.executable, "-c", PIN_FILES, *files], stdout=subprocess.PIPE, text=True
+    )
+    if pin.stdout is None or pin.stdout.readline().strip() != "pinned":
+        pin.kill()
+        sys.exit("bench_load: could not keep the weight files in the page cache (mlock)")
+    return pin
+
+
+def start_vllm(contender: Contender, tp: int, pp: int, cache: str, ready: bool) -> dict:
+    """Start a real vLLM with one loader and time every rank's `load_weights` with the
+    timing plugin (tests/vllm_dump_plugin, `$SHARDPREP_LOAD_TIMES`). The engine is
+    stopped as soon as every rank has reported, unless `ready` (then it answers one
+    token and the time until then is reported too)."""
     import vllm_env
 
     tmpdir = Path(tempfile.mkdtemp(prefix="bench-load-"))
+    times = tmpdir / "load-times.jsonl"
+    log = tmpdir / "vllm.log"
     runner = vllm_env.runner_args(
-        folder, 2, 2, fmt, dtype="bfloat16", max_tokens=1, prompts=[[1, 2]],
-        model_loader_extra_config=extra,
+        contender.folder, tp, pp, contender.load_format, dtype="bfloat16", max_tokens=1,
+        prompts=[[1, 2]], model_loader_extra_config=contender.extra,
     )  # fmt: skip
-    env = vllm_env.vllm_environ(4, tmpdir, {"PYTHONPATH": pythonpath} if pythonpath else None)
-    if cache == "cold":
-        drop_caches()
-    else:
-        for path in sorted(folder.rglob("*")):
-            if path.is_file():
-                path.read_bytes()
+    paths = [contender.pythonpath] if contender.pythonpath else []
+    paths += [str(TIMING_PLUGIN), os.environ.get("PYTHONPATH", "")]
+    extra_env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p), TIMES_ENV: str(times)}
+    env = vllm_env.vllm_environ(tp * pp, tmpdir, extra_env)
+    pin = page_cache(contender.folder, cache)
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        [vllm_env.require_python(), *runner], cwd=vllm_env.REPO, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [vllm_env.require_python(), *runner], cwd=vllm_env.REPO, env=env, text=True,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    ranks: list[dict] = []
     try:
-        output, _ = proc.communicate(timeout=vllm_env.DEFAULT_TIMEOUT)
+        deadline = time.monotonic() + vllm_env.DEFAULT_TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            ranks = read_times(times)
+            if not ready and len(ranks) >= tp * pp:
+                break
     finally:
         vllm_env.kill_group(proc)
+        proc.wait()
+        if pin is not None:
+            pin.kill()
+            pin.wait()
     seconds = time.perf_counter() - start
+    ranks = read_times(times)
+    output = log.read_text(errors="replace")
     vllm_env.remove_dist_files(tmpdir, output)
-    phases = load_phases(output)
-    if proc.returncode != 0:
+    ranks = [r for r in ranks if r["role"] == "target" and r["loader"] == contender.loader]
+    if len(ranks) < tp * pp or (ready and proc.returncode != 0):
         # The root cause: the first exception a worker raised, not the engine's summary.
         causes = [m[0] for line in output.splitlines() if (m := ROOT_CAUSE.search(line))]
-        lines = causes or output.splitlines() or ["no output"]
+        lines = causes or [f"{len(ranks)} of {tp * pp} ranks reported a load time"]
         return {"error": lines[0].strip()[:300]}
     return {
-        "ready_seconds": seconds,
-        "load_seconds": phases.get(FIRST_RANK),
-        "slowest_seconds": max(phases.values(), default=None),
-        "ranks": phases,
+        "ranks": {f"pp{r['pp_rank']}-tp{r['tp_rank']}": r["seconds"] for r in ranks},
+        "slowest": max(r["seconds"] for r in ranks),
+        "rss_gb": {
+            f"pp{r['pp_rank']}-tp{r['tp_rank']}": (r["rss_after"] - r["rss_before"]) / 1e9
+            for r in ranks
+        },
+        "ready_seconds": seconds if ready else None,
     }
 
 
-FIRST_RANK = "pp0-tp0"
-RANK = re.compile(r"rank pp(\d+) tp(\d+)\)")
+def read_times(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def load_phases(output: str) -> dict[str, float]:
-    """The load phase each worker logged, by rank ("pp0-tp0"); a line that names no rank
-    (vLLM's own loaders) is the first local rank's."""
-    phases: dict[str, float] = {}
-    for line in output.splitlines():
-        for pattern in LOAD_PHASE:
-            if match := pattern.search(line):
-                rank = RANK.search(line)
-                phases[f"pp{rank[1]}-tp{rank[2]}" if rank else FIRST_RANK] = float(match[1])
-    return phases
+def revision(checkout: Path) -> str:
+    """The commit of a checkout, marked `+dirty` when it has changes not committed."""
+    git = ["git", "-C", str(checkout)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return f"{checkout} (not a git checkout)"
+    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    return (head.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def vllm_ready(args: argparse.Namespace) -> dict:
-    """Time to ready and weight-load phase of each load format, tp2 x pp2, bf16."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+def vllm_load_times(args: argparse.Namespace) -> dict:
+    """Every rank's load_weights seconds, each loader, topology and page-cache state, in
+    alternating rounds."""
+    sys.path.insert(0, str(TESTS))
     import vllm_env
 
     root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    results: dict[str, dict] = {}
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    topologies = [TOPOLOGIES[name] for name in args.topologies.split(",")]
+    caches = args.cache.split(",")
+    runs: list[dict] = []
     # One vLLM (and one long benchmark) at a time on this machine: building the model
     # also runs under the lock, so as not to disturb another benchmark.
     with vllm_env.one_vllm_at_a_time():
         try:
             model = vllm_model(root, args.layers)
-            chosen = vllm_contenders(args, model, root)
-            for _ in range(args.repeat):  # take turns; keep the best of each
-                for label, folder, fmt, extra, pythonpath in chosen:
-                    if args.formats and label.split(" ")[0] not in args.formats.split(","):
-                        continue
-                    run = start_vllm(folder, fmt, extra, pythonpath, args.cache)
-                    best = results.get(label)
-                    if (
-                        best is None
-                        or "error" in best
-                        or ("error" not in run and run["load_seconds"] < best["load_seconds"])
-                    ):
-                        results[label] = run
-            results["_source_bytes"] = {
-                "bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))
-            }
+            chosen = {(tp, pp): vllm_contenders(args, model, root, tp, pp) for tp, pp in topologies}
+            for round_ in range(1, args.repeat + 1):  # take turns
+                for (tp, pp), contenders in chosen.items():
+                    for cache in caches:
+                        for contender in contenders:
+                            run = start_vllm(contender, tp, pp, cache, args.ready)
+                            run |= {"round": round_, "tp": tp, "pp": pp, "cache": cache,
+                                    "label": contender.label}  # fmt: skip
+                            print_run(run)
+                            runs.append(run)
+            size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
-    return results
+    revisions = {"this": revision(Path(__file__).resolve().parents[1])}
+    if args.before:
+        revisions["before"] = revision(Path(args.before))
+    return {"source_bytes": size, "revisions": revisions, "runs": runs}
 
 
-def print_vllm(results: dict, cache: str) -> None:
-    size = results.pop("_source_bytes")["bytes"]
-    print(f"vLLM (CPU) tp2 x pp2, bf16 Llama of {size / 1e9:.2f} GB, {cache} page cache")
-    print(f"{'load format':<22} {'load phase':>10} {'vs default':>10} {'slowest':>8} "
-          f"{'ready':>8} {'vs default':>10}")  # fmt: skip
-    base = results["default"]
-    for label, run in results.items():
-        if "error" in run:
-            print(f"{label:<22} cannot run here: {run['error']}")
+def print_run(run: dict) -> None:
+    where = f"round {run['round']} {run['cache']} tp{run['tp']} x pp{run['pp']} {run['label']}"
+    if "error" in run:
+        print(f"{where}: cannot run here: {run['error']}", flush=True)
+        return
+    ranks = " ".join(f"{k} {v:.2f}" for k, v in sorted(run["ranks"].items()))
+    print(f"{where}: {ranks} s", flush=True)
+
+
+def print_vllm(results: dict) -> None:
+    """The best round of each cell (least slowest rank), every rank of it, and the ratio
+    of the slowest ranks against the default loader's."""
+    revisions = ", ".join(f"{k} {v}" for k, v in results["revisions"].items())
+    print(f"\nvLLM (CPU), bf16 Llama of {results['source_bytes'] / 1e9:.2f} GB; {revisions}")
+    print("load_weights of every rank, one wrapper for every loader; best of the rounds")
+    print(f"{'cache':<6} {'layout':<9} {'loader':<22} {'per rank (s)':<44} "
+          f"{'slowest':>7} {'vs default':>10}  slowest, each round")  # fmt: skip
+    cells: dict[tuple, list[dict]] = {}
+    for run in results["runs"]:
+        cells.setdefault((run["cache"], run["tp"], run["pp"], run["label"]), []).append(run)
+    for (cache, tp, pp, label), runs in cells.items():
+        layout = f"tp{tp}" if pp == 1 else f"tp{tp}xpp{pp}"
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            print(f"{cache:<6} {layout:<9} {label:<22} cannot run here: {runs[0]['error']}")
             continue
-        load, ready = run["load_seconds"], run["ready_seconds"]
-        print(f"{label:<22} {load:>9.2f}s {load / base['load_seconds']:>9.2f}x "
-              f"{run['slowest_seconds']:>7.2f}s "
-              f"{ready:>7.1f}s {ready / base['ready_seconds']:>9.2f}x")  # fmt: skip
+        best = min(good, key=lambda r: r["slowest"])
+        base = [r for r in cells.get((cache, tp, pp, "default"), []) if "error" not in r]
+        ratio = f"{best['slowest'] / min(r['slowest'] for r in base):.2f}x" if base else "-"
+        ranks = " ".join(f"{k} {v:.2f}" for k, v in sorted(best["ranks"].items()))
+        each = " ".join(f"{r['slowest']:.2f}" for r in good)
+        print(f"{cache:<6} {layout:<9} {label:<22} {ranks:<44} {best['slowest']:>7.2f} "
+              f"{ratio:>10}  {each}")  # fmt: skip
 
 
 def main() -> None:
@@ -325,19 +422,25 @@ def main() -> None:
     parser.add_argument("--dir", default="bench-load")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--vllm", action="store_true", help="load phase of a real vLLM")
-    parser.add_argument("--layers", type=int, default=20, help="--vllm: model layers")
+    parser.add_argument("--layers", type=int, default=8, help="--vllm: model layers")
     parser.add_argument("--before", help="--vllm: also sharded-fast from this checkout")
-    parser.add_argument("--cache", default="cold", help="--vllm: cold or warm page cache")
-    parser.add_argument("--formats", help="--vllm: only these, e.g. default,sharded-fast")
+    parser.add_argument("--cache", default="cold,warm", help="--vllm: cold, warm or both")
+    parser.add_argument(
+        "--topologies", default="tp2,tp2xpp2", help="--vllm: " + ", ".join(TOPOLOGIES)
+    )
+    parser.add_argument(
+        "--formats", default="default,sharded-fast", help="--vllm: of " + ", ".join(FORMATS)
+    )
+    parser.add_argument("--ready", action="store_true", help="--vllm: run to the first token")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.vllm:
-        results = vllm_ready(args)
+        results = vllm_load_times(args)
         if args.json:
             print(json.dumps(results, indent=1))
         else:
-            print_vllm(results, args.cache)
+            print_vllm(results)
         return
     rows = reader_table(args)
     if args.json:

@@ -262,13 +262,29 @@ def test_unknown_backend(artifact: Path) -> None:
         list(read_rank(artifact, "target", 0, 0, backend="mmap"))
 
 
-@pytest.mark.parametrize("window", [1, 4096, 1 << 40])
-def test_read_ahead_of_any_width_reads_the_same_bytes(
-    artifact: Path, window: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("chunk", "direct", "cached"),
+    [
+        (4096, True, False),  # chunks far smaller than most tensors, cold: O_DIRECT only
+        (8192, True, True),  # chunks from the page cache, the rest with O_DIRECT
+        (8192, False, True),  # no O_DIRECT on this file system: plain reads
+        (1 << 30, True, True),  # one chunk past the end of every file
+    ],
+    ids=["4k-direct", "8k-cached-then-direct", "8k-plain", "1g"],
+)
+def test_chunked_reads_of_any_size_read_the_same_bytes(
+    artifact: Path, chunk: int, direct: bool, cached: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The kernel is asked to read ahead of each tensor; whatever the window (one byte,
-    a page, past the end of the file), every tensor read straight into its place is exact."""
-    monkeypatch.setattr(reader, "READ_AHEAD_BYTES", window)
+    """Each file is read ahead in chunks, from the page cache where it holds them and
+    with O_DIRECT where not (or plain reads, where O_DIRECT is refused); whatever the
+    chunk size, every tensor read straight into its place is exact."""
+    monkeypatch.setattr(reader, "CHUNK_BYTES", chunk)
+    if not direct:
+        monkeypatch.setattr(reader, "_open_direct", lambda path: None)
+    if not cached:
+        monkeypatch.setattr(reader, "_resident_prefix", lambda residency, offset, length: 0)
+    else:  # the page cache holds the files: still through the chunks, not whole-file reads
+        monkeypatch.setattr(reader, "_all_cached", lambda path, start, end: False)
     manifest = read_manifest(artifact)
     for role, pp, tp in RANKS:
         want = expected_tensors(artifact, manifest, role, pp, tp)
@@ -276,3 +292,51 @@ def test_read_ahead_of_any_width_reads_the_same_bytes(
         got = dict(read_rank(artifact, role, pp, tp, into=lambda n, _, p=places: p[n]))
         assert_same_bytes(got, want)
         assert all(got[name] is place for name, place in places.items())
+
+
+def test_o_direct_refused_at_read_time_falls_back_to_plain_reads(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system may accept O_DIRECT at open and refuse the read (EINVAL): the rest
+    of the file is read with plain reads."""
+    import errno
+    import os
+
+    real_preadv = os.preadv
+    direct_fds: list[int | None] = []
+    real_open_direct = reader._open_direct
+
+    def open_direct(path: Path) -> int | None:
+        fd = real_open_direct(path)
+        direct_fds.append(fd)
+        return fd
+
+    def preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(reader, "_open_direct", open_direct)
+    monkeypatch.setattr(reader, "_resident_prefix", lambda residency, offset, length: 0)
+    monkeypatch.setattr(reader.os, "preadv", preadv)
+    manifest = read_manifest(artifact)
+    want = expected_tensors(artifact, manifest, "target", 0, 0)
+    places = {n: torch.full_like(t, 7) for n, t in want.items()}
+    got = dict(read_rank(artifact, "target", 0, 0, into=lambda n, _: places[n]))
+    assert_same_bytes(got, want)
+    assert any(fd is not None for fd in direct_fds)
+
+
+def test_a_reader_left_early_stops_its_thread(artifact: Path) -> None:
+    """Closing the tensor iterator half way stops the thread that reads ahead."""
+    import threading
+
+    before = {t for t in threading.enumerate() if t.name.startswith(reader.READ_THREAD)}
+    manifest = read_manifest(artifact)
+    want = expected_tensors(artifact, manifest, "target", 1, 1)
+    places = {n: torch.empty_like(t) for n, t in want.items()}
+    tensors = read_rank(artifact, "target", 1, 1, into=lambda n, _: places[n])
+    next(tensors)
+    tensors.close()
+    after = {t for t in threading.enumerate() if t.name.startswith(reader.READ_THREAD)}
+    assert after <= before

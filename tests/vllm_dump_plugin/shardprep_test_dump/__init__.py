@@ -2,7 +2,9 @@
 
 It loads exactly as vLLM's ``DefaultModelLoader`` does and, right after
 ``load_weights`` (before ``process_weights_after_loading``), saves every parameter of
-the rank to ``$SHARDPREP_DUMP_DIR/{role}-pp{P}-tp{T}.safetensors``.
+the rank to ``$SHARDPREP_DUMP_DIR/{role}-pp{P}-tp{T}.safetensors``. With
+``$SHARDPREP_LOAD_TIMES`` set (benchmarks), it also times every rank's ``load_weights``
+of the default loader, ``sharded_state`` and ``sharded-fast`` (see timing.py).
 
 Importing this package does not import vLLM; ``register`` does, and is idempotent.
 """
@@ -15,13 +17,26 @@ DUMP_DIR_ENV = "SHARDPREP_DUMP_DIR"
 # "1": every collective fails while the rank loads (see trap.py), and the dump records
 # the calls that were refused.
 TRAP_ENV = "SHARDPREP_TRAP_COLLECTIVES"
+TIMES_ENV = "SHARDPREP_LOAD_TIMES"
 
-__all__ = ["DUMP_DIR_ENV", "DUMP_FORMAT", "DUMP_SHARDED_FAST_FORMAT", "TRAP_ENV", "register"]
+__all__ = [
+    "DUMP_DIR_ENV",
+    "DUMP_FORMAT",
+    "DUMP_SHARDED_FAST_FORMAT",
+    "TIMES_ENV",
+    "TRAP_ENV",
+    "register",
+]
 
 
 def register() -> None:
-    """Entry point of ``vllm.general_plugins``: add the ``dump-default`` load format."""
+    """Entry point of ``vllm.general_plugins``: add the ``dump-default`` load format, and
+    time the loaders when ``$SHARDPREP_LOAD_TIMES`` is set."""
     from vllm.model_executor import model_loader
+
+    from shardprep_test_dump.timing import install
+
+    install()
 
     registered = model_loader._LOAD_FORMAT_TO_MODEL_LOADER
     if DUMP_FORMAT in registered:
