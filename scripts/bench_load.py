@@ -346,7 +346,7 @@ def revision(checkout: Path) -> str:
 def vllm_load_times(args: argparse.Namespace) -> dict:
     """Every rank's load_weights seconds, each loader, topology and page-cache state, in
     alternating rounds."""
-    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(TESTS / "support"))
     import vllm_env
 
     root = Path(args.dir)

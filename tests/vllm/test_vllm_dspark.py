@@ -201,6 +201,8 @@ def test_dspark_rank_files_equal_vllm_module_state_at_tp1_and_tp2(prepared: Path
 
 
 if __name__ == "__main__":
+    # A worker runs this file as a script: the tests' shared modules are not on its path.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--tp", type=int, required=True)

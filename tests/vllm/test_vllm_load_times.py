@@ -24,7 +24,7 @@ MODEL_CONFIG = {"hidden_size": 128, "head_dim": 32}
 
 
 def load_times(model: Path, load_format: str, out: Path) -> list[dict]:
-    plugin = str(vllm_env.TESTS / "vllm_dump_plugin")
+    plugin = str(vllm_env.REPO / "tests" / "vllm_dump_plugin")
     pythonpath = os.pathsep.join(p for p in (plugin, os.environ.get("PYTHONPATH")) if p)
     env = {timing.TIMES_ENV: str(out), "PYTHONPATH": pythonpath}
     vllm_env.generate(model, TP, PP, load_format, env=env, max_tokens=1, prompts=[[1, 2]])
