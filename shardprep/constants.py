@@ -21,6 +21,8 @@ INCOMPLETE_SUFFIX = ".incomplete"
 LOCK_NAME = ".shardprep-lock"
 # A fetched folder's own state (markers, locks, staging), beside the files it holds.
 STATE_DIR = ".shardprep"
+# The manifest as fetch downloaded it, in STATE_DIR: what makes a folder a fetched one.
+FETCHED_MANIFEST = "manifest.json"
 
 MAX_HEADER_BYTES = 100_000_000
 MAX_JSON_BYTES = 100_000_000  # a model index or a manifest

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardprep.constants import DRAFT_DIR, SHARDS_DIR, STATE_DIR
+from shardprep.constants import DRAFT_DIR, FETCHED_MANIFEST, SHARDS_DIR, STATE_DIR
 from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
@@ -83,7 +83,8 @@ def verify(out: Path, *, full: bool = False, progress: bool = False) -> Report:
     manifest = mf.read_manifest(out)
     report = Report(stages=list(manifest.stages), pp=manifest.topology.pp)
     units = sorted({(f.pp, f.tp) for f in manifest.files})
-    report.fetched = (out / STATE_DIR).is_dir()
+    # A fetched folder is told by the manifest fetch keeps, not by a folder's presence.
+    report.fetched = (out / STATE_DIR / FETCHED_MANIFEST).is_file()
     if report.fetched:
         here = {(f.pp, f.tp) for f in manifest.files if (out / f.path).exists()}
         report.absent = [u for u in units if u not in here]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from huggingface_hub import constants as hf_constants
 
-from shardprep.constants import ENV_CACHE, MANIFEST_NAME, cache_root
+from shardprep.constants import ENV_CACHE, FETCHED_MANIFEST, MANIFEST_NAME, cache_root
 from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
 from shardprep.format.headers import sha256_file
 from shardprep.format.manifest import Manifest
@@ -205,7 +205,7 @@ def _recheck(
             if final.is_file() and _check(final, item.bytes, item.sha256) is not None:
                 final.unlink()
                 damaged.append(item.path)
-        placed, fetched = folder / MANIFEST_NAME, folder / STATE_DIR / "manifest.json"
+        placed, fetched = folder / MANIFEST_NAME, folder / STATE_DIR / FETCHED_MANIFEST
         if placed.is_file() and placed.read_bytes() != fetched.read_bytes():
             placed.unlink()
             damaged.append(MANIFEST_NAME)

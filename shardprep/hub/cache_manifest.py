@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path, PurePosixPath
 
-from shardprep.constants import MANIFEST_NAME
+from shardprep.constants import FETCHED_MANIFEST, MANIFEST_NAME
 from shardprep.errors import ConfigError, CorruptFileError, HubError
 from shardprep.format.manifest import Manifest, load_manifest_file
 from shardprep.hub import client
@@ -69,7 +69,7 @@ def cached_manifest(
 ) -> Manifest:
     """The commit's manifest: from the cache, else downloaded once (under a lock) and checked
     against the id the Hub gives the file."""
-    path = folder / STATE_DIR / "manifest.json"
+    path = folder / STATE_DIR / FETCHED_MANIFEST
     where = f"{repo_id}@{commit[:12]}/{MANIFEST_NAME}"
     if not path.is_file():
         if remote is None:
@@ -105,7 +105,7 @@ def download_manifest(folder: Path, path: Path, commit: str, remote: client.Remo
 def recheck_manifest(folder: Path, commit: str, remote: client.Remote) -> None:
     """The cached manifest against the id the Hub gives it; a damaged one is removed (with
     the copy at the folder's root) and downloaded again."""
-    path = folder / STATE_DIR / "manifest.json"
+    path = folder / STATE_DIR / FETCHED_MANIFEST
     if path.is_file() and not client.matches_file_id(path, remote.file_id(commit, MANIFEST_NAME)):
         logger.warning("%s in the cache does not match the Hub; downloading it again", path)
         path.unlink()
@@ -116,4 +116,4 @@ def place_manifest(folder: Path) -> None:
     """`shardprep.json` appears in the folder once a first part of it is complete."""
     final = folder / MANIFEST_NAME
     if not final.is_file():
-        write_atomic(final, (folder / STATE_DIR / "manifest.json").read_text())
+        write_atomic(final, (folder / STATE_DIR / FETCHED_MANIFEST).read_text())

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from shardprep.cli import main
 from shardprep.constants import MANIFEST_NAME
 from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
 from shardprep.format.manifest import read_manifest
 
 SHARD = "shards/model-pp-0-tp-0-part-0.safetensors"
@@ -156,3 +157,14 @@ def test_a_rank_file_the_manifest_does_not_list_is_found(copy: Path, capsys) -> 
     err = one_line_error(capsys, "verify", str(copy))
     assert "shards/model-pp-0-tp-0-part-1.safetensors, draft/shards/" in err
     assert ".incomplete are not listed in the manifest (left by an earlier convert" in err
+
+
+def test_an_empty_state_folder_does_not_make_an_artifact_a_fetched_one(copy: Path) -> None:
+    """Only the manifest fetch keeps makes a folder a fetched one that may lack ranks."""
+    out = copy
+    (out / ".shardprep").mkdir()
+    first = read_manifest(out).files[0]
+    (out / first.path).unlink()
+    report = verify(out)
+    assert not report.ok and not report.fetched
+    assert any(first.path in problem for problem in report.problems), report.problems
