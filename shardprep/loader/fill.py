@@ -11,7 +11,7 @@ from torch import nn
 
 from shardprep.errors import WeightMismatchError, summarize
 from shardprep.format.headers import TensorInfo
-from shardprep.loader.reader import torch_dtypes
+from shardprep.loader.cpu_read import torch_dtypes
 
 
 class Destinations:

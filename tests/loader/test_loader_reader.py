@@ -22,7 +22,7 @@ from shardprep.errors import (
     TopologyMismatchError,
 )
 from shardprep.format.manifest import Manifest, read_manifest
-from shardprep.loader import reader
+from shardprep.loader import cpu_read, reader
 from shardprep.loader.reader import read_rank
 
 TP, PP = 2, 2
@@ -278,13 +278,13 @@ def test_chunked_reads_of_any_size_read_the_same_bytes(
     """Each file is read ahead in chunks, from the page cache where it holds them and
     with O_DIRECT where not (or plain reads, where O_DIRECT is refused); whatever the
     chunk size, every tensor read straight into its place is exact."""
-    monkeypatch.setattr(reader, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(cpu_read, "CHUNK_BYTES", chunk)
     if not direct:
-        monkeypatch.setattr(reader, "_open_direct", lambda path: None)
+        monkeypatch.setattr(cpu_read, "_open_direct", lambda path: None)
     if not cached:
-        monkeypatch.setattr(reader, "_resident_prefix", lambda residency, offset, length: 0)
+        monkeypatch.setattr(cpu_read, "_resident_prefix", lambda residency, offset, length: 0)
     else:  # the page cache holds the files: still through the chunks, not whole-file reads
-        monkeypatch.setattr(reader, "_all_cached", lambda path, start, end: False)
+        monkeypatch.setattr(cpu_read, "_all_cached", lambda path, start, end: False)
     manifest = read_manifest(artifact)
     for role, pp, tp in RANKS:
         want = expected_tensors(artifact, manifest, role, pp, tp)
@@ -304,7 +304,7 @@ def test_o_direct_refused_at_read_time_falls_back_to_plain_reads(
 
     real_preadv = os.preadv
     direct_fds: list[int | None] = []
-    real_open_direct = reader._open_direct
+    real_open_direct = cpu_read._open_direct
 
     def open_direct(path: Path) -> int | None:
         fd = real_open_direct(path)
@@ -316,9 +316,9 @@ def test_o_direct_refused_at_read_time_falls_back_to_plain_reads(
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_preadv(fd, buffers, offset, *flags)
 
-    monkeypatch.setattr(reader, "_open_direct", open_direct)
-    monkeypatch.setattr(reader, "_resident_prefix", lambda residency, offset, length: 0)
-    monkeypatch.setattr(reader.os, "preadv", preadv)
+    monkeypatch.setattr(cpu_read, "_open_direct", open_direct)
+    monkeypatch.setattr(cpu_read, "_resident_prefix", lambda residency, offset, length: 0)
+    monkeypatch.setattr(cpu_read.os, "preadv", preadv)
     manifest = read_manifest(artifact)
     want = expected_tensors(artifact, manifest, "target", 0, 0)
     places = {n: torch.full_like(t, 7) for n, t in want.items()}
@@ -331,12 +331,12 @@ def test_a_reader_left_early_stops_its_thread(artifact: Path) -> None:
     """Closing the tensor iterator half way stops the thread that reads ahead."""
     import threading
 
-    before = {t for t in threading.enumerate() if t.name.startswith(reader.READ_THREAD)}
+    before = {t for t in threading.enumerate() if t.name.startswith(cpu_read.READ_THREAD)}
     manifest = read_manifest(artifact)
     want = expected_tensors(artifact, manifest, "target", 1, 1)
     places = {n: torch.empty_like(t) for n, t in want.items()}
     tensors = read_rank(artifact, "target", 1, 1, into=lambda n, _: places[n])
     next(tensors)
     tensors.close()
-    after = {t for t in threading.enumerate() if t.name.startswith(reader.READ_THREAD)}
+    after = {t for t in threading.enumerate() if t.name.startswith(cpu_read.READ_THREAD)}
     assert after <= before
