@@ -14,7 +14,7 @@ from shardprep import safefs
 from shardprep.constants import FORMAT, MANIFEST_NAME, MAX_JSON_BYTES
 from shardprep.errors import ManifestError
 from shardprep.format import jsonio
-from shardprep.format.checks import check_consistency, check_document
+from shardprep.format.checks import check_consistency
 from shardprep.format.records import (
     Experts,
     ExtraFile,
@@ -29,6 +29,7 @@ from shardprep.format.records import (
     split_rank_key,
 )
 from shardprep.format.request import ConversionRequest
+from shardprep.format.schema import check_document
 from shardprep.format.vllm_layout import VllmLayout, legacy_layout
 
 __all__ = [
