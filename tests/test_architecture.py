@@ -26,7 +26,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("shardprep.codec",),
     ("shardprep.plan",),
     ("shardprep.report",),
-    ("shardprep.hub.client",),  # the Hub client's edges: a Hub source is read in convert/
+    ("shardprep.hub_client",),  # the Hub client's edges: a Hub source is read in convert/
     ("shardprep.convert",),
     ("shardprep.hub",),
     ("shardprep.loader",),

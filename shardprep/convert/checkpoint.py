@@ -64,7 +64,7 @@ def resolve_model(
         raise ConfigError(f"{model} is neither a model folder nor a Hugging Face repo id")
     from huggingface_hub import snapshot_download
 
-    from shardprep.hub.client import hub_errors
+    from shardprep.hub_client import hub_errors
     from shardprep.progress import Progress, Silent
 
     try:

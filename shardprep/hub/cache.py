@@ -33,11 +33,11 @@ from pathlib import Path
 
 from huggingface_hub import constants as hf_constants
 
+from shardprep import hub_client
 from shardprep.constants import ENV_CACHE, FETCHED_MANIFEST, MANIFEST_NAME, cache_root
 from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
 from shardprep.format.headers import sha256_file
 from shardprep.format.manifest import Manifest
-from shardprep.hub import client
 from shardprep.hub.cache_manifest import (
     cached_manifest,
     place_manifest,
@@ -87,11 +87,13 @@ def fetch(
     return the folder to point vLLM at. Only the manifest, the extra files and that part's
     rank files are downloaded; a part fetched before needs no network. `verify` re-hashes
     what the cache already holds of the part and downloads again any file that fails."""
-    client.check_repo_id(repo_id)
+    hub_client.check_repo_id(repo_id)
     _check_request(stage, rank, all_stages)
     repo_dir = repo_folder(repo_id, cache_dir)
     revision = revision or hf_constants.DEFAULT_REVISION
-    remote = None if client.is_offline() else client.Remote(repo_id, endpoint, token, progress)
+    remote = (
+        None if hub_client.is_offline() else hub_client.Remote(repo_id, endpoint, token, progress)
+    )
     commit, remote = resolve_commit(repo_dir, repo_id, revision, remote)
     folder = repo_dir / commit
     if verify and remote is not None:
@@ -101,7 +103,7 @@ def fetch(
         if verify:
             _recheck(folder, repo_id, manifest, part, remote, progress)
         _fetch_part(folder, repo_id, manifest, part, remote, progress)
-    if not client.is_commit(revision):
+    if not hub_client.is_commit(revision):
         write_ref(repo_dir, revision, commit)
     return folder
 
@@ -167,7 +169,7 @@ def _wanted(manifest: Manifest, part: Part) -> list[Wanted]:
     for f in manifest.files:
         if f.pp != part.stage or (part.rank is not None and f.tp != part.rank):
             continue
-        stored = client.stored_path(f)
+        stored = hub_client.stored_path(f)
         packed = f.codec != "none"
         items.append(
             Wanted(
@@ -193,7 +195,7 @@ def _recheck(
     repo_id: str,
     manifest: Manifest,
     part: Part,
-    remote: client.Remote | None,
+    remote: hub_client.Remote | None,
     progress: bool,
 ) -> None:
     """Re-hash the part's files in the cache; remove any that fail (and a root manifest
@@ -229,7 +231,7 @@ def _fetch_part(
     repo_id: str,
     manifest: Manifest,
     part: Part,
-    remote: client.Remote | None,
+    remote: hub_client.Remote | None,
     progress: bool,
 ) -> None:
     if is_complete(folder, part):
@@ -252,7 +254,7 @@ def _fetch_part(
 
 
 def _download_and_place(
-    folder: Path, staging: Path, wanted: list[Wanted], remote: client.Remote
+    folder: Path, staging: Path, wanted: list[Wanted], remote: hub_client.Remote
 ) -> None:
     """Download what is not in place yet, verify each file as it arrives, rename it into
     place; one more download for a file that fails, then a CorruptFileError naming it."""

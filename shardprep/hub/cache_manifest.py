@@ -10,10 +10,10 @@ import os
 import shutil
 from pathlib import Path, PurePosixPath
 
+from shardprep import hub_client
 from shardprep.constants import FETCHED_MANIFEST, MANIFEST_NAME
 from shardprep.errors import ConfigError, CorruptFileError, HubError
 from shardprep.format.manifest import Manifest, load_manifest_file
-from shardprep.hub import client
 from shardprep.hub.cache_state import STATE_DIR, fetch_lock, write_atomic
 
 REFS_DIR = "refs"
@@ -22,17 +22,17 @@ logger = logging.getLogger("shardprep.hub.cache")
 
 
 def resolve_commit(
-    repo_dir: Path, repo_id: str, revision: str, remote: client.Remote | None
-) -> tuple[str, client.Remote | None]:
+    repo_dir: Path, repo_id: str, revision: str, remote: hub_client.Remote | None
+) -> tuple[str, hub_client.Remote | None]:
     """The commit `revision` names, and the remote to use (None: work from the cache only)."""
-    if client.is_commit(revision):
+    if hub_client.is_commit(revision):
         return revision, remote
     if remote is not None:
         try:
             return remote.resolve(revision), remote
         except HubError as exc:
             cached = read_ref(repo_dir, revision)
-            if cached is None or not client.is_connection_error(exc.__cause__ or exc):
+            if cached is None or not hub_client.is_connection_error(exc.__cause__ or exc):
                 raise
             logger.warning("%s; using %s@%s from the cache", exc, repo_id, cached[:12])
             return cached, None
@@ -56,7 +56,7 @@ def ref_path(repo_dir: Path, revision: str) -> Path:
 def read_ref(repo_dir: Path, revision: str) -> str | None:
     path = ref_path(repo_dir, revision)
     commit = path.read_text().strip() if path.is_file() else ""
-    return commit if client.is_commit(commit) else None
+    return commit if hub_client.is_commit(commit) else None
 
 
 def write_ref(repo_dir: Path, revision: str, commit: str) -> None:
@@ -65,7 +65,7 @@ def write_ref(repo_dir: Path, revision: str, commit: str) -> None:
 
 
 def cached_manifest(
-    folder: Path, repo_id: str, commit: str, remote: client.Remote | None
+    folder: Path, repo_id: str, commit: str, remote: hub_client.Remote | None
 ) -> Manifest:
     """The commit's manifest: from the cache, else downloaded once (under a lock) and checked
     against the id the Hub gives the file."""
@@ -84,12 +84,12 @@ def cached_manifest(
     return load_manifest_file(path, where)
 
 
-def download_manifest(folder: Path, path: Path, commit: str, remote: client.Remote) -> None:
+def download_manifest(folder: Path, path: Path, commit: str, remote: hub_client.Remote) -> None:
     staging = folder / STATE_DIR / "staging" / "manifest"
     file_id = remote.file_id(commit, MANIFEST_NAME)
     for again in (False, True):
         staged = remote.download(commit, MANIFEST_NAME, staging, again=again)
-        if client.matches_file_id(staged, file_id):
+        if hub_client.matches_file_id(staged, file_id):
             os.replace(staged, path)
             shutil.rmtree(staging, ignore_errors=True)
             return
@@ -102,11 +102,13 @@ def download_manifest(folder: Path, path: Path, commit: str, remote: client.Remo
     )
 
 
-def recheck_manifest(folder: Path, commit: str, remote: client.Remote) -> None:
+def recheck_manifest(folder: Path, commit: str, remote: hub_client.Remote) -> None:
     """The cached manifest against the id the Hub gives it; a damaged one is removed (with
     the copy at the folder's root) and downloaded again."""
     path = folder / STATE_DIR / FETCHED_MANIFEST
-    if path.is_file() and not client.matches_file_id(path, remote.file_id(commit, MANIFEST_NAME)):
+    if path.is_file() and not hub_client.matches_file_id(
+        path, remote.file_id(commit, MANIFEST_NAME)
+    ):
         logger.warning("%s in the cache does not match the Hub; downloading it again", path)
         path.unlink()
         (folder / MANIFEST_NAME).unlink(missing_ok=True)

@@ -25,8 +25,8 @@ from shardprep.constants import MANIFEST_NAME
 from shardprep.errors import ConfigError, CorruptFileError, HubError
 from shardprep.format import manifest as mf
 from shardprep.format.headers import sha256_file
-from shardprep.hub.client import CODEC_SUFFIXES, check_repo_id, hub_errors, stored_path
 from shardprep.hub.modelcard import model_card
+from shardprep.hub_client import CODEC_SUFFIXES, check_repo_id, hub_errors, stored_path
 from shardprep.progress import Progress as tqdm
 from shardprep.progress import is_terminal
 
