@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import os
 import re
 import signal
 import sys
 import threading
 import traceback
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ from shardprep.constants import debug_enabled
 from shardprep.errors import ConfigError, ShardprepError, printable
 from shardprep.format.dtypes import MODEL_DTYPES
 from shardprep.plan import archs
+from shardprep.terminal import Terminated, error_line, quiet_output, terminate
 
 _UNITS = {
     "": 1,
@@ -352,61 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-MAX_ERROR_CHARS = 1000  # an error line longer than this is cut, saying how much was left out
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, taken the way Ctrl-C is: temporary files removed, the work resumable."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
-
-
-def error_line(message: object) -> str:
-    """One line of at most MAX_ERROR_CHARS characters: line breaks and every other control
-    character (an escape code a server or a file name carried) become spaces or escapes."""
-    return f"shardprep: error: {printable(message, MAX_ERROR_CHARS)}"
-
-
-@contextlib.contextmanager
-def _quiet(args: argparse.Namespace) -> Iterator[None]:
-    """--quiet: only the result, or the one error line, on the terminal: log records still
-    reach the handlers a caller installed, but none is printed (no last-resort handler, the
-    Hugging Face client's own stderr handler muted) and no warning is shown. For the
-    command's time only: main() may be called again in the same process."""
-    if not getattr(args, "quiet", False):
-        yield
-        return
-    root, null = logging.getLogger(), logging.NullHandler()
-    printing = [
-        handler
-        for logger in (root, logging.getLogger("huggingface_hub"))
-        for handler in logger.handlers
-        if type(handler) is logging.StreamHandler
-    ]
-    levels = [handler.level for handler in printing]
-    root.addHandler(null)  # a handler is found: logging's last resort prints nothing
-    for handler in printing:
-        handler.setLevel(logging.CRITICAL + 1)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        root.removeHandler(null)
-        for handler, level in zip(printing, levels, strict=True):
-            handler.setLevel(level)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous = signal.getsignal(signal.SIGTERM)
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
-        signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGTERM, terminate)
     try:
-        with _quiet(args):
+        with quiet_output(getattr(args, "quiet", False)):
             args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     except BrokenPipeError:
