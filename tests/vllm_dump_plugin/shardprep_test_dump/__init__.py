@@ -4,7 +4,9 @@ It loads exactly as vLLM's ``DefaultModelLoader`` does and, right after
 ``load_weights`` (before ``process_weights_after_loading``), saves every parameter of
 the rank to ``$SHARDPREP_DUMP_DIR/{role}-pp{P}-tp{T}.safetensors``. With
 ``$SHARDPREP_LOAD_TIMES`` set (benchmarks), it also times every rank's ``load_weights``
-of the default loader, ``sharded_state`` and ``sharded-fast`` (see timing.py).
+of the default loader, ``sharded_state`` and ``sharded-fast`` (see timing.py). With
+``$SHARDPREP_STUB_KERNELS=1``, quantized layers whose kernel the CPU build cannot choose
+get a stand-in kernel (see kernels.py).
 
 Importing this package does not import vLLM; ``register`` does, and is idempotent.
 """
@@ -34,9 +36,10 @@ def register() -> None:
     time the loaders when ``$SHARDPREP_LOAD_TIMES`` is set."""
     from vllm.model_executor import model_loader
 
-    from shardprep_test_dump.timing import install
+    from shardprep_test_dump import kernels, timing
 
-    install()
+    kernels.install()
+    timing.install()
 
     registered = model_loader._LOAD_FORMAT_TO_MODEL_LOADER
     if DUMP_FORMAT in registered:
