@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.plan import archs
+from shardprep.plan.archs import quantized
 
 
 def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
@@ -112,8 +113,8 @@ def make_tiny_model(
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     for part in families:
-        shapes |= part.expected_shapes(config)
-        dtypes |= part.source_dtypes(config)
+        shapes |= quantized.expected_shapes(part, config)
+        dtypes |= quantized.source_dtypes(part, config)
     tensors = _random_tensors(shapes, config["torch_dtype"], seed)
     for part in families[1:]:  # a draft's copies of target tensors are copies, as published
         for copy, original in part.shared_copies(config).items():

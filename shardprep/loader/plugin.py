@@ -131,8 +131,9 @@ class ShardedFastLoader(BaseModelLoader):
                 model, set(entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank))
             )
         filled = fill_parameters(
-            model, tensors, ignorable=_ignorable(entry, place), may_lack=_may_lack(manifest, entry),
-            where=where, layout=manifest.vllm_layout.id,
+            model, tensors, ignorable=_ignorable(entry, place),
+            may_lack=_may_lack(manifest, entry, model), where=where,
+            layout=manifest.vllm_layout.id,
         )  # fmt: skip
         if family is not None:
             family.after_fill(model, set(filled))
@@ -219,14 +220,20 @@ def _ignorable(entry: ModelEntry, place: RankPlace) -> set[str]:
     return {name for name, stage in entry.spec_decode_only if stage == place.pp_rank}
 
 
-def _may_lack(manifest: Manifest, entry: ModelEntry) -> set[str]:
-    """Draft parameters that vLLM shares with the target when the draft lacks them, or
-    leaves at their initial value (the draft family says which)."""
+def _may_lack(manifest: Manifest, entry: ModelEntry, model: nn.Module) -> set[str]:
+    """Parameters vLLM itself never loads from these files: a draft's that vLLM shares
+    with the target or leaves at their initial value (the draft family says which), and
+    the KV-cache scales a quantized model gets but whose checkpoint has none."""
+    lacking = set()
+    if entry.quantization:
+        from shardprep.plan.quant import never_loaded  # pure data, only a quantized model
+
+        lacking = {name for name, _ in model.named_parameters() if never_loaded(name)}
     if entry.role != "draft":
-        return set()
+        return lacking
     family = draft_family(manifest, entry)
     unloaded = family.may_stay_unloaded if family is not None else frozenset()
-    return set(entry.shared_with_target) | set(unloaded)
+    return lacking | set(entry.shared_with_target) | set(unloaded)
 
 
 def draft_family(manifest: Manifest, entry: ModelEntry) -> DraftFamily | None:

@@ -10,6 +10,7 @@ from shardprep.errors import ConfigError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.format.records import Topology
 from shardprep.format.vllm_layout import expert_substitution
+from shardprep.plan.archs import quantized
 from shardprep.plan.archs.base import Family, Layout
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.records import SourceModel
@@ -45,7 +46,7 @@ def checked_layout(
         return None, [f"{role}: {p}" for p in refused]
     try:
         problems = [f"{role}: {p}" for p in family.check(source.config, tp, **context)]
-        expected = family.expected_shapes(source.config, **context)
+        expected = quantized.expected_shapes(family, source.config, **context)
     except ConfigError as exc:
         return None, [f"{role}: {exc}"]
     except (KeyError, ValueError, TypeError) as exc:
@@ -59,7 +60,12 @@ def checked_layout(
                 f"{role}: {name} has shape {list(shape)} but config.json implies "
                 f"{list(expected[name])}"
             )
-    layout = family.layout(source.config, shapes, topology, **context)
+    layout = quantized.layout(family, source.config, shapes, topology, **context)
+    if not problems:
+        refused = quantized.quantization_problems(
+            family, source.config, layout, shapes, tp, **context
+        )
+        problems += [f"{role}: {p}" for p in refused]
     problems += [f"{role}: {p}" for p in dtype_problems(layout, source, family)]
     consumed = {piece.source for param in layout.params for piece in param.pieces}
     unknown = sorted(set(shapes) - consumed - set(layout.skipped))
@@ -81,7 +87,7 @@ def dtype_problems(layout: Layout, source: SourceModel, family: Family) -> list[
     """A parameter that follows the model dtype is floating point in vLLM: its source
     must be too, or quantized as the family declares (`source_dtypes`); an integer
     parameter has its dtype fixed by the family."""
-    declared = family.source_dtypes(source.config)
+    declared = quantized.source_dtypes(family, source.config)
     problems = []
     for param in layout.params:
         if param.dtype is not None:

@@ -34,7 +34,8 @@ class Cut(Enum):
 @dataclass(frozen=True)
 class ScaleOf:
     """What a block-scale tensor (`weight_scale_inv`) scales: a 2-D weight of `shape`, cut
-    by `cut` (ROWS, COLS or REPLICATE), quantized in blocks of `block` = (rows, cols)."""
+    by `cut` (ROWS, COLS, KV_HEADS of `heads` or REPLICATE), quantized in blocks of
+    `block` = (rows, cols)."""
 
     shape: tuple[int, int]
     cut: Cut
@@ -42,6 +43,7 @@ class ScaleOf:
     # The finer grid vLLM's parameter uses, when it refines the checkpoint's blocks
     # (fp8 MoE, `refine_fp8_moe_block_shape`): the scales are upsampled to it first.
     grid: tuple[int, int] | None = None
+    heads: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def _scale_block(source: str, of: ScaleOf, tp: int, rank: int) -> Block:
     its own; vLLM refuses that topology (`validate_fp8_block_shape`), and so does this."""
     grid = of.grid or of.block
     repeat = (of.block[0] // grid[0], of.block[1] // grid[1])
-    (cut,) = piece_blocks(Piece(source, of.cut), of.shape, tp, rank)
+    (cut,) = piece_blocks(Piece(source, of.cut, of.heads), of.shape, tp, rank)
     rows = _in_blocks(source, cut.rows, grid[0], "rows")
     if cut.cols is None:
         return Block(source, rows, (0, -(-of.shape[1] // grid[1])), repeat)

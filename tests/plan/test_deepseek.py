@@ -14,6 +14,7 @@ from shardprep.cli import main
 from shardprep.demo.tiny import TINY_FP8, make_tiny_model, tiny_config
 from shardprep.errors import PlanError
 from shardprep.plan import archs
+from shardprep.plan.archs import quantized
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import Plan, SourceModel, TensorPlan
 
@@ -23,8 +24,8 @@ V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
 def source(architecture: str, **overrides: Any) -> SourceModel:
     config = tiny_config(architecture, **overrides)
     _, family = archs.target_family(config)
-    dtypes = family.source_dtypes(config)
-    shapes = family.expected_shapes(config)
+    dtypes = quantized.source_dtypes(family, config)
+    shapes = quantized.expected_shapes(family, config)
     return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
 
 
@@ -99,19 +100,36 @@ def test_a_tp_the_blocks_forbid_is_refused_with_vllms_reason() -> None:
 
 
 def test_experts_too_fine_to_refine_are_refused_as_vllm_does() -> None:
-    """vLLM refines MoE blocks to gcd(128, 128, I/tp, H) when that is at least 32; 320
-    experts rows give 64 at tp1 and 32 at tp2, but only 16 at tp4."""
-    config = {"num_attention_heads": 8, "intermediate_size": 512, "n_shared_experts": 0}
+    """vLLM refines MoE blocks to gcd(128, 128, I/tp, H) when that is at least 32: 384
+    expert rows give 192 at tp2 (refined to 64) and 96 at tp4 (32), but only 48 at tp8."""
+    config = {"num_attention_heads": 16, "intermediate_size": 2048, "n_shared_experts": 0}
     model = source(
-        V3, num_hidden_layers=2, moe_intermediate_size=320, quantization_config=TINY_FP8, **config
+        V3, num_hidden_layers=2, moe_intermediate_size=384, quantization_config=TINY_FP8, **config
     )
-    make_plan(model, tp=2, pp=1)
+    make_plan(model, tp=4, pp=1)
     with pytest.raises(PlanError) as info:
-        make_plan(model, tp=4, pp=1)
+        make_plan(model, tp=8, pp=1)
     assert str(info.value) == (
-        "cannot convert: target: vLLM refuses fp8 blocks [128, 128] at tp=4: "
-        "model.layers.*.mlp.experts: The output_size of gate's and up's weight = 80 is not "
-        "divisible by weight quantization block_n = 128. Choose a tp that works: 1, 2"
+        "cannot convert: target: vLLM refuses fp8 blocks [128, 128] at tp=8: "
+        "model.layers.*.mlp.experts: The output_size of gate's and up's weight = 48 is not "
+        "divisible by weight quantization block_n = 128. Choose a tp that works: 1, 2, 4"
+    )
+
+
+def test_experts_whose_scales_vllm_cannot_place_are_refused() -> None:
+    """192 expert rows end inside a 128-block: vLLM refines the blocks at tp2, then its own
+    `_load_w2` fails on the upsampled scales (size 3 vs 4), on any device."""
+    model = source(
+        V3, num_hidden_layers=2, moe_intermediate_size=192, n_shared_experts=4,
+        quantization_config=TINY_FP8,
+    )  # fmt: skip
+    with pytest.raises(PlanError) as info:
+        make_plan(model, tp=2, pp=1)
+    assert str(info.value) == (
+        "cannot convert: target: vLLM refuses fp8 blocks [128, 128] at tp=2: "
+        "model.layers.*.mlp.experts: vLLM refines the blocks to [32, 32] for experts of 96 "
+        "rows per rank, but its loader cannot place the scales of an intermediate size (192) "
+        "that is not a whole number of 128-blocks. Choose a tp that works: none"
     )
 
 
@@ -138,15 +156,15 @@ def test_cli_refuses_a_scale_of_the_wrong_shape_and_writes_nothing(
 
 
 def test_refined_moe_scales_are_upsampled_then_cut(tmp_path: Path) -> None:
-    """Experts of 192 at tp2 hold 96 rows each, not a whole 128-block: vLLM refines the
-    grid to 32 x 32 and upsamples each scale 4 x 4 before cutting (repeat_interleave)."""
+    """Experts of 128 at tp2 hold 64 rows each, not a whole 128-block: vLLM refines the
+    grid to 64 x 64 and upsamples each scale 2 x 2 before cutting (repeat_interleave)."""
     import torch
     from safetensors.torch import load_file
 
     from shardprep.convert.run import Options, convert
     from shardprep.convert.verify import verify
 
-    refined = {"moe_intermediate_size": 192, "n_shared_experts": 4}
+    refined = {"moe_intermediate_size": 128, "n_shared_experts": 2}
     model = make_tiny_model(
         tmp_path / "model", V3, num_hidden_layers=2, quantization_config=TINY_FP8, **refined
     )
@@ -156,16 +174,16 @@ def test_refined_moe_scales_are_upsampled_then_cut(tmp_path: Path) -> None:
     ours = load_file(out / "shards" / "model-pp-0-tp-1-part-0.safetensors")
 
     def up(name: str) -> torch.Tensor:
-        return source[name].repeat_interleave(4, 0).repeat_interleave(4, 1)
+        return source[name].repeat_interleave(2, 0).repeat_interleave(2, 1)
 
     experts = "model.layers.1.mlp.experts."
     w13 = torch.stack(
         [
-            torch.cat([up(f"{experts}{e}.{p}_proj.weight_scale_inv")[3:6] for p in ("gate", "up")])
+            torch.cat([up(f"{experts}{e}.{p}_proj.weight_scale_inv")[1:2] for p in ("gate", "up")])
             for e in range(8)
         ]
     )
-    w2 = torch.stack([up(f"{experts}{e}.down_proj.weight_scale_inv")[:, 3:6] for e in range(8)])
+    w2 = torch.stack([up(f"{experts}{e}.down_proj.weight_scale_inv")[:, 1:2] for e in range(8)])
     routed = experts + "routed_experts."
     assert torch.equal(ours[routed + "w13_weight_scale_inv"], w13)
     assert torch.equal(ours[routed + "w2_weight_scale_inv"], w2)

@@ -90,11 +90,12 @@ def test_fp8_mtp_layers_stay_fp8_but_eh_proj_does_not() -> None:
         V3, num_hidden_layers=3, num_nextn_predict_layers=1, quantization_config=TINY_FP8
     )
     from shardprep.plan import archs
+    from shardprep.plan.archs import quantized
 
     shapes, dtypes = {}, {}
     for family in (archs.target_family(config)[1], archs.draft_family("mtp", "deepseek")):
-        shapes |= family.expected_shapes(config)
-        dtypes |= family.source_dtypes(config)
+        shapes |= quantized.expected_shapes(family, config)
+        dtypes |= quantized.source_dtypes(family, config)
     source = SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
     plan = make_plan(source, tp=2, pp=1, draft=source, draft_method="mtp")
     ours = {t.name: t for f in plan.files if (f.role, f.tp) == ("draft", 0) for t in f.tensors}

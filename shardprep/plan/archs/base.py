@@ -68,7 +68,14 @@ class Family:
         raise NotImplementedError
 
     def source_dtypes(self, config: Config) -> dict[str, str]:
-        """Tensors whose checkpoint dtype is not the model's (fp8 weights, their scales)."""
+        """Tensors whose checkpoint dtype is not the model's (a float32 routing bias); what a
+        quantization scheme stores is added by plan/archs/quantized.py."""
+        return {}
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        """Source weights of the layers vLLM builds with the model's quantization (linear
+        layers and expert projections), each with the name of its vLLM layer (what an
+        ignore list names). A scheme in `quant_schemes` stores these quantized."""
         return {}
 
     def internal_draft(self, config: Config) -> str | None:

@@ -17,20 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
-from shardprep.plan.layout import Cut, Piece, ScaleOf, w2_pieces, w13_pieces
-from shardprep.plan.quant import scheme_of
-from shardprep.plan.quant.fp8 import (
-    BlockQuant,
-    LinearShape,
-    block_problems,
-    moe_block_problems,
-    refined_block,
-)
+from shardprep.plan.layout import Cut, Piece, w2_pieces, w13_pieces
 from shardprep.plan.topology import Topology, pad_vocab
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-SCALE = "weight_scale_inv"
-FP8 = "F8_E4M3"
 F32 = "F32"
 
 
@@ -91,7 +81,7 @@ class Tensor:
     hf: str  # suffix inside the layer
     shape: tuple[int, ...]
     cut: Cut
-    linear: bool = False  # a linear layer's weight: fp8 with a block scale when quantized
+    linear: bool = False  # a linear layer's weight, which takes the model's quantization
     fused: str = ""  # the vLLM parameter it is a piece of, when not its own name
     dtype: str | None = None
 
@@ -160,64 +150,32 @@ def expert_shapes(d: Dims) -> dict[str, tuple[int, int]]:
     }
 
 
-def scale_name(weight: str) -> str:
-    return weight.removesuffix("weight") + SCALE
-
-
-def layer_sources(
-    d: Dims, quant: BlockQuant | None, layer: int
-) -> dict[str, tuple[tuple[int, ...], str | None]]:
+def layer_sources(d: Dims, layer: int) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """{Hugging Face name: (shape, fixed dtype)} of one decoder layer's tensors, routed
-    experts and fp8 block scales included."""
-    found: dict[str, tuple[tuple[int, ...], str | None]] = {}
-
-    def add(name: str, shape: tuple[int, ...], linear: bool, dtype: str | None) -> None:
-        if linear and quant is not None:
-            found[name] = (shape, FP8)
-            found[scale_name(name)] = (quant.scale_shape(shape), F32)  # type: ignore[arg-type]
-        else:
-            found[name] = (shape, dtype)
-
+    experts included."""
     prefix = f"model.layers.{layer}."
-    for t in layer_tensors(d, layer):
-        add(prefix + t.hf, t.shape, t.linear, t.dtype)
+    found = {prefix + t.hf: (t.shape, t.dtype) for t in layer_tensors(d, layer)}
     if d.is_moe(layer):
         for e in range(d.experts):
             for suffix, shape in expert_shapes(d).items():
-                add(f"{prefix}mlp.experts.{e}.{suffix}", shape, True, None)
+                found[f"{prefix}mlp.experts.{e}.{suffix}"] = (shape, None)
     return found
 
 
-def linear_shapes(d: Dims, tp: int) -> list[LinearShape]:
-    """The linear layers as vLLM builds them at `tp`, for its fp8 block-shape check."""
-    qk, layers = d.nope + d.rope, []
-    attn = "self_attn."
-    if d.q_lora is not None:
-        kv_a = d.kv_lora + d.rope
-        layers.append(LinearShape.replicated(attn + "fused_qkv_a_proj", d.hidden, (d.q_lora, kv_a)))
-        layers.append(LinearShape.column(attn + "q_b_proj", d.q_lora, d.heads * qk, tp))
-    else:
-        kv_a_out = (d.kv_lora + d.rope,)
-        layers.append(LinearShape.replicated(attn + "kv_a_proj_with_mqa", d.hidden, kv_a_out))
-        layers.append(LinearShape.column(attn + "q_proj", d.hidden, d.heads * qk, tp))
-    layers.append(LinearShape.column(attn + "kv_b_proj", d.kv_lora, d.heads * (d.nope + d.v), tp))
-    layers.append(LinearShape.row(attn + "o_proj", d.heads * d.v, d.hidden, tp))
-    mlps = {"mlp.": d.intermediate} if d.first_dense or d.moe_freq > 1 or not d.experts else {}
-    if d.experts and d.shared:
-        mlps["mlp.shared_experts."] = d.moe_intermediate * d.shared
-    for prefix, size in mlps.items():
-        layers.append(LinearShape.merged(prefix + "gate_up_proj", d.hidden, (size, size), tp))
-        layers.append(LinearShape.row(prefix + "down_proj", size, d.hidden, tp))
-    return layers
-
-
-def _moe_problems(d: Dims, quant: BlockQuant, tp: int) -> list[str]:
-    if not d.experts or d.moe_intermediate % tp:
-        return []
-    return [
-        f"mlp.experts: {p}"
-        for p in moe_block_problems(quant, d.moe_intermediate // tp, d.hidden, tp)
-    ]
+def layer_quantized(d: Dims, layer: int) -> dict[str, str]:
+    """{source weight: vLLM layer} of one decoder layer's linear layers and experts (the
+    router is never quantized: vLLM builds it without the model's quantization)."""
+    prefix = f"model.layers.{layer}."
+    found = {
+        prefix + t.hf: prefix + t.vllm.removesuffix(".weight")
+        for t in layer_tensors(d, layer)
+        if t.linear
+    }
+    if d.is_moe(layer):
+        for e in range(d.experts):
+            for suffix in expert_shapes(d):
+                found[f"{prefix}mlp.experts.{e}.{suffix}"] = f"{prefix}mlp.experts"
+    return found
 
 
 def split_problems(d: Dims, tp: int) -> list[str]:
@@ -250,14 +208,21 @@ class DeepseekFamily(Family):
         return "mtp" if config.get("model_type") == "deepseek_v3" and layers else None
 
     def source_dtypes(self, config: Config) -> dict[str, str]:
-        """Tensors whose checkpoint dtype is not the model's: fp8 weights, their scales."""
+        """Tensors whose checkpoint dtype is not the model's: the routing bias."""
         return {name: dtype for name, (_, dtype) in self._sources(config).items() if dtype}
 
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        d = Dims.of(config)
+        found: dict[str, str] = {}
+        for layer in range(d.layers):
+            found |= layer_quantized(d, layer)
+        return found
+
     def _sources(self, config: Config) -> dict[str, tuple[tuple[int, ...], str | None]]:
-        d, quant = Dims.of(config), scheme_of(config)
+        d = Dims.of(config)
         found: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for layer in range(d.layers):
-            found |= layer_sources(d, quant, layer)
+            found |= layer_sources(d, layer)
         found["model.embed_tokens.weight"] = ((d.vocab, d.hidden), None)
         found["model.norm.weight"] = ((d.hidden,), None)
         found["lm_head.weight"] = ((d.vocab, d.hidden), None)
@@ -265,7 +230,7 @@ class DeepseekFamily(Family):
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         try:
-            d, quant = Dims.of(config), scheme_of(config)
+            d = Dims.of(config)
         except (KeyError, ValueError, TypeError):
             return []  # expected_shapes reports what config.json lacks
         problems = []
@@ -277,32 +242,10 @@ class DeepseekFamily(Family):
                 "with --enable-expert-parallel, tp > 1 and dp > 1 vLLM replicates the shared "
                 "experts, a layout shardprep does not write yet; use --tp 1 or --dp 1"
             )
-        if quant is not None and quant.problem:
-            return problems  # plan/checks.py reports a scheme shardprep cannot lay out
-        problems += split_problems(d, tp)
-        if quant is None or problems:
-            return problems
-        refusals = block_problems(linear_shapes(d, tp), quant) + _moe_problems(d, quant, tp)
-        if refusals:
-            fine = [t for t in range(1, d.heads + 1) if not self._refused(d, quant, t)]
-            works = ", ".join(map(str, fine)) or "none"
-            more = f" (and {len(refusals) - 1} more layers)" if len(refusals) > 1 else ""
-            problems.append(
-                f"vLLM refuses fp8 blocks {list(quant.block)} at tp={tp}: model.layers.*."
-                f"{refusals[0]}{more} Choose a tp that works: {works}"
-            )
-        return problems
-
-    @staticmethod
-    def _refused(d: Dims, quant: BlockQuant, tp: int) -> bool:
-        return bool(
-            split_problems(d, tp)
-            or block_problems(linear_shapes(d, tp), quant)
-            or _moe_problems(d, quant, tp)
-        )
+        return problems + split_problems(d, tp)
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        d, quant = Dims.of(config), scheme_of(config)
+        d = Dims.of(config)
         last = topology.last_stage
         params: list[Param] = []
         skipped: dict[str, str] = {}
@@ -319,7 +262,7 @@ class DeepseekFamily(Family):
         for layer in range(d.layers):
             stage = topology.stage_of_layer(layer)
             prefix = f"model.layers.{layer}."
-            params += fused_params(self.layer_params(d, quant, layer, prefix, topology.tp), stage)
+            params += fused_params(self.layer_params(d, layer, prefix), stage)
         vocab = Piece("model.embed_tokens.weight", Cut.VOCAB)
         params.append(Param("model.embed_tokens.weight", (vocab,), (0,)))
         norm = Piece("model.norm.weight", Cut.REPLICATE)
@@ -328,15 +271,13 @@ class DeepseekFamily(Family):
         return Layout(tuple(params), skipped, num_experts=d.experts)
 
     def layer_params(
-        self, d: Dims, quant: BlockQuant | None, layer: int, prefix: str, tp: int
+        self, d: Dims, layer: int, prefix: str
     ) -> Iterator[tuple[str, Piece, str | None]]:
         """(vLLM name, piece, fixed dtype) in stacking order; pieces of one name fuse."""
-        tensors = layer_tensors(d, layer)
-        for t in tensors:
+        for t in layer_tensors(d, layer):
             yield prefix + t.vllm, Piece(prefix + t.hf, t.cut), t.dtype
-        routed = f"{prefix}mlp.experts.routed_experts."
-        experts = f"{prefix}mlp.experts."
         if d.is_moe(layer):
+            experts, routed = f"{prefix}mlp.experts.", f"{prefix}mlp.experts.routed_experts."
             gate_up = [
                 (f"{experts}{e}.gate_proj.weight", f"{experts}{e}.up_proj.weight")
                 for e in range(d.experts)
@@ -346,35 +287,6 @@ class DeepseekFamily(Family):
                 yield routed + "w13_weight", piece, None
             for piece in w2_pieces(down):
                 yield routed + "w2_weight", piece, None
-        if quant is None:
-            return
-        for t in tensors:
-            if t.linear:
-                of = ScaleOf(t.shape, t.cut, quant.block)  # type: ignore[arg-type]
-                piece = Piece(scale_name(prefix + t.hf), Cut.BLOCK_SCALE, scale_of=of)
-                yield scale_name(prefix + t.vllm), piece, F32
-        if d.is_moe(layer):
-            yield from self._expert_scales(d, quant, tp, experts, routed)
-
-    def _expert_scales(
-        self, d: Dims, quant: BlockQuant, tp: int, experts: str, routed: str
-    ) -> Iterator[tuple[str, Piece, str | None]]:
-        """FusedMoE's block scales: per expert, this rank's gate then up scale rows; the
-        down scale columns. On the refined grid when vLLM refines the blocks."""
-        grid = refined_block(quant, d.moe_intermediate // tp, d.hidden, tp)
-        shapes = expert_shapes(d)
-        for e in range(d.experts):
-            for proj in ("gate_proj.weight", "up_proj.weight"):
-                of = ScaleOf(shapes[proj], Cut.ROWS, quant.block, grid)
-                piece = Piece(
-                    scale_name(f"{experts}{e}.{proj}"), Cut.BLOCK_SCALE, expert=e, scale_of=of
-                )
-                yield routed + "w13_" + SCALE, piece, F32
-        for e in range(d.experts):
-            of = ScaleOf(shapes["down_proj.weight"], Cut.COLS, quant.block, grid)
-            name = scale_name(f"{experts}{e}.down_proj.weight")
-            piece = Piece(name, Cut.BLOCK_SCALE, expert=e, scale_of=of)
-            yield routed + "w2_" + SCALE, piece, F32
 
 
 def fused_params(entries: Iterator[tuple[str, Piece, str | None]], stage: int) -> list[Param]:

@@ -26,10 +26,10 @@ from shardprep.plan.archs.deepseek import (
     DeepseekFamily,
     Dims,
     fused_params,
+    layer_quantized,
     layer_sources,
 )
 from shardprep.plan.layout import Cut, Piece
-from shardprep.plan.quant import scheme_of
 from shardprep.plan.topology import Topology
 
 BLOCK = "mtp_block."
@@ -53,13 +53,20 @@ class DeepseekMtpDraft(DraftFamily):
         return {name: shape for name, (shape, _) in self._sources(config, **context).items()}
 
     def source_dtypes(self, config: Config) -> dict[str, str]:
-        """Tensors whose checkpoint dtype is not the model's: fp8 weights, their scales."""
+        """Tensors whose checkpoint dtype is not the model's: the routing bias."""
         return {name: dtype for name, (_, dtype) in self._sources(config).items() if dtype}
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        """The decoder layer of each MTP layer (`eh_proj` is never quantized)."""
+        d, found = Dims.of(config), {}
+        for layer in mtp_layers(config):
+            found |= layer_quantized(d, layer)
+        return found
 
     def _sources(
         self, config: Config, **context: Any
     ) -> dict[str, tuple[tuple[int, ...], str | None]]:
-        d, quant = Dims.of(config), scheme_of(config)
+        d = Dims.of(config)
         names = context.get("draft_names")
         found: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for layer in mtp_layers(config):
@@ -71,7 +78,7 @@ class DeepseekMtpDraft(DraftFamily):
                     f"of MTP layer {layer} ({prefix}*); convert with --no-mtp to leave the MTP "
                     "draft out, or use a checkpoint that includes its MTP layers"
                 )
-            found |= layer_sources(d, quant, layer)
+            found |= layer_sources(d, layer)
             found |= {prefix + name: ((d.hidden,), None) for name in OWN}
             found[prefix + "eh_proj.weight"] = ((d.hidden, 2 * d.hidden), None)
             found[prefix + HEAD] = ((d.vocab, d.hidden), None)
@@ -90,7 +97,7 @@ class DeepseekMtpDraft(DraftFamily):
         return []
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        d, quant = Dims.of(config), scheme_of(config)
+        d = Dims.of(config)
         last, layers = topology.last_stage, mtp_layers(config)
         params: list[Param] = []
         skipped: dict[str, str] = {}
@@ -99,7 +106,7 @@ class DeepseekMtpDraft(DraftFamily):
         distinct = context.get("distinct_copies", frozenset())
         for layer in layers:
             prefix = f"model.layers.{layer}."
-            block = DeepseekFamily().layer_params(d, quant, layer, prefix, topology.tp)
+            block = DeepseekFamily().layer_params(d, layer, prefix)
             params += fused_params(_in_block(block, prefix), last)
             for name in OWN:
                 params.append(Param(prefix + name, (Piece(prefix + name, Cut.REPLICATE),), (last,)))

@@ -48,6 +48,7 @@ LAYER_TENSORS: tuple[tuple[str, str, str], ...] = (
     ("post_attention_layernorm.weight", "post_attention_layernorm.weight", "rep"),
 )
 _RULES = {hf: (vllm, cut) for hf, vllm, cut in LAYER_TENSORS}
+LINEAR_SUFFIXES = frozenset(hf for hf, _, _ in LAYER_TENSORS if hf.endswith("_proj.weight"))
 _ORDER = {hf: i for i, (hf, _, _) in enumerate(LAYER_TENSORS)}
 SKIPPED_SUFFIXES = {"self_attn.rotary_emb.inv_freq": "rotary tables are computed by vLLM"}
 
@@ -166,8 +167,21 @@ def _skipped(names: Iterable[str], pattern: re.Pattern[str]) -> dict[str, str]:
 TARGET_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def linear_weights(names: Iterable[str]) -> dict[str, str]:
+    """{source weight: vLLM layer} of the attention and dense MLP projections
+    (`q_proj` belongs to `qkv_proj`, `gate_proj` to `gate_up_proj`)."""
+    found = {}
+    for name in names:
+        match = TARGET_LAYER.match(name)
+        if match and match.group(2) in LINEAR_SUFFIXES:
+            layer = _RULES[match.group(2)][0].removesuffix(".weight")
+            found[name] = f"model.layers.{match.group(1)}.{layer}"
+    return found
+
+
 class LlamaFamily(Family):
     name = "llama"
+    quant_schemes = frozenset({"fp8_block"})
 
     def _variant(self, config: Config) -> tuple[bool, bool]:
         arch = (config.get("architectures") or [""])[0]
@@ -191,6 +205,9 @@ class LlamaFamily(Family):
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         return Dims(config).check(tp)
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        return linear_weights(shapes)
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
         dims = Dims(config)

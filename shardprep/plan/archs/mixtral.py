@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
-from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params
+from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params, linear_weights
 from shardprep.plan.archs.moe import (
     ExpertNames,
     every_stage_params,
@@ -28,6 +28,11 @@ MOE = "block_sparse_moe."
 
 class MixtralFamily(Family):
     name = "mixtral"
+    quant_schemes = frozenset({"fp8_block"})
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        """Attention and experts; vLLM builds the router without the quantization."""
+        return linear_weights(shapes) | EXPERTS.weights(shapes)
 
     @staticmethod
     def _experts(config: Config) -> int:

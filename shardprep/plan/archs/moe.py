@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from shardprep.plan.archs.base import Param
 from shardprep.plan.layout import Cut, Piece, w2_pieces, w13_pieces
 
+EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:[\w]+\.)?experts)\.\d+\.(.+)$")
+
 
 @dataclass(frozen=True)
 class ExpertNames:
@@ -25,6 +27,15 @@ class ExpertNames:
     gate: str  # e.g. "gate_proj.weight" (Mixtral: "w1.weight")
     up: str
     down: str
+
+    def weights(self, names: Iterable[str]) -> dict[str, str]:
+        """{source weight: vLLM layer} of the expert projections among `names`."""
+        suffixes = {self.gate, self.up, self.down}
+        return {
+            name: match[1]
+            for name in names
+            if (match := EXPERT.match(name)) and match[2] in suffixes
+        }
 
     def shapes(self, prefix: str, experts: int, inter: int, hidden: int) -> dict[str, tuple]:
         shapes: dict[str, tuple[int, ...]] = {}

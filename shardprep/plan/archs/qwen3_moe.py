@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
-from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params
+from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params, linear_weights
 from shardprep.plan.archs.moe import (
     ExpertNames,
     every_stage_params,
@@ -48,6 +48,13 @@ class MoeDims(Dims):
 
 class Qwen3MoeFamily(Family):
     name = "qwen3_moe"
+    quant_schemes = frozenset({"fp8_block"})
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        """Attention, dense MLPs, experts, and the router: vLLM builds `mlp.gate` with the
+        model's quantization (published fp8 checkpoints list it in modules_to_not_convert)."""
+        routers = {n: n.removesuffix(".weight") for n in shapes if n.endswith(".mlp.gate.weight")}
+        return linear_weights(shapes) | EXPERTS.weights(shapes) | routers
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         dims = MoeDims(config)

@@ -12,6 +12,14 @@ from typing import Any
 from shardprep.plan.quant.fp8 import BlockQuant, block_quant
 
 Scheme = BlockQuant
+# What vLLM's quantization configs give every attention layer (`BaseKVCacheMethod`): KV-cache
+# scales, left at -1 unless the checkpoint has them (which shardprep's plans never do).
+KV_CACHE_SCALES = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.prob_scale")
+
+
+def never_loaded(parameter: str) -> bool:
+    """Whether vLLM creates `parameter` for a quantized model but loads nothing into it."""
+    return parameter.endswith(KV_CACHE_SCALES)
 
 
 def scheme_of(config: Mapping[str, Any]) -> Scheme | None:

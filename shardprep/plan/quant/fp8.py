@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 Config = Mapping[str, Any]
+FP8 = "F8_E4M3"  # the weights' safetensors dtype
+SCALE_DTYPE = "F32"
 
 
 @dataclass(frozen=True)
@@ -19,9 +21,26 @@ class BlockQuant:
 
     block: tuple[int, int]  # (block_n: output rows, block_k: input columns)
     problem: str = ""  # why vLLM cannot load this quantization, if it cannot
+    # Layers vLLM leaves unquantized (`ignored_layers`, else `modules_to_not_convert`),
+    # matched exactly against the layer's name as vLLM's `Fp8Config` does.
+    ignored: frozenset[str] = frozenset()
 
-    def scale_shape(self, weight: tuple[int, int]) -> tuple[int, int]:
+    def scale_shape(self, weight: tuple[int, ...]) -> tuple[int, int]:
         return -(-weight[0] // self.block[0]), -(-weight[1] // self.block[1])
+
+    def stored(self, weight: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple, str]]:
+        """The checkpoint tensors of one quantized weight: {name: (shape, dtype)}."""
+        return {weight: (shape, FP8), scale_name(weight): (self.scale_shape(shape), SCALE_DTYPE)}
+
+    def skips(self, *layers: str) -> bool:
+        """Whether vLLM leaves a layer unquantized; `layers`: its names (vLLM's fused
+        name, then the checkpoint's names of its parts)."""
+        return any(layer in self.ignored for layer in layers)
+
+
+def scale_name(weight: str) -> str:
+    """`x.weight` -> `x.weight_scale_inv` (vLLM's fused stacks too: `w13_weight_scale_inv`)."""
+    return weight + "_scale_inv"
 
 
 def block_quant(config: Config) -> BlockQuant | None:
@@ -36,7 +55,10 @@ def block_quant(config: Config) -> BlockQuant | None:
         return BlockQuant((1, 1), f"quantization_config has {what}; shardprep supports fp8 blocks")
     if quant.get("activation_scheme", "dynamic") != "dynamic" or len(block) != 2:
         return BlockQuant((1, 1), "fp8 blocks need activation_scheme dynamic and a 2-D block")
-    return BlockQuant((int(block[0]), int(block[1])))
+    ignored = quant.get("ignored_layers") or quant.get("modules_to_not_convert") or []
+    if not isinstance(ignored, list) or not all(isinstance(n, str) for n in ignored):
+        return BlockQuant((1, 1), "quantization_config's modules_to_not_convert is not a list")
+    return BlockQuant((int(block[0]), int(block[1])), ignored=frozenset(ignored))
 
 
 @dataclass(frozen=True)
@@ -112,10 +134,22 @@ def refined_block(
 def moe_block_problems(
     quant: BlockQuant, local_intermediate: int, hidden: int, tp: int
 ) -> list[str]:
-    """vLLM's `validate_fp8_block_shape_moe`, reached when no refined block fits."""
-    if refined_block(quant, local_intermediate, hidden, tp):
-        return []
+    """vLLM's `validate_fp8_block_shape_moe`, reached when no refined block fits, and
+    what its loader cannot place on a refined grid."""
     block_n, block_k = quant.block
+    grid = refined_block(quant, local_intermediate, hidden, tp)
+    if grid:
+        whole = all((local_intermediate * tp) % b == 0 for b in quant.block)
+        if whole:
+            return []
+        # `_load_w13`/`_load_w2` cut the upsampled checkpoint scales into 1/tp of
+        # ceil(I / block) * (block / grid), which then does not fit the parameter's
+        # ceil(I/tp / grid) (seen at I = 192, tp = 2: size 3 vs 4).
+        return [
+            f"vLLM refines the blocks to {list(grid)} for experts of {local_intermediate} "
+            f"rows per rank, but its loader cannot place the scales of an intermediate size "
+            f"({local_intermediate * tp}) that is not a whole number of {block_k}-blocks."
+        ]
     if local_intermediate % block_n:
         return [
             f"The output_size of gate's and up's weight = {local_intermediate} is not "
