@@ -181,6 +181,26 @@ class Manifest:
         ]
         return sorted(found, key=lambda f: (f.dp is not None, f.part))
 
+    @property
+    def served_tps(self) -> tuple[int, ...]:
+        """The tp sizes this artifact serves at any pp (the divisors of its tp, when every
+        model records its pieces and every stage is here); () for its own topology only."""
+        if not self.models or not all(m.pieces for m in self.models):
+            return ()
+        if tuple(self.stages) != tuple(range(self.topology.pp)):
+            return ()
+        return tuple(d for d in range(1, self.topology.tp + 1) if self.topology.tp % d == 0)
+
+    def served_topologies(self) -> str:
+        """The topologies this artifact serves, as users read them."""
+        topo = self.topology
+        if self.served_tps:
+            return f"tp {', '.join(map(str, self.served_tps))} x any pp"
+        own = f"tp{topo.tp} x pp{topo.pp} only"
+        if tuple(self.stages) != tuple(range(topo.pp)) and all(m.pieces for m in self.models):
+            return f"{own} (it holds stage(s) {', '.join(map(str, self.stages))})"
+        return f"{own} (made before shardprep recorded where its pieces came from)"
+
     def to_json(self) -> str:
         data = _plain(asdict(self))
         for entry in data["files"]:

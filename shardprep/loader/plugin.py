@@ -121,7 +121,7 @@ class ShardedFastLoader(BaseModelLoader):
         else:
             built, vllm_partition = (0, 0), manifest.topology.partition
         if (place.tp_size, place.pp_size, vllm_partition) != _own(manifest):
-            check_served(artifact, manifest, entry, place.tp_size, place.pp_size)
+            check_served(artifact, manifest, place.tp_size, place.pp_size)
             load_regrouped(artifact, manifest, entry, model, place, verify=self.options.verify)
             logger.info("shardprep loaded %s in %.2f s", artifact, time.perf_counter() - started)
             return

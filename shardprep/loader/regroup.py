@@ -28,7 +28,6 @@ from shardprep.format.manifest import (
     rank_key,
     split_rank_key,
 )
-from shardprep.format.records import Topology
 from shardprep.loader.cpu_read import torch_dtypes
 from shardprep.loader.reader import RankFile, check_rank_files
 
@@ -38,29 +37,19 @@ if TYPE_CHECKING:
     from shardprep.plan.topology import ExpertSplit
 
 
-def served_topologies(topology: Topology, entry: ModelEntry | None) -> str:
-    """The topologies an artifact serves, as users read them."""
-    own = f"tp{topology.tp} x pp{topology.pp}"
-    if entry is None or not entry.pieces:
-        return f"{own} only (made before shardprep recorded where its pieces came from)"
-    tps = [d for d in range(1, topology.tp + 1) if topology.tp % d == 0]
-    return f"tp {', '.join(map(str, tps))} x any pp"
-
-
-def check_served(artifact: Path, manifest: Manifest, entry: ModelEntry, tp: int, pp: int) -> None:
+def check_served(artifact: Path, manifest: Manifest, tp: int, pp: int) -> None:
     """Refuse, in one line, a topology this artifact cannot be cut into."""
     topo = manifest.topology
-    if entry.pieces and topo.tp % tp == 0 and set(manifest.stages) == set(range(topo.pp)):
+    if tp in manifest.served_tps:
         return
-    why = "its tp is not a divisor of the artifact's"
-    if not entry.pieces:
-        why = "the artifact does not record where its pieces came from"
-    elif topo.tp % tp == 0:
-        why = f"the artifact holds only stage(s) {', '.join(map(str, manifest.stages))}"
+    why = "the artifact cannot be cut into other topologies"
+    if manifest.served_tps:
+        why = f"tp{tp} is not a divisor of the artifact's tp{topo.tp}"
     raise TopologyMismatchError(
         f"artifact {artifact} is tp{topo.tp} x pp{topo.pp} and serves "
-        f"{served_topologies(topo, entry)}; vLLM runs tp{tp} x pp{pp}, which it cannot serve "
-        f"({why}); start vLLM at one of those, or convert again with --tp {tp} --pp {pp}"
+        f"{manifest.served_topologies()}; vLLM runs tp{tp} x pp{pp}, which it cannot serve "
+        f"({why}); start vLLM at a topology it serves, or convert again with "
+        f"--tp {tp} --pp {pp}"
     )
 
 
@@ -134,8 +123,8 @@ def regroup_rank(
                 reads, zeros = locate(mine, stored, prefer)
             except PlanError as exc:
                 raise TopologyMismatchError(
-                    f"artifact {artifact} cannot serve tp{tp} rank {tp_rank}: {exc}; serves "
-                    f"{served_topologies(topo, entry)}"
+                    f"artifact {artifact} cannot serve tp{tp} rank {tp_rank}: {exc}; it "
+                    f"serves {manifest.served_topologies()}"
                 ) from None
             out = torch.empty(mine.stacked_shape, dtype=dtypes[dtype])
             flat = out.view(out.shape[0] if out.dim() else 1, -1)

@@ -4,6 +4,7 @@ once, only the files of the stages that hold it; what cannot be served is refuse
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from shardprep.demo.tiny import TINY_FP8, make_tiny_draft, make_tiny_model
 from shardprep.errors import TopologyMismatchError
 from shardprep.format.manifest import Manifest, read_manifest
 from shardprep.loader.reader import read_rank
-from shardprep.loader.regroup import ReadCount, check_served, regroup_rank, served_topologies
+from shardprep.loader.regroup import ReadCount, check_served, regroup_rank
 from shardprep.plan.topology import ExpertSplit
 
 
@@ -112,14 +113,27 @@ def test_mla_with_fp8_block_scales(tmp_path: Path) -> None:
 def test_a_tp_that_does_not_divide_is_refused(dense: tuple[Path, Path, Path]) -> None:
     _, _, artifact = dense
     manifest = read_manifest(artifact)
-    entry = manifest.model("target")
-    assert entry is not None
-    assert served_topologies(manifest.topology, entry) == "tp 1, 2 x any pp"
-    check_served(artifact, manifest, entry, 1, 3)
+    assert manifest.served_topologies() == "tp 1, 2 x any pp"
+    check_served(artifact, manifest, 1, 3)
     with pytest.raises(TopologyMismatchError) as info:
-        check_served(artifact, manifest, entry, 4, 1)
+        check_served(artifact, manifest, 4, 1)
     assert str(info.value) == (
         f"artifact {artifact} is tp2 x pp2 and serves tp 1, 2 x any pp; vLLM runs tp4 x pp1, "
-        "which it cannot serve (its tp is not a divisor of the artifact's); start vLLM at one "
-        "of those, or convert again with --tp 4 --pp 1"
+        "which it cannot serve (tp4 is not a divisor of the artifact's tp2); start vLLM at a "
+        "topology it serves, or convert again with --tp 4 --pp 1"
     )
+
+
+def test_an_artifact_without_pieces_serves_only_its_own_topology(
+    dense: tuple[Path, Path, Path],
+) -> None:
+    _, _, artifact = dense
+    manifest = read_manifest(artifact)
+    old = dataclasses.replace(
+        manifest, models=tuple(dataclasses.replace(m, pieces={}) for m in manifest.models)
+    )
+    assert old.served_tps == ()
+    with pytest.raises(TopologyMismatchError, match="serves tp2 x pp2 only .made before"):
+        check_served(artifact, old, 1, 1)
+    one_stage = dataclasses.replace(manifest, stages=(1,))
+    assert one_stage.served_topologies() == "tp2 x pp2 only (it holds stage(s) 1)"
