@@ -37,7 +37,7 @@ from shardprep.loader.checks import (
 from shardprep.loader.contract import check_contract
 from shardprep.loader.fill import Destinations, fill_parameters
 from shardprep.loader.reader import read_rank
-from shardprep.loader.regroup import check_served
+from shardprep.loader.regroup import check_served, load_regrouped
 
 if TYPE_CHECKING:
     from shardprep.plan.archs.base import DraftFamily
@@ -122,7 +122,10 @@ class ShardedFastLoader(BaseModelLoader):
             built, vllm_partition = (0, 0), manifest.topology.partition
         if (place.tp_size, place.pp_size, vllm_partition) != _own(manifest):
             check_served(artifact, manifest, place.tp_size, place.pp_size)
-            load_regrouped(artifact, manifest, entry, model, place, verify=self.options.verify)
+            load_regrouped(
+                artifact, manifest, entry, model, place, verify=self.options.verify,
+                family=draft_family(manifest, entry), may_lack=_may_lack(manifest, entry),
+            )  # fmt: skip
             logger.info("shardprep loaded %s in %.2f s", artifact, time.perf_counter() - started)
             return
         check_topology(artifact, manifest, place)
@@ -155,60 +158,6 @@ class ShardedFastLoader(BaseModelLoader):
 def _own(manifest: Manifest) -> tuple[int, int, tuple[int, ...]]:
     topo = manifest.topology
     return topo.tp, topo.pp, tuple(topo.partition)
-
-
-def load_regrouped(
-    artifact: Path,
-    manifest: Manifest,
-    entry: ModelEntry,
-    model: nn.Module,
-    place: RankPlace,
-    *,
-    verify: bool,
-) -> None:
-    """Fill the model from an artifact of another topology (`shardprep.loader.regroup`)."""
-    from shardprep.loader.regroup import ReadCount, regroup_rank, running_split
-
-    wanted = _wanted(model, entry)
-    where = (
-        f"{artifact} ({entry.role}, rank pp{place.pp_rank} tp{place.tp_rank} of "
-        f"tp{place.tp_size} x pp{place.pp_size})"
-    )
-    family = draft_family(manifest, entry)
-    if family is not None:
-        family.before_fill(model, set(wanted))
-    count = ReadCount()
-    tensors = regroup_rank(
-        artifact, manifest, entry, wanted, tp=place.tp_size, tp_rank=place.tp_rank,
-        experts=running_split(model, entry, place), verify=verify, count=count,
-    )  # fmt: skip
-    filled = fill_parameters(
-        model, tensors, ignorable=set(), may_lack=_may_lack(manifest, entry), where=where,
-        layout=manifest.vllm_layout.id,
-    )  # fmt: skip
-    if family is not None:
-        family.after_fill(model, set(filled))
-    ratio = count.read / count.own if count.own else 1.0
-    logger.info(
-        "shardprep cut %d tensors of %s out of tp%d x pp%d files: read %d bytes for %d of "
-        "its own (%.2f), from %d file(s)",
-        len(filled), where, manifest.topology.tp, manifest.topology.pp, count.read,
-        count.own, ratio, len(count.files),
-    )  # fmt: skip
-
-
-def _wanted(model: nn.Module, entry: ModelEntry) -> list[str]:
-    """Per parameter or buffer of the model (tied aliases once), the name the artifact
-    records it under."""
-    names: dict[int, list[str]] = {}
-    for name, tensor in [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]:
-        names.setdefault(id(tensor), []).append(name)
-    return [
-        next((n for n in aliases if n in entry.pieces), aliases[0]) for aliases in names.values()
-    ]
 
 
 def model_role(model_config: ModelConfig) -> str:

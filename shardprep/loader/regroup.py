@@ -10,8 +10,9 @@ vLLM did not build on this rank are never read.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,10 +30,15 @@ from shardprep.format.manifest import (
     split_rank_key,
 )
 from shardprep.loader.cpu_read import torch_dtypes
+from shardprep.loader.experts import check_device_layout
+from shardprep.loader.fill import fill_parameters
 from shardprep.loader.reader import RankFile, check_rank_files
+
+logger = logging.getLogger("shardprep.loader")
 
 if TYPE_CHECKING:
     from shardprep.loader.checks import RankPlace
+    from shardprep.plan.archs.base import DraftFamily
     from shardprep.plan.layout import Piece
     from shardprep.plan.topology import ExpertSplit
 
@@ -51,6 +57,78 @@ def check_served(artifact: Path, manifest: Manifest, tp: int, pp: int) -> None:
         f"({why}); start vLLM at a topology it serves, or convert again with "
         f"--tp {tp} --pp {pp}"
     )
+
+
+def load_regrouped(
+    artifact: Path,
+    manifest: Manifest,
+    entry: ModelEntry,
+    model: torch.nn.Module,
+    place: RankPlace,
+    *,
+    verify: bool,
+    family: DraftFamily | None,
+    may_lack: set[str],
+) -> None:
+    """Fill the model from an artifact of another topology: the draft family's hooks
+    around the copy, as at the artifact's own topology."""
+    wanted = _wanted(model, entry)
+    where = (
+        f"{artifact} ({entry.role}, rank pp{place.pp_rank} tp{place.tp_rank} of "
+        f"tp{place.tp_size} x pp{place.pp_size})"
+    )
+    if family is not None:
+        family.before_fill(model, set(wanted))
+    count = ReadCount()
+    tensors = regroup_rank(
+        artifact, manifest, entry, wanted, tp=place.tp_size, tp_rank=place.tp_rank,
+        experts=running_split(model, entry, place), verify=verify, count=count,
+    )  # fmt: skip
+    if entry.experts is not None:
+        tensors = _device_layout_checked(artifact, entry, model, tensors)
+    filled = fill_parameters(
+        model, tensors, ignorable=set(), may_lack=may_lack, where=where,
+        layout=manifest.vllm_layout.id,
+    )  # fmt: skip
+    if family is not None:
+        family.after_fill(model, set(filled))
+    ratio = count.read / count.own if count.own else 1.0
+    logger.info(
+        "shardprep cut %d tensors of %s out of tp%d x pp%d files: read %d bytes for %d of "
+        "its own (%.2f), from %d file(s)",
+        len(filled), where, manifest.topology.tp, manifest.topology.pp, count.read,
+        count.own, ratio, len(count.files),
+    )  # fmt: skip
+
+
+def _device_layout_checked(
+    artifact: Path,
+    entry: ModelEntry,
+    model: torch.nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The expert stacks cut for this rank have the shapes vLLM built (as `check_moe`
+    checks the files of an artifact's own topology)."""
+    assert entry.experts is not None
+    built = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for name, tensor in tensors:
+        spec = ParamSpec(entry.dtype, tuple(tensor.shape))
+        check_device_layout(artifact, entry.experts, {name: spec}, built)
+        yield name, tensor
+
+
+def _wanted(model: torch.nn.Module, entry: ModelEntry) -> list[str]:
+    """Per parameter or buffer of the model (tied aliases once), the name the artifact
+    records it under."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(tensor), []).append(name)
+    return [
+        next((n for n in aliases if n in entry.pieces), aliases[0]) for aliases in names.values()
+    ]
 
 
 @dataclass

@@ -91,13 +91,24 @@ def test_dense_with_a_draft_at_every_served_topology(
         assert ratios and set(ratios) == {1.0}
 
 
-@pytest.mark.parametrize("ep", [False, True])
-def test_moe_experts_at_a_coarser_tp(tmp_path: Path, ep: bool) -> None:
+@pytest.mark.parametrize(
+    ("made", "served"),
+    [
+        ({}, {}),
+        ({"expert_parallel": True}, {}),
+        ({"expert_parallel": True, "dp": 2}, {}),  # experts stored per dp rank
+        ({"expert_parallel": True}, {"tp": 2, "pp": 1, "expert_parallel": True}),
+        ({"tp": 4, "pp": 1, "expert_parallel": True}, {"tp": 2, "pp": 2, "expert_parallel": True}),
+    ],
+    ids=["tp", "ep", "ep-dp2", "ep-to-ep", "ep4-to-ep2"],
+)
+def test_moe_experts_at_a_coarser_tp(tmp_path: Path, made: dict, served: dict) -> None:
     target = make_tiny_model(tmp_path / "moe", "Qwen3MoeForCausalLM")
-    artifact, reference = tmp_path / "tp2", tmp_path / "tp1"
-    _convert(target, artifact, 2, 2, expert_parallel=ep)
-    _convert(target, reference, 1, 1)
-    assert _compare(artifact, reference, "target") == [1.0]
+    artifact, reference = tmp_path / "made", tmp_path / "served"
+    _convert(target, artifact, **{"tp": 2, "pp": 2, **made})
+    _convert(target, reference, **{"tp": 1, "pp": 1, **served})
+    ep = served.get("expert_parallel", False)
+    assert set(_compare(artifact, reference, "target", ep=ep)) == {1.0}
 
 
 def test_mla_with_fp8_block_scales(tmp_path: Path) -> None:
