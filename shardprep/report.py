@@ -139,6 +139,8 @@ def artifact_summary(manifest: mf.Manifest) -> dict[str, Any]:
             "pp": manifest.topology.pp,
             "partition": list(manifest.topology.partition),
         },
+        "serves": manifest.served_topologies(),
+        "served_tps": list(manifest.served_tps),
         "stages": list(manifest.stages),
         "models": [
             {
@@ -163,6 +165,8 @@ def describe_models(summary: dict[str, Any]) -> str:
         f"topology: tp={topo['tp']} pp={topo['pp']} layers per stage "
         f"{','.join(map(str, topo['partition']))}"
     ]
+    if "serves" in summary:
+        lines.append(f"serves: {summary['serves']}")
     for model in summary["models"]:
         source = model.get("source")
         origin = f" from {source}" if source else ""

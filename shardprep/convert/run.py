@@ -39,6 +39,7 @@ from shardprep.format.headers import TensorInfo, encode_header, sha256_file
 from shardprep.format.request import ConversionRequest
 from shardprep.format.vllm_layout import current_layout
 from shardprep.plan import archs
+from shardprep.plan.layout import Piece
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import FilePlan, ModelPlan, Plan, SourceModel
 
@@ -293,6 +294,8 @@ def _manifest(
                 shared_with_target=model.shared_with_target,
                 experts=_experts(model),
                 quantization=model.quantization,
+                pieces={name: tuple(map(_piece_entry, ps)) for name, ps in model.pieces},
+                source_shapes=dict(model.source_shapes),
             )
         )
     files = tuple(
@@ -317,6 +320,12 @@ def _manifest(
         files=files,
         extra_files=tuple(sorted(extra, key=lambda e: e.path)),
     )
+
+
+def _piece_entry(piece: Piece) -> mf.PieceEntry:
+    of = piece.scale_of
+    scale = of and mf.ScaleEntry(of.shape, of.cut.value, of.block, of.grid)
+    return mf.PieceEntry(piece.source, piece.cut.value, piece.heads, piece.expert, scale)
 
 
 def _known_sha256(checkpoint: Checkpoint, file: str) -> str | None:

@@ -76,6 +76,27 @@ def _model_problems(manifest: Manifest) -> list[str]:
         empty = sorted(k for k, params in model.ranks.items() if not params)
         if empty:
             problems.append(f"the {model.role} rank(s) {', '.join(empty[:4])} hold no parameter")
+        problems += _piece_problems(model)
+    return problems
+
+
+def _piece_problems(model: ModelEntry) -> list[str]:
+    """Pieces, where recorded, cover every rank parameter, and name sources of known shape."""
+    if not model.pieces and not model.source_shapes:
+        return []
+    problems = []
+    held = {name for params in model.ranks.values() for name in params}
+    bare = sorted(held - set(model.pieces))
+    if bare:
+        problems.append(f"the {model.role} parameter(s) {', '.join(bare[:3])} have no pieces")
+    if any(not pieces for pieces in model.pieces.values()):
+        problems.append(f"a {model.role} parameter has an empty list of pieces")
+    unknown = sorted(
+        {p.source for pieces in model.pieces.values() for p in pieces} - set(model.source_shapes)
+    )
+    if unknown:
+        shown = ", ".join(shorten(s, 60) for s in unknown[:3])
+        problems.append(f"the {model.role} pieces name source(s) {shown} of no recorded shape")
     return problems
 
 

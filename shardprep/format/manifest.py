@@ -22,9 +22,12 @@ from shardprep.format.records import (
     Manifest,
     ModelEntry,
     ParamSpec,
+    PieceEntry,
+    ScaleEntry,
     Source,
     SourceFile,
     Topology,
+    piece_of_json,
     rank_key,
     split_rank_key,
 )
@@ -40,6 +43,8 @@ __all__ = [
     "Manifest",
     "ModelEntry",
     "ParamSpec",
+    "PieceEntry",
+    "ScaleEntry",
     "Source",
     "SourceFile",
     "Topology",
@@ -151,6 +156,10 @@ def _convert(cls: type, name: str, value: Any) -> Any:
             key: {p: ParamSpec(spec["dtype"], tuple(spec["shape"])) for p, spec in params.items()}
             for key, params in value.items()
         }
+    if name == "pieces":
+        return {p: tuple(piece_of_json(piece) for piece in pieces) for p, pieces in value.items()}
+    if name == "source_shapes":
+        return {s: tuple(shape) for s, shape in value.items()}
     if isinstance(value, list):
         return tuple(value)
     return value

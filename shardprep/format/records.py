@@ -36,6 +36,33 @@ class ParamSpec:
     shape: tuple[int, ...]
 
 
+# The ways a piece of a parameter is cut from its source (`shardprep.plan.layout.Cut`).
+CUTS = ("replicate", "rows", "cols", "kv_heads", "vocab", "padded_vocab", "block_scale")
+
+
+@dataclass(frozen=True)
+class ScaleEntry:
+    """What a block-scale piece scales: a 2-D weight of `shape` cut by `cut`, quantized
+    in blocks of `block`, on the finer `grid` vLLM uses where it refines the blocks."""
+
+    shape: tuple[int, int]
+    cut: str
+    block: tuple[int, int]
+    grid: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class PieceEntry:
+    """One part of a parameter: its source tensor and how every rank cuts it. With the
+    source shapes this lets a loader derive the region of any rank at any tp."""
+
+    source: str
+    cut: str
+    heads: int = 0  # KV heads, for the kv_heads cut
+    expert: int | None = None  # the global expert id, for a piece of an expert stack
+    scale_of: ScaleEntry | None = None  # for the block_scale cut
+
+
 @dataclass(frozen=True)
 class Experts:
     """The routed experts of a mixture-of-experts model and how its ranks hold them."""
@@ -66,6 +93,11 @@ class ModelEntry:
     experts: Experts | None = None
     # vLLM's quantization method of the stored weights (e.g. "fp8"); None: unquantized
     quantization: str | None = None
+    # parameter name -> its pieces, and source tensor name -> its shape: where every
+    # part of every rank tensor came from. Empty in artifacts made before they were
+    # recorded, which serve only their own topology.
+    pieces: dict[str, tuple[PieceEntry, ...]] = field(default_factory=dict)
+    source_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def rank_params(self, pp: int, tp: int, dp: int = 0) -> dict[str, ParamSpec]:
         """Every parameter the worker (pp, tp, dp) holds: its rank's, plus the experts
@@ -149,12 +181,57 @@ class Manifest:
         ]
         return sorted(found, key=lambda f: (f.dp is not None, f.part))
 
+    @property
+    def served_tps(self) -> tuple[int, ...]:
+        """The tp sizes this artifact serves at any pp (the divisors of its tp, when every
+        model records its pieces and every stage is here); () for its own topology only."""
+        if not self.models or not all(m.pieces for m in self.models):
+            return ()
+        if tuple(self.stages) != tuple(range(self.topology.pp)):
+            return ()
+        return tuple(d for d in range(1, self.topology.tp + 1) if self.topology.tp % d == 0)
+
+    def served_topologies(self) -> str:
+        """The topologies this artifact serves, as users read them."""
+        topo = self.topology
+        if self.served_tps:
+            return f"tp {', '.join(map(str, self.served_tps))} x any pp"
+        own = f"tp{topo.tp} x pp{topo.pp} only"
+        if tuple(self.stages) != tuple(range(topo.pp)) and all(m.pieces for m in self.models):
+            return f"{own} (it holds stage(s) {', '.join(map(str, self.stages))})"
+        return f"{own} (made before shardprep recorded where its pieces came from)"
+
     def to_json(self) -> str:
         data = _plain(asdict(self))
         for entry in data["files"]:
             if entry["dp"] is None:  # a file shared by every dp rank, as before dp existed
                 del entry["dp"]
+        for model in data["models"]:
+            model["pieces"] = {
+                name: [piece_json(p) for p in pieces] for name, pieces in model["pieces"].items()
+            }
         return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def piece_json(piece: dict[str, Any]) -> list[Any]:
+    """A piece as `[source, cut]`, with `{heads, expert, scale_of}` third where any is
+    set: a 1 TB model has hundreds of thousands of pieces."""
+    extra = {k: piece[k] for k in ("heads", "scale_of") if piece[k]}
+    if piece["expert"] is not None:
+        extra["expert"] = piece["expert"]
+    if extra.get("scale_of") and extra["scale_of"]["grid"] is None:
+        del extra["scale_of"]["grid"]
+    return [piece["source"], piece["cut"], *([extra] if extra else [])]
+
+
+def piece_of_json(value: list[Any]) -> PieceEntry:
+    extra = value[2] if len(value) > 2 else {}
+    of = extra.get("scale_of")
+    scale = None
+    if of is not None:
+        grid = tuple(of["grid"]) if of.get("grid") is not None else None
+        scale = ScaleEntry(tuple(of["shape"]), of["cut"], tuple(of["block"]), grid)  # type: ignore[arg-type]
+    return PieceEntry(value[0], value[1], extra.get("heads", 0), extra.get("expert"), scale)
 
 
 def rank_key(pp: int, tp: int, dp: int | None = None) -> str:

@@ -15,6 +15,7 @@ from shardprep.constants import FORMAT
 from shardprep.errors import ManifestError
 from shardprep.format.dtypes import DTYPE_SIZES
 from shardprep.format.jsonio import shorten
+from shardprep.format.records import CUTS
 from shardprep.format.vllm_layout import LEGACY_LAYOUT
 
 # Far above any real model, far below what would make arithmetic or a range() costly.
@@ -153,6 +154,48 @@ _EXPERTS = _object(
         "assumptions": _map(_string(), _string()),
     },
 )
+_PAIR_OF_COUNTS = _array(_COUNT)
+
+
+def _two(value: Any, field: str) -> None:
+    _PAIR_OF_COUNTS(value, field)
+    if len(value) != 2:
+        raise _fail(field, "a pair of integers", value)
+
+
+_CUT = _enum(*CUTS)
+_SCALE = _object(
+    "ScaleEntry",
+    {
+        "shape": _two,
+        "cut": _enum("replicate", "rows", "cols"),
+        "block": _two,
+        "grid": _nullable(_two),
+    },
+    optional=frozenset({"grid"}),
+)
+_PIECE_EXTRA = _object(
+    "PieceEntry",
+    {"heads": _integer(1), "expert": _COUNT, "scale_of": _SCALE},
+    optional=frozenset({"heads", "expert", "scale_of"}),
+)
+
+
+def _piece(value: Any, field: str) -> None:
+    """`[source, cut]` or `[source, cut, {heads, expert, scale_of}]`."""
+    if not isinstance(value, list) or len(value) not in (2, 3):
+        raise _fail(field, "a piece [source, cut] or [source, cut, {...}]", value)
+    _string()(value[0], f"{field}[0]")
+    _CUT(value[1], f"{field}[1]")
+    if len(value) == 3:
+        _PIECE_EXTRA(value[2], f"{field}[2]")
+    extra = value[2] if len(value) == 3 else {}
+    if (value[1] == "kv_heads") != ("heads" in extra):
+        raise _Bad(field, f"{field}: a kv_heads piece, and only one, names its heads")
+    if (value[1] == "block_scale") != ("scale_of" in extra):
+        raise _Bad(field, f"{field}: a block_scale piece, and only one, names what it scales")
+
+
 _MODEL = _object(
     "ModelEntry",
     {
@@ -168,8 +211,10 @@ _MODEL = _object(
         "shared_with_target": _array(_string()),
         "experts": _nullable(_EXPERTS),
         "quantization": _nullable(_string()),
+        "pieces": _map(_string(), _array(_piece)),
+        "source_shapes": _map(_string(), _array(_COUNT)),
     },
-    optional=frozenset({"quantization"}),
+    optional=frozenset({"quantization", "pieces", "source_shapes"}),
 )
 _FILE = _object(
     "FileEntry",

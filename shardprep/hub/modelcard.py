@@ -67,6 +67,7 @@ def _topology_lines(manifest: mf.Manifest) -> str:
         lines.append(f"- stage {stage}: layers {first}-{first + count - 1} ({count} layers)")
         first += count
     lines.append(f"- stages in this repo: {', '.join(map(str, manifest.stages))}")
+    lines.append(f"- serves: {manifest.served_topologies()} (`--load-format sharded-fast`)")
     for model in manifest.models:
         if model.experts is not None:
             described = report.expert_lines(asdict(model.experts), topo.tp)[0].strip()

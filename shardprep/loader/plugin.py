@@ -37,6 +37,7 @@ from shardprep.loader.checks import (
 from shardprep.loader.contract import check_contract
 from shardprep.loader.fill import Destinations, fill_parameters
 from shardprep.loader.reader import read_rank
+from shardprep.loader.regroup import check_served, load_regrouped
 
 if TYPE_CHECKING:
     from shardprep.plan.archs.base import DraftFamily
@@ -115,9 +116,21 @@ class ShardedFastLoader(BaseModelLoader):
         entry = model_entry(manifest, role, artifact)
         check_contract(artifact, manifest, entry, model, model_config)
         check_dtype(artifact, entry, model_config.dtype)
+        if role == "target":
+            built, vllm_partition = vllm_layers(model, model_config, place)
+        else:
+            built, vllm_partition = (0, 0), manifest.topology.partition
+        if (place.tp_size, place.pp_size, vllm_partition) != _own(manifest):
+            check_served(artifact, manifest, place.tp_size, place.pp_size)
+            load_regrouped(
+                artifact, manifest, entry, model, place, verify=self.options.verify,
+                family=draft_family(manifest, entry), may_lack=_may_lack(manifest, entry),
+            )  # fmt: skip
+            logger.info("shardprep loaded %s in %.2f s", artifact, time.perf_counter() - started)
+            return
         check_topology(artifact, manifest, place)
         if role == "target":
-            check_layers(artifact, manifest, place, *vllm_layers(model, model_config, place))
+            check_layers(artifact, manifest, place, built, vllm_partition)
         check_moe(artifact, manifest, entry, model, place)
         tensors = read_rank(
             artifact, role, place.pp_rank, place.tp_rank, manifest=manifest,
@@ -141,6 +154,11 @@ class ShardedFastLoader(BaseModelLoader):
             "shardprep loaded %d tensors of %s in %.2f s",
             len(filled), where, time.perf_counter() - started,
         )  # fmt: skip
+
+
+def _own(manifest: Manifest) -> tuple[int, int, tuple[int, ...]]:
+    topo = manifest.topology
+    return topo.tp, topo.pp, tuple(topo.partition)
 
 
 def model_role(model_config: ModelConfig) -> str:

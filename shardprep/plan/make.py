@@ -166,6 +166,16 @@ def make_plan(
                 family=fam.name,
                 quantization=scheme.method if scheme else None,
                 scheme=scheme.name if scheme else None,
+                pieces=tuple(sorted({p.name: p.pieces for p in layout.params}.items())),
+                source_shapes=tuple(
+                    sorted(
+                        {
+                            piece.source: tuple(source.tensors[piece.source][1])
+                            for param in layout.params
+                            for piece in param.pieces
+                        }.items()
+                    )
+                ),
             )
         )
         # A draft lives on the last stage only.
@@ -203,7 +213,7 @@ def _rank_files(
         separate = {id(param) for param in stacks}
         for tp_rank in range(tp):
             tensors = [
-                _tensor_plan(param, source, tp, tp_rank, model.dtype, experts, tp_rank)
+                tensor_plan(param, source, tp, tp_rank, model.dtype, experts, tp_rank)
                 for param in params
                 if id(param) not in separate
             ]
@@ -213,7 +223,7 @@ def _rank_files(
             for dp_rank in range(experts.dp) if stacks else ():
                 moe_rank = experts.moe_rank(tp_rank, dp_rank)
                 tensors = [
-                    _tensor_plan(param, source, tp, tp_rank, model.dtype, experts, moe_rank)
+                    tensor_plan(param, source, tp, tp_rank, model.dtype, experts, moe_rank)
                     for param in stacks
                 ]
                 files += _split_parts(
@@ -222,7 +232,7 @@ def _rank_files(
     return files
 
 
-def _tensor_plan(
+def tensor_plan(
     param: Param,
     source: SourceModel,
     tp: int,

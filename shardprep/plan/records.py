@@ -10,7 +10,7 @@ from typing import Any
 
 from shardprep.format.headers import TensorSpec
 from shardprep.format.records import Topology
-from shardprep.plan.layout import Block
+from shardprep.plan.layout import Block, Piece
 from shardprep.plan.topology import ExpertSplit
 
 
@@ -86,6 +86,10 @@ class ModelPlan:
     family: str = ""  # the family plug-in's name, which keys its layout revision
     quantization: str | None = None  # vLLM's quantization method of the stored weights
     scheme: str | None = None  # the quantization scheme's name, which keys its revision
+    # Every parameter's pieces (on any stage) and the shapes of their sources: what a
+    # loader needs to cut any rank of any coarser tp out of this plan's rank files.
+    pieces: tuple[tuple[str, tuple[Piece, ...]], ...] = ()
+    source_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ def test_convert_inspect_verify_through_the_console(tiny, tmp_path: Path) -> Non
     assert "    1  draft     1      1       11" in result.stdout
     inspected = json.loads(run("inspect", str(out), "--json").stdout)
     assert inspected["topology"] == {"tp": 2, "pp": 2, "partition": [2, 2]}
+    assert (inspected["serves"], inspected["served_tps"]) == ("tp 1, 2 x any pp", [1, 2])
+    assert "serves: tp 1, 2 x any pp" in run("inspect", str(out)).stdout
     assert [r["role"] for r in inspected["ranks"]] == ["target"] * 4 + ["draft"] * 2
     verified = run("verify", str(out), "--full", "--json", "--quiet")
     assert verified.returncode == 0, verified.stderr

@@ -241,6 +241,31 @@ def _first(data: dict, role: str = "target") -> dict:
             lambda d: _first(d)["ranks"].update({"pp0-tp0": {}}),
             "the target rank(s) pp0-tp0 hold no parameter",
         ),
+        (
+            lambda d: _first(d)["pieces"].pop("model.norm.weight"),
+            "the target parameter(s) model.norm.weight have no pieces",
+        ),
+        (
+            lambda d: _first(d)["source_shapes"].pop("model.norm.weight"),
+            "the target pieces name source(s) model.norm.weight of no recorded shape",
+        ),
+        (
+            lambda d: _first(d)["pieces"].update(x=[["y", "diagonal"]]),
+            "manifest.models[0].pieces['x'][0][1] must be one of 'replicate'",
+        ),
+        (
+            lambda d: _first(d)["pieces"].update(x=[["y", "kv_heads"]]),
+            "a kv_heads piece, and only one, names its heads",
+        ),
+        (
+            lambda d: _first(d)["pieces"].update(x=[["y", "rows", {"expert": -1}]]),
+            "pieces['x'][0][2].expert must be an integer from 0",
+        ),
+        (
+            lambda d: _first(d)["pieces"].update(x=[["y", "rows", {"heads": 2, "z": 1}]]),
+            "unknown key(s) ['z'] in PieceEntry",
+        ),
+        (lambda d: _first(d).update(pieces={"x": []}), "has an empty list of pieces"),
     ],
 )
 def test_each_flaw_is_named(artifact: Path, edit, message: str) -> None:

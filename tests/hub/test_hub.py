@@ -295,6 +295,7 @@ def test_the_model_card_has_metadata_and_commands(
     assert '\\"model\\": \\"$MODEL/draft\\"' in text
     assert "| 1 | draft | 0 | 1 |" in text  # the size table has the draft's ranks on stage 1
     assert "stage 1: layers 2-3" in text
+    assert "- serves: tp 1, 2 x any pp (`--load-format sharded-fast`)" in text
     assert "EAGLE3 draft" in text
 
     manifest = _manifest(artifact)

@@ -1,0 +1,161 @@
+"""Cutting a rank of another topology out of an artifact's rank files: pure arithmetic.
+
+An artifact made at tp holds, for every rank tensor, the blocks of its source tensors
+that the plan put there (`tensor_plan`). A rank of tp' (dividing tp) computes its own
+blocks with the same plan code; each of them is a union of whole blocks of the artifact,
+held on one or several of its ranks (replicated tensors on all of them). `locate` picks,
+for every block a rank needs, artifact blocks that tile it exactly once, preferring the
+artifact ranks that make up this rank, and says which rows of which stored tensor go to
+which rows (and columns) of the new tensor. Nothing here reads a byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from shardprep.errors import PlanError
+from shardprep.plan.archs.base import Param
+from shardprep.plan.layout import Block, Piece
+from shardprep.plan.make import tensor_plan
+from shardprep.plan.records import SourceModel, TensorPlan
+from shardprep.plan.topology import ExpertSplit
+
+
+def served_tps(tp: int) -> tuple[int, ...]:
+    """The tensor-parallel sizes an artifact made at `tp` serves: the divisors of tp."""
+    return tuple(d for d in range(1, tp + 1) if tp % d == 0)
+
+
+def rank_tensor(
+    name: str,
+    pieces: Sequence[Piece],
+    shapes: Mapping[str, tuple[int, ...]],
+    dtype: str,
+    tp: int,
+    rank: int,
+    experts: ExpertSplit | None = None,
+    moe_rank: int | None = None,
+) -> TensorPlan:
+    """Parameter `name` on tp rank `rank` of `tp` (an expert stack: the experts of MoE rank
+    `moe_rank` of `experts`), as the plan makes it."""
+    source = SourceModel({}, {s: (dtype, tuple(shapes[s])) for s in {p.source for p in pieces}})
+    split = experts or ExpertSplit(0, tp)
+    return tensor_plan(
+        Param(name, tuple(pieces), (), dtype), source, tp, rank, dtype, split,
+        rank if moe_rank is None else moe_rank,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A block as it lies in the artifact: in tensor `tensor` of the rank `holder`, from
+    row `row` of its dim-0 concatenation of blocks."""
+
+    holder: str
+    tensor: str
+    row: int
+    block: Block
+    height: int  # the stored tensor's rows as a dim-0 concatenation of its blocks
+
+
+@dataclass(frozen=True)
+class Read:
+    """Rows [rows) of the stored tensor `tensor` of `holder` (all its columns; it has
+    `height` rows as a dim-0 concatenation of blocks) go to rows [dest_rows) of the new
+    tensor, into its columns [dest_cols) (None: all of them)."""
+
+    holder: str
+    tensor: str
+    height: int
+    rows: tuple[int, int]
+    dest_rows: tuple[int, int]
+    dest_cols: tuple[int, int] | None = None
+
+
+def stored_blocks(holder: str, tensor: TensorPlan) -> list[Stored]:
+    """Where each source block of an artifact tensor lies in it."""
+    found, row = [], 0
+    if not tensor.shape:  # a scalar: one row
+        return [Stored(holder, tensor.name, 0, b, 1) for b in tensor.blocks if b.source]
+    for block in tensor.blocks:
+        if block.source is not None:
+            found.append(Stored(holder, tensor.name, row, block, tensor.stacked_shape[0]))
+        row += block.rows[1] - block.rows[0]
+    return found
+
+
+def locate(
+    tensor: TensorPlan, stored: Iterable[Stored], prefer: Sequence[str] = ()
+) -> tuple[list[Read], list[tuple[int, int]]]:
+    """The reads that fill `tensor` from the artifact's `stored` blocks, and the row
+    ranges of its zero padding. Each needed block is tiled by whole stored blocks, each
+    read once, taken from the holders in `prefer` first. Raises PlanError naming the
+    first block that the artifact cannot make that way."""
+    rank = {holder: i for i, holder in enumerate(prefer)}
+    by_source: dict[str, list[Stored]] = {}
+    for s in stored:
+        by_source.setdefault(s.block.source or "", []).append(s)
+    for candidates in by_source.values():
+        candidates.sort(key=lambda s: (rank.get(s.holder, len(rank)), s.holder, s.row))
+    reads: list[Read] = []
+    zeros: list[tuple[int, int]] = []
+    row = 0
+    for block in tensor.blocks:
+        height = block.rows[1] - block.rows[0]
+        if block.source is None:
+            zeros.append((row, row + height))
+        else:
+            reads += _tile(tensor.name, block, row, by_source.get(block.source, []))
+        row += height
+    return reads, zeros
+
+
+def _tile(name: str, need: Block, row: int, candidates: Sequence[Stored]) -> list[Read]:
+    chosen: list[Block] = []
+    reads: list[Read] = []
+    area = _area(need)
+    for s in candidates:
+        have = s.block
+        if have.repeat != need.repeat or (have.cols is None) != (need.cols is None):
+            continue
+        if not _inside(have, need) or any(_overlap(have, c) for c in chosen):
+            continue
+        chosen.append(have)
+        height = have.rows[1] - have.rows[0]
+        start = row + have.rows[0] - need.rows[0]
+        cols = None
+        if need.cols is not None and have.cols is not None and have.cols != need.cols:
+            cols = (have.cols[0] - need.cols[0], have.cols[1] - need.cols[0])
+        reads.append(
+            Read(
+                s.holder, s.tensor, s.height, (s.row, s.row + height), (start, start + height), cols
+            )
+        )
+        area -= _area(have)
+        if area == 0:
+            return reads
+    cols = f", columns {need.cols[0]}-{need.cols[1] - 1}" if need.cols else ""
+    raise PlanError(
+        f"{name}: rows {need.rows[0]}-{need.rows[1] - 1}{cols} of {need.source} are not "
+        "whole blocks of the artifact's rank tensors"
+    )
+
+
+def _span(block: Block) -> tuple[tuple[int, int], tuple[int, int]]:
+    return block.rows, block.cols or (0, 1)
+
+
+def _area(block: Block) -> int:
+    (r0, r1), (c0, c1) = _span(block)
+    return (r1 - r0) * (c1 - c0)
+
+
+def _inside(inner: Block, outer: Block) -> bool:
+    (ir, ic), (orow, oc) = _span(inner), _span(outer)
+    return orow[0] <= ir[0] and ir[1] <= orow[1] and oc[0] <= ic[0] and ic[1] <= oc[1]
+
+
+def _overlap(a: Block, b: Block) -> bool:
+    (ar, ac), (br, bc) = _span(a), _span(b)
+    return ar[0] < br[1] and br[0] < ar[1] and ac[0] < bc[1] and bc[0] < ac[1]

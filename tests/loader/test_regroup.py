@@ -1,0 +1,150 @@
+"""Cutting a rank of another topology out of an artifact (no engine): each tensor equals,
+byte for byte, what a conversion made straight at that topology holds, every byte read
+once, only the files of the stages that hold it; what cannot be served is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardprep.convert.run import Options, convert
+from shardprep.demo.tiny import TINY_FP8, make_tiny_draft, make_tiny_model
+from shardprep.errors import TopologyMismatchError
+from shardprep.format.manifest import Manifest, read_manifest
+from shardprep.loader.reader import read_rank
+from shardprep.loader.regroup import ReadCount, check_served, regroup_rank
+from shardprep.plan.topology import ExpertSplit
+
+
+def _convert(source: Path, out: Path, tp: int, pp: int, **options: object) -> Manifest:
+    return convert(str(source), out, Options(tp=tp, pp=pp, **options), progress=False)
+
+
+def _compare(
+    artifact: Path, reference: Path, role: str, ep: bool = False, dp: int = 1
+) -> list[float]:
+    """Every rank of `reference`, cut out of `artifact`; returns read / own per rank."""
+    ref, manifest = read_manifest(reference), read_manifest(artifact)
+    entry = manifest.model(role)
+    assert entry is not None
+    ratios = []
+    topo = ref.topology
+    for pp_rank in ref.stages:
+        for tp_rank in range(topo.tp):
+            if not ref.rank_files(role, pp_rank, tp_rank):
+                continue
+            want = dict(read_rank(reference, role, pp_rank, tp_rank, manifest=ref))
+            experts = None
+            if entry.experts is not None:
+                split = ExpertSplit(entry.experts.num_experts, topo.tp, dp, ep, "linear")
+                experts = (split, split.moe_rank(tp_rank))
+            count = ReadCount()
+            got = dict(
+                regroup_rank(
+                    artifact,
+                    manifest,
+                    entry,
+                    sorted(want),
+                    tp=topo.tp,
+                    tp_rank=tp_rank,
+                    experts=experts,
+                    count=count,
+                )
+            )
+            assert sorted(got) == sorted(want)
+            for name, tensor in want.items():
+                assert got[name].dtype == tensor.dtype, name
+                assert got[name].shape == tensor.shape, name
+                assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+            # Only the stages of this rank's layers: files of other stages stay unopened.
+            stages = {int(Path(f).name.split("-")[2]) for f in count.files}
+            layers = set(range(*topo.layer_range(pp_rank)))
+            art = manifest.topology
+            assert stages <= {art.stage_of_layer(i) for i in layers} | {0, art.last_stage}
+            ratios.append(count.read / count.own)
+    return ratios
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("dense")
+    target = make_tiny_model(root / "llama", num_hidden_layers=4)
+    draft = make_tiny_draft(root / "eagle3", target)
+    artifact = root / "tp2-pp2"
+    _convert(target, artifact, 2, 2, draft=str(draft))
+    return target, draft, artifact
+
+
+@pytest.mark.parametrize(("tp", "pp", "partition"), [(1, 1, None), (2, 1, None), (1, 2, None),
+                                                     (1, 4, None), (2, 3, "1,2,1")])  # fmt: skip
+def test_dense_with_a_draft_at_every_served_topology(
+    dense: tuple[Path, Path, Path], tmp_path: Path, tp: int, pp: int, partition: str | None
+) -> None:
+    target, draft, artifact = dense
+    reference = tmp_path / "ref"
+    _convert(target, reference, tp, pp, draft=str(draft), partition=partition)
+    for role in ("target", "draft"):
+        ratios = _compare(artifact, reference, role)
+        assert ratios and set(ratios) == {1.0}
+
+
+@pytest.mark.parametrize(
+    ("made", "served"),
+    [
+        ({}, {}),
+        ({"expert_parallel": True}, {}),
+        ({"expert_parallel": True, "dp": 2}, {}),  # experts stored per dp rank
+        ({"expert_parallel": True}, {"tp": 2, "pp": 1, "expert_parallel": True}),
+        ({"tp": 4, "pp": 1, "expert_parallel": True}, {"tp": 2, "pp": 2, "expert_parallel": True}),
+    ],
+    ids=["tp", "ep", "ep-dp2", "ep-to-ep", "ep4-to-ep2"],
+)
+def test_moe_experts_at_a_coarser_tp(tmp_path: Path, made: dict, served: dict) -> None:
+    target = make_tiny_model(tmp_path / "moe", "Qwen3MoeForCausalLM")
+    artifact, reference = tmp_path / "made", tmp_path / "served"
+    _convert(target, artifact, **{"tp": 2, "pp": 2, **made})
+    _convert(target, reference, **{"tp": 1, "pp": 1, **served})
+    ep = served.get("expert_parallel", False)
+    assert set(_compare(artifact, reference, "target", ep=ep)) == {1.0}
+
+
+def test_mla_with_fp8_block_scales(tmp_path: Path) -> None:
+    target = make_tiny_model(
+        tmp_path / "dsv3", "DeepseekV3ForCausalLM", quantization_config=TINY_FP8
+    )
+    artifact, reference = tmp_path / "tp2", tmp_path / "tp1"
+    _convert(target, artifact, 2, 2)
+    _convert(target, reference, 1, 2)
+    assert set(_compare(artifact, reference, "target")) == {1.0}
+
+
+def test_a_tp_that_does_not_divide_is_refused(dense: tuple[Path, Path, Path]) -> None:
+    _, _, artifact = dense
+    manifest = read_manifest(artifact)
+    assert manifest.served_topologies() == "tp 1, 2 x any pp"
+    check_served(artifact, manifest, 1, 3)
+    with pytest.raises(TopologyMismatchError) as info:
+        check_served(artifact, manifest, 4, 1)
+    assert str(info.value) == (
+        f"artifact {artifact} is tp2 x pp2 and serves tp 1, 2 x any pp; vLLM runs tp4 x pp1, "
+        "which it cannot serve (tp4 is not a divisor of the artifact's tp2); start vLLM at a "
+        "topology it serves, or convert again with --tp 4 --pp 1"
+    )
+
+
+def test_an_artifact_without_pieces_serves_only_its_own_topology(
+    dense: tuple[Path, Path, Path],
+) -> None:
+    _, _, artifact = dense
+    manifest = read_manifest(artifact)
+    old = dataclasses.replace(
+        manifest, models=tuple(dataclasses.replace(m, pieces={}) for m in manifest.models)
+    )
+    assert old.served_tps == ()
+    with pytest.raises(TopologyMismatchError, match="serves tp2 x pp2 only .made before"):
+        check_served(artifact, old, 1, 1)
+    one_stage = dataclasses.replace(manifest, stages=(1,))
+    assert one_stage.served_topologies() == "tp2 x pp2 only (it holds stage(s) 1)"

@@ -1,0 +1,167 @@
+"""The region arithmetic that cuts a rank of a coarser tp out of an artifact's rank
+tensors: for every cut and odd sizes, the tensors assembled from the artifact's blocks
+equal the ones the plan cuts straight from the source, and each block is read once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardprep.errors import PlanError
+from shardprep.plan.layout import Cut, Piece, ScaleOf, w2_pieces, w13_pieces
+from shardprep.plan.records import TensorPlan
+from shardprep.plan.regions import locate, rank_tensor, served_tps, stored_blocks
+from shardprep.plan.topology import ExpertSplit
+
+DTYPE = "F32"
+
+
+def _cut(tensor: TensorPlan, sources: dict[str, np.ndarray]) -> np.ndarray:
+    """A rank tensor's bytes straight from the source, as the converter writes them."""
+    parts = []
+    for block in tensor.blocks:
+        if block.source is None:
+            width = tensor.stacked_shape[1:] if len(tensor.stacked_shape) > 1 else ()
+            parts.append(np.zeros((block.rows[1] - block.rows[0], *width), np.float32))
+            continue
+        data = sources[block.source]
+        data = (
+            np.repeat(np.repeat(data, block.repeat[0], 0), block.repeat[1], 1)
+            if (block.repeat != (1, 1))
+            else data
+        )
+        data = data.reshape(1) if data.ndim == 0 else data
+        part = data[block.rows[0] : block.rows[1]]
+        if block.cols is not None:
+            part = part[:, block.cols[0] : block.cols[1]]
+        parts.append(part)
+    return np.concatenate(parts).reshape(tensor.shape)
+
+
+def _assemble(
+    pieces: tuple[Piece, ...],
+    sources: dict[str, np.ndarray],
+    tp: int,
+    new_tp: int,
+    rank: int,
+    split: tuple[ExpertSplit, ExpertSplit] | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    shapes = {name: tuple(a.shape) for name, a in sources.items()}
+    old_split, new_split = split if split else (None, None)
+    artifact = {
+        f"tp{r}": rank_tensor("p", pieces, shapes, DTYPE, tp, r, old_split, r) for r in range(tp)
+    }
+    mine = rank_tensor("p", pieces, shapes, DTYPE, new_tp, rank, new_split, rank)
+    stored = [s for holder, t in artifact.items() for s in stored_blocks(holder, t)]
+    ratio = tp // new_tp
+    prefer = [f"tp{r}" for r in range(rank * ratio, (rank + 1) * ratio)]
+    reads, zeros = locate(mine, stored, prefer)
+    files = {h: _cut(t, sources).reshape(t.stacked_shape) for h, t in artifact.items()}
+    out = np.full(mine.stacked_shape, np.nan, np.float32)
+    flat = out.reshape(out.shape[0] if out.ndim else 1, -1)
+    for start, end in zeros:
+        flat[start:end] = 0
+    read = 0
+    for r in reads:
+        part = files[r.holder].reshape(files[r.holder].shape[0] or 1, -1)[r.rows[0] : r.rows[1]]
+        read += part.size
+        if r.dest_cols is None:
+            flat[r.dest_rows[0] : r.dest_rows[1]] = part
+        else:
+            flat[r.dest_rows[0] : r.dest_rows[1], r.dest_cols[0] : r.dest_cols[1]] = part
+    zero_rows = sum(e - s for s, e in zeros) * (flat.shape[1] if flat.ndim > 1 else 1)
+    assert read + zero_rows == out.size  # every element once: no byte read twice
+    return out.reshape(mine.shape), _cut(mine, sources), read
+
+
+_RNG = np.random.default_rng(21)
+
+
+def _random(*shape: int) -> np.ndarray:
+    return _RNG.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize(("tp", "new_tp"), [(2, 1), (4, 2), (4, 1), (8, 4), (8, 2), (8, 1)])
+def test_dense_cuts_at_every_coarser_tp(tp: int, new_tp: int) -> None:
+    hidden, heads_dim = 24, 3
+    sources = {
+        "q": _random(48, hidden),
+        "k": _random(2 * heads_dim, hidden),  # 2 KV heads: replicated when tp > 2
+        "v": _random(2 * heads_dim, hidden),
+        "o": _random(hidden, 48),
+        "embed": _random(101, hidden),  # padded to 128 rows, then split
+        "norm": _random(hidden),
+        "bias": _random(48),
+    }
+    cases = {
+        "qkv": (
+            Piece("q", Cut.ROWS),
+            Piece("k", Cut.KV_HEADS, heads=2),
+            Piece("v", Cut.KV_HEADS, heads=2),
+        ),
+        "o": (Piece("o", Cut.COLS),),
+        "embed": (Piece("embed", Cut.VOCAB),),
+        "lm_head_padded": (Piece("embed", Cut.PADDED_VOCAB),),
+        "norm": (Piece("norm", Cut.REPLICATE),),
+        "bias": (Piece("bias", Cut.ROWS),),
+    }
+    for name, pieces in cases.items():
+        for rank in range(new_tp):
+            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank)
+            assert np.array_equal(got, want), (name, rank)
+
+
+@pytest.mark.parametrize(("tp", "new_tp"), [(2, 1), (4, 2), (4, 1)])
+def test_block_scales_on_odd_edges(tp: int, new_tp: int) -> None:
+    # A 512 x 320 weight in 128 x 128 blocks: 4 x 3 scales, the last column partial.
+    sources = {"s": _random(4, 3), "t": _random(4, 3)}
+    rows = (Piece("s", Cut.BLOCK_SCALE, scale_of=ScaleOf((512, 320), Cut.ROWS, (128, 128))),)
+    cols = (Piece("t", Cut.BLOCK_SCALE, scale_of=ScaleOf((320, 512), Cut.COLS, (128, 128))),)
+    sources["t"] = _random(3, 4)
+    for pieces in (rows, cols):
+        for rank in range(new_tp):
+            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank)
+            assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize(("tp", "new_tp"), [(2, 1), (4, 2), (4, 1)])
+def test_expert_stacks(tp: int, new_tp: int, expert_parallel: bool) -> None:
+    experts = 6  # not a multiple of 4: EP ranks hold 2, 2, 1, 1 at ep 4
+    sources = {}
+    for e in range(experts):
+        sources[f"g{e}"], sources[f"u{e}"] = _random(8, 5), _random(8, 5)
+        sources[f"d{e}"] = _random(5, 8)
+    w13 = w13_pieces([(f"g{e}", f"u{e}") for e in range(experts)])
+    w2 = w2_pieces([f"d{e}" for e in range(experts)])
+    split = (
+        ExpertSplit(experts, tp, expert_parallel=expert_parallel),
+        ExpertSplit(experts, new_tp, expert_parallel=expert_parallel),
+    )
+    for pieces in (w13, w2):
+        for rank in range(new_tp):
+            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+            assert got.shape == want.shape
+            assert np.array_equal(got, want)
+
+
+def test_a_tp_that_does_not_divide_is_not_whole_blocks() -> None:
+    sources = {"q": _random(12, 4)}
+    pieces = (Piece("q", Cut.ROWS),)
+    with pytest.raises(PlanError, match=r"rows 0-3 of q are not whole blocks"):
+        _assemble(pieces, sources, 2, 3, 0)
+
+
+def test_replicated_tensors_are_read_from_the_rank_itself() -> None:
+    shapes = {"n": (7,)}
+    pieces = (Piece("n", Cut.REPLICATE),)
+    art = {f"tp{r}": rank_tensor("n", pieces, shapes, DTYPE, 4, r) for r in range(4)}
+    stored = [s for h, t in art.items() for s in stored_blocks(h, t)]
+    reads, _ = locate(rank_tensor("n", pieces, shapes, DTYPE, 2, 1), stored, ["tp2", "tp3"])
+    assert [r.holder for r in reads] == ["tp2"]
+
+
+def test_served_tps() -> None:
+    assert served_tps(8) == (1, 2, 4, 8)
+    assert served_tps(6) == (1, 2, 3, 6)
+    assert served_tps(1) == (1,)
