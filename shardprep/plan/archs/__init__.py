@@ -71,6 +71,16 @@ def target_family(config: Config) -> tuple[str, Family]:
     )
 
 
+def read_config(config: Config) -> Config:
+    """config.json as vLLM reads it for its target family (transformers' attribute
+    maps); a config of no registered target (a draft's own) as it is."""
+    names = config.get("architectures") or []
+    for name in names if isinstance(names, list) else []:
+        if isinstance(name, str) and name in _TARGETS:
+            return _instance(*_TARGETS[name]).read_config(config)
+    return config
+
+
 def target_family_of(architecture: str) -> Family:
     return target_family({"architectures": [architecture]})[1]
 
