@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model, tiny_config
@@ -89,3 +91,31 @@ def test_either_name_of_a_mapped_key_is_read_and_two_values_are_one_line() -> No
         "config.json has num_experts: 8 and num_local_experts: 4, which transformers reads "
         "as one setting; keep one of them"
     )
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+    max_leaves=8,
+)
+KEYS = st.sampled_from(["num_experts", "num_local_experts", "n_routed_experts", "other"])
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(KEYS, JSON, max_size=4))
+def test_any_config_reads_with_both_names_or_fails_with_one_line(config: dict) -> None:
+    mapping = {"num_experts": "num_local_experts", "n_routed_experts": "other"}
+    try:
+        found = with_attribute_map(config, mapping)
+    except ConfigError as exc:
+        assert "\n" not in str(exc) and "keep one of them" in str(exc)
+        return
+    for attribute, key in mapping.items():
+        given = [config[n] for n in (attribute, key) if config.get(n) is not None]
+        if given:
+            assert found[attribute] == found[key] == given[0]
+        else:
+            assert (found.get(attribute), found.get(key)) == (
+                config.get(attribute),
+                config.get(key),
+            )

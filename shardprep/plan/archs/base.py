@@ -150,7 +150,7 @@ def with_attribute_map(config: Config, attribute_map: Mapping[str, str] | None) 
     found = dict(config)
     for attribute, key in (attribute_map or {}).items():
         values = {k: config[k] for k in (attribute, key) if config.get(k) is not None}
-        if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+        if len({json.dumps(v, sort_keys=True, default=repr) for v in values.values()}) > 1:
             raise ConfigError(
                 f"config.json has {attribute}: {values[attribute]!r} and {key}: "
                 f"{values[key]!r}, which transformers reads as one setting; keep one of them"
