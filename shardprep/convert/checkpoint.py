@@ -17,6 +17,7 @@ from shardprep.constants import (
 from shardprep.errors import ConfigError, CorruptFileError, HubError, printable, summarize
 from shardprep.format import jsonio
 from shardprep.format.headers import TensorInfo, read_header
+from shardprep.plan import archs
 
 INDEX_NAME = "model.safetensors.index.json"
 # Where `hf download --local-dir` keeps what it knows of each file it fetched.
@@ -87,7 +88,7 @@ def resolve_model(
 def open_checkpoint(model: str, revision: str | None = None, progress: bool = True) -> Checkpoint:
     root, repo_id, revision = resolve_model(model, revision, progress)
     _require_utf8(str(root.resolve()), "folder", root)
-    config = load_config(root)
+    config = dict(archs.read_config(load_config(root)))
     files = _weight_files(root)
     copied = {p.name for pattern in COPIED_FILE_PATTERNS for p in root.glob(pattern)}
     for name in sorted({*files, *copied}):

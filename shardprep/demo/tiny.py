@@ -75,6 +75,7 @@ _MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 # Mixture-of-experts sizes: 8 experts, 2 per token.
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -90,6 +91,24 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_local_experts": 8,
         "num_experts_per_tok": 2,
         "intermediate_size": 128,
+    },
+    # GLM-4.5's features at tiny sizes: qkv bias, q/k norms, partial rotary, a dense
+    # first layer, one shared expert; bfloat16, as published (the router stays float32).
+    "Glm4MoeForCausalLM": {
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "partial_rotary_factor": 0.5,
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": "bfloat16",
     },
 }
 

@@ -85,6 +85,9 @@ def make_plan(
     `distinct_copies`: the draft's copies of target tensors (`DraftFamily.shared_copies`)
     whose bytes differ from the target's, so the draft must hold them itself."""
     effective_placement(expert_placement, num_expert_group=None, dp=1)  # raises if unknown
+    target = SourceModel(archs.read_config(target.config), target.tensors)
+    if draft is not None:
+        draft = SourceModel(archs.read_config(draft.config), draft.tensors)
     if dp < 1:
         raise PlanError(f"data parallel size must be at least 1, got --dp {dp}")
     architecture, family = archs.target_family(target.config)

@@ -142,3 +142,30 @@ def test_drift_is_caught(old: str, new: str) -> None:
     line = usage_lines(README.read_text())["convert"][0]
     assert old in line
     assert parse_usage(parser, line.replace(old, new)) != described(parser)
+
+
+def supported_table(text: str) -> tuple[dict[str, set[str]], set[str]]:
+    """The README's table of supported architectures ({architecture: its internal draft
+    methods}) and the drafts it says any target takes with --draft."""
+    section = text.split("### Supported architectures and drafts", 1)[1].split("\n### ", 1)[0]
+    table: dict[str, set[str]] = {}
+    for row in re.findall(r"^\| (`.*) \|$", section, re.M):
+        architectures, drafts = row.split(" | ")
+        for name in re.findall(r"`(\w+)`", architectures):
+            table[name] = set(re.findall(r"`(\w+)`", drafts))
+    line = re.search(r"Drafts given with `--draft`, for any of them: (.*)\.", section)
+    assert line, "the README no longer says which drafts every target takes"
+    return table, set(re.findall(r"`(\w+)`", line.group(1)))
+
+
+def test_the_supported_table_is_the_registry() -> None:
+    from shardprep.demo.tiny import tiny_config
+    from shardprep.plan import archs
+
+    table, any_target = supported_table(README.read_text())
+    assert sorted(table) == list(archs.supported()[0])
+    assert any_target == set(archs.standalone_methods())
+    for architecture, drafts in table.items():
+        config = tiny_config(architecture, num_nextn_predict_layers=1)
+        own = archs.target_family_of(architecture).internal_draft(config)
+        assert drafts == ({own} if own else set()), architecture

@@ -26,6 +26,7 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralFamily"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekFamily"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekFamily"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeFamily"),
 }
 # (vLLM's speculative `method`, target family name or ANY_TARGET) -> (module, class)
 _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
@@ -34,6 +35,7 @@ _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
     ("dflash", ANY_TARGET): ("dflash", "DFlashDraft"),
     ("dspark", ANY_TARGET): ("dflash", "DSparkDraft"),
     ("mtp", "deepseek"): ("deepseek_mtp", "DeepseekMtpDraft"),
+    ("mtp", "glm4_moe"): ("glm4_moe", "Glm4MoeMtpDraft"),
 }
 
 
@@ -69,6 +71,16 @@ def target_family(config: Config) -> tuple[str, Family]:
         f"architecture {summarize(names) or '(none in config.json)'} is not supported; "
         f"shardprep supports {summarize(sorted(_TARGETS), limit=20)}"
     )
+
+
+def read_config(config: Config) -> Config:
+    """config.json as vLLM reads it for its target family (transformers' attribute
+    maps); a config of no registered target (a draft's own) as it is."""
+    names = config.get("architectures") or []
+    for name in names if isinstance(names, list) else []:
+        if isinstance(name, str) and name in _TARGETS:
+            return _instance(*_TARGETS[name]).read_config(config)
+    return config
 
 
 def target_family_of(architecture: str) -> Family:

@@ -9,6 +9,7 @@ default here, so the callers never probe for one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -55,6 +56,16 @@ class Family:
     name: ClassVar[str]
     # Quantization schemes (plan/quant) whose stored tensors this family places.
     quant_schemes: ClassVar[frozenset[str]] = frozenset()
+    # transformers' `attribute_map` of each config class (by model_type) of the family:
+    # {attribute: the key it is stored under}. transformers versions rename keys (a
+    # Qwen3-MoE saved by transformers 5 holds num_local_experts, not num_experts); vLLM
+    # reads either through the class, and so does `read_config`.
+    attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {}
+
+    def read_config(self, config: Config) -> dict[str, Any]:
+        """config.json as transformers' config class reads it: each key of an
+        attribute-map pair also under the other name."""
+        return with_attribute_map(config, self.attribute_maps.get(str(config.get("model_type"))))
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         """Every source tensor the config implies, with its shape (Hugging Face names)."""
@@ -138,3 +149,19 @@ def config_int(config: Config, key: str, default: int | None = None) -> int:
             "fix config.json"
         )
     return int(value)
+
+
+def with_attribute_map(config: Config, attribute_map: Mapping[str, str] | None) -> dict[str, Any]:
+    """`config` with the two names of every `attribute_map` pair holding the same value;
+    both given with different values is one line naming them."""
+    found = dict(config)
+    for attribute, key in (attribute_map or {}).items():
+        values = {k: config[k] for k in (attribute, key) if config.get(k) is not None}
+        if len({json.dumps(v, sort_keys=True, default=repr) for v in values.values()}) > 1:
+            raise ConfigError(
+                f"config.json has {attribute}: {values[attribute]!r} and {key}: "
+                f"{values[key]!r}, which transformers reads as one setting; keep one of them"
+            )
+        if values:
+            found[attribute] = found[key] = next(iter(values.values()))
+    return found

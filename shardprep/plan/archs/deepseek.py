@@ -12,9 +12,9 @@ num_hidden_layers) belong to a draft; the target skips them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
 from shardprep.plan.layout import Cut, Piece, w2_pieces, w13_pieces
@@ -196,6 +196,13 @@ def split_problems(d: Dims, tp: int) -> list[str]:
 
 class DeepseekFamily(Family):
     name = "deepseek"
+    attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {
+        "deepseek_v2": {"num_experts": "n_routed_experts"},
+        "deepseek_v3": {
+            "num_local_experts": "n_routed_experts",
+            "num_mtp_layers": "num_nextn_predict_layers",
+        },
+    }
     quant_schemes = frozenset({"fp8_block"})
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:

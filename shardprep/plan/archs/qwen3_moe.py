@@ -6,7 +6,8 @@ vLLM builds the embedding, the final norm and lm_head on every pipeline stage.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
 from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params, linear_weights
@@ -48,6 +49,9 @@ class MoeDims(Dims):
 
 class Qwen3MoeFamily(Family):
     name = "qwen3_moe"
+    attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {
+        "qwen3_moe": {"num_experts": "num_local_experts"}
+    }
     quant_schemes = frozenset({"fp8_block"})
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
