@@ -27,9 +27,9 @@ from shardprep.convert.checkpoint import (
     SourceTensor,
     known_sha256,
     load_side_file,
-    open_checkpoint,
     same_bytes,
 )
+from shardprep.convert.hub_source import fetch, fetch_for_plan, open_source
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.scatter import write_rank_files
 from shardprep.errors import ShardprepError
@@ -48,6 +48,7 @@ class Options(ConversionRequest):
     """A conversion request, and how to execute it."""
 
     rehash_source: bool = False  # hash Hugging Face cache blobs instead of trusting their names
+    endpoint: str | None = None  # the Hub a repo id is read from (default: HF_ENDPOINT)
 
     def request(self, plan: Plan, draft_source: str | None) -> ConversionRequest:
         """What the manifest records: the options that shaped `plan`, the partition
@@ -70,14 +71,14 @@ def source_model(checkpoint: Checkpoint) -> SourceModel:
 def load_and_plan(
     model: str, options: Options, *, progress: bool = True
 ) -> tuple[Plan, dict[str, Checkpoint]]:
-    """Open the checkpoints (headers only; a Hub model is downloaded) and plan; nothing
-    is written."""
-    target = open_checkpoint(model, options.revision, progress)
+    """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
+    nothing is written."""
+    target = open_source(model, options.revision, endpoint=options.endpoint, progress=progress)
     checkpoints = {"target": target}
     method = options.draft_method
     notes: list[str] = []
     if options.draft:
-        draft = open_checkpoint(options.draft, progress=progress)
+        draft = open_source(options.draft, endpoint=options.endpoint, progress=progress)
         target_family = archs.target_family(target.config)[1].name
         method = method or archs.detect_draft_method(
             draft.config, sorted(draft.tensors), target_family
@@ -132,6 +133,14 @@ def distinct_copies(checkpoints: dict[str, Checkpoint], method: str | None) -> f
 def with_side_tensors(checkpoint: Checkpoint, family: archs.DraftFamily) -> Checkpoint:
     """The checkpoint plus the tensors its family reads from side files (held in memory:
     they are small, and safetensors is the only format shardprep reads by offset)."""
+    fetch(
+        checkpoint,
+        [
+            f
+            for f in family.side_tensor_files(checkpoint.config).values()
+            if f in (checkpoint.sizes or {})
+        ],
+    )
     found = {
         name: (file, family.side_tensor(name, load_side_file(path), checkpoint.config, str(path)))
         for name, file in family.side_tensor_files(checkpoint.config).items()
@@ -168,6 +177,7 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
     """Plan, then execute while holding the output folder's lock. Any failure leaves no
     temporary file behind and is one ShardprepError; a rerun resumes."""
     plan, checkpoints = load_and_plan(model, options, progress=progress)
+    fetch_for_plan(plan, checkpoints)
     given = {"target": model, "draft": options.draft or model}
     sources = {role: _source_name(given[role], cp) for role, cp in checkpoints.items()}
     out = Path(out)
@@ -273,7 +283,7 @@ def _manifest(
             files=tuple(
                 mf.SourceFile(
                     f,
-                    (checkpoint.root / f).stat().st_size,
+                    checkpoint.size(f),
                     source_hashes.get((model.role, f)) or _known_sha256(checkpoint, f),
                 )
                 for f in checkpoint.files

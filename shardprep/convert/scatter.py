@@ -62,6 +62,8 @@ def write_rank_files(
         reader = SourceReader(hashers[0])
         for roles, checkpoint in sources:
             for file in checkpoint.files:
+                if not full and not _feeds(checkpoint, roles, file, writes):
+                    continue  # a file of another stage: not read (a Hub source's not fetched)
                 known = known_sha256(checkpoint, file) if full else None
                 hash_it = full and (known is None or rehash_source)
                 digest = _scatter_file(reader, mover, checkpoint, roles, file, writes, hash_it, bar)
@@ -112,6 +114,15 @@ def _targets(
     return [w for role in roles for w in writes.get((role, name), [])]
 
 
+def _feeds(
+    checkpoint: Checkpoint,
+    roles: tuple[str, ...],
+    file: str,
+    writes: dict[tuple[str, str], list[Write]],
+) -> bool:
+    return any(t.file == file and _targets(writes, roles, n) for n, t in checkpoint.tensors.items())
+
+
 def _bytes_to_read(
     checkpoint: Checkpoint,
     roles: tuple[str, ...],
@@ -119,7 +130,7 @@ def _bytes_to_read(
     full: bool,
 ) -> int:
     if full:
-        return sum((checkpoint.root / f).stat().st_size for f in checkpoint.files)
+        return sum(checkpoint.size(f) for f in checkpoint.files)
     return sum(t.info.nbytes for n, t in checkpoint.tensors.items() if _targets(writes, roles, n))
 
 
