@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +25,10 @@ from hub_server import HubServer
 from huggingface_hub import HfApi, try_to_load_from_cache
 from safetensors.torch import load_file, save_file
 
-from shardprep.constants import MANIFEST_NAME
+from shardprep.constants import MANIFEST_NAME, MAX_HEADER_BYTES
 from shardprep.convert.run import Options, convert, load_and_plan
-from shardprep.demo.tiny import make_tiny_model
-from shardprep.errors import ConfigError, CorruptFileError
+from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
+from shardprep.errors import ConfigError, CorruptFileError, HubError
 
 # The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
 pytestmark = [
@@ -35,6 +37,7 @@ pytestmark = [
 ]
 
 REPO = "shardprep-test/by-stage"
+DRAFT = "shardprep-test/by-stage-eagle3"
 FIRST, SECOND, THIRD = (f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3))
 WEIGHTS = (FIRST, SECOND, THIRD)
 HEADER_LIMIT = 4096  # bytes of a file `plan` may read: its header, nothing of its tensors
@@ -184,3 +187,53 @@ def test_offline_reads_the_cache_or_says_what_it_lacks(
     offline, checkpoints = load_and_plan(REPO, _options(hub), progress=False)
     assert checkpoints["target"].revision == repo
     assert offline == load_and_plan(str(model), Options(tp=2, pp=2), progress=False)[0]
+
+
+def test_a_draft_repo_is_fetched_only_for_the_last_stage(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    draft = make_tiny_draft(tmp_path / "draft", model, "eagle3")
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo(DRAFT)
+    api.upload_folder(repo_id=DRAFT, folder_path=draft)
+    weights = sorted(p.name for p in draft.glob("*.safetensors"))
+    convert(REPO, tmp_path / "stage0", _options(hub, stage=0, draft=DRAFT), progress=False)
+    assert weights and all(hub.bytes_served(DRAFT, f) <= HEADER_LIMIT for f in weights)
+    assert hub.bytes_served(REPO, THIRD) <= HEADER_LIMIT
+    stage1 = convert(REPO, tmp_path / "stage1", _options(hub, stage=1, draft=DRAFT), progress=False)
+    assert all(hub.bytes_served(DRAFT, f) > HEADER_LIMIT for f in weights)
+    local = tmp_path / "local"
+    convert(str(model), local, Options(tp=2, pp=2, stage=1, draft=str(draft)), progress=False)
+    drafted = sorted((local / "draft" / "shards").iterdir())
+    assert drafted and [p.read_bytes() for p in drafted] == [
+        (tmp_path / "stage1" / "draft" / "shards" / p.name).read_bytes() for p in drafted
+    ]
+    assert _shards(tmp_path / "stage1", 1) == _shards(local, 1)
+    assert stage1.model("draft").source.repo_id == DRAFT
+
+
+def test_a_server_without_ranges_is_one_line(model: Path, tmp_path: Path) -> None:
+    with HubServer(tmp_path / "hub_storage", ignore_ranges=True) as plain:
+        api = HfApi(endpoint=plain.endpoint)
+        api.create_repo(REPO)
+        api.upload_folder(repo_id=REPO, folder_path=model)
+        with pytest.raises(HubError) as refused:
+            load_and_plan(REPO, Options(tp=2, pp=2, endpoint=plain.endpoint), progress=False)
+    message = str(refused.value)
+    assert "\n" not in message and "did not answer a range request" in message, message
+
+
+def test_a_header_too_large_is_refused_before_it_is_read(
+    hub: HubServer, model: Path, tmp_path: Path
+) -> None:
+    hostile = tmp_path / "hostile"
+    shutil.copytree(model, hostile)
+    data = bytearray((hostile / SECOND).read_bytes())
+    data[:8] = struct.pack("<Q", MAX_HEADER_BYTES + 1)
+    (hostile / SECOND).write_bytes(data)
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo(REPO)
+    api.upload_folder(repo_id=REPO, folder_path=hostile)
+    with pytest.raises(CorruptFileError, match="over the .* limit"):
+        load_and_plan(REPO, _options(hub), progress=False)
+    assert hub.download_ranges(REPO, SECOND) == ["bytes=0-7"]

@@ -472,9 +472,18 @@ class _Handler(BaseHTTPRequestHandler):
 class HubServer:
     """A Hub-compatible HTTP server on 127.0.0.1 (free port), serving in a daemon thread."""
 
-    def __init__(self, storage_dir: Path | str, *, tree_page_size: int = 1000) -> None:
+    def __init__(
+        self,
+        storage_dir: Path | str,
+        *,
+        tree_page_size: int = 1000,
+        ignore_ranges: bool = False,
+    ) -> None:
+        """`ignore_ranges`: answer every GET with the whole file (200), as a server that
+        does not support range requests does."""
         self._store = _Store(Path(storage_dir))
         self._tree_page_size = tree_page_size
+        self._ignore_ranges = ignore_ranges
         self._lock = threading.Lock()
         self._requests: list[tuple[str, str]] = []
         self._ranges: dict[tuple[str, str], list[str | None]] = defaultdict(list)
@@ -792,7 +801,9 @@ class HubServer:
         blob = self._store.blob_path(entry.sha256)
         if request.method == "HEAD":
             return _Response(headers=headers, file=_FileSlice(blob, 0, entry.size))
-        byte_range = _byte_range(request.headers.get("Range"), entry.size)
+        byte_range = (
+            None if self._ignore_ranges else _byte_range(request.headers.get("Range"), entry.size)
+        )
         length = entry.size if byte_range is None else byte_range[1] - byte_range[0] + 1
         cut_after = self._note_download(repo_id, path, request.headers.get("Range"), length)
         key = (repo_id, path)
