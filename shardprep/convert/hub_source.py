@@ -6,7 +6,8 @@ list gives each file's size and the sha256 the Hub states; config.json and the i
 downloaded into the Hugging Face cache, and each safetensors header is read by two range
 requests and checked by the strict parser, so `plan` downloads no tensor byte. The
 checkpoint's folder is the cache snapshot of that commit: a weight file appears there once
-`fetch_for_plan` has downloaded it (in parallel, its sha256 checked on arrival), where a
+`start_fetch` has downloaded it (in parallel, its sha256 checked on arrival, while the
+files before it are converted), where a
 later `vllm serve` or `hf download` finds it too. With HF_HUB_OFFLINE=1 the cache snapshot
 is read as a model folder, or the one error line says what it lacks.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from shardprep import hub_client
@@ -154,21 +155,57 @@ def files_for_plan(plan: Plan, checkpoint: Checkpoint, roles: Iterable[str]) -> 
     return sorted(wanted)
 
 
-def fetch_for_plan(plan: Plan, checkpoints: dict[str, Checkpoint]) -> dict[str, list[str]]:
-    """Download what the plan reads of each Hub source, and the files copied beside the
-    rank files; returns the source files each role's checkpoint needs."""
+class Arrivals:
+    """Downloads of a Hub source's files in flight, several at a time, in the order they
+    were asked for: the converter waits for each file just before it reads it, so that
+    converting overlaps downloading. Closing cancels what has not started."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(DOWNLOAD_WORKERS, thread_name_prefix="source")
+        self._futures: dict[tuple[int, str], Future[None]] = {}
+
+    def submit(self, checkpoint: Checkpoint, files: Iterable[str]) -> None:
+        remote, commit = checkpoint.remote, checkpoint.revision
+        if remote is None or commit is None:
+            return
+        for file in files:
+            key = (id(checkpoint), file)
+            if key not in self._futures:
+                self._futures[key] = self._pool.submit(_arrive, checkpoint, remote, commit, file)
+
+    def wait(self, checkpoint: Checkpoint, file: str) -> None:
+        """Until `file` of `checkpoint` is here (at once for a local source)."""
+        future = self._futures.get((id(checkpoint), file))
+        if future is not None:
+            future.result()
+
+    def finish(self) -> None:
+        """Until every download asked for is done; the first failure is raised."""
+        pending = list(self._futures.values())
+        done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+        for future in done:
+            if future.exception() is not None:
+                future.result()
+        for future in pending:
+            future.result()
+
+    def close(self, *, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
+def start_fetch(plan: Plan, checkpoints: dict[str, Checkpoint]) -> Arrivals:
+    """Start downloading what the plan reads of each Hub source, and the files copied
+    beside the rank files (first: they are small), in the order the converter reads."""
     distinct: dict[int, tuple[list[str], Checkpoint]] = {}
     for role, checkpoint in checkpoints.items():
         roles, _ = distinct.get(id(checkpoint), ([], checkpoint))
         distinct[id(checkpoint)] = ([*roles, role], checkpoint)
-    needed = {}
+    arrivals = Arrivals()
+    for _, checkpoint in distinct.values():
+        arrivals.submit(checkpoint, _copied_files(checkpoint))
     for roles, checkpoint in distinct.values():
-        files = files_for_plan(plan, checkpoint, roles)
-        for role in roles:
-            needed[role] = files
-        if checkpoint.remote is not None:
-            fetch(checkpoint, [*files, *_copied_files(checkpoint)])
-    return needed
+        arrivals.submit(checkpoint, files_for_plan(plan, checkpoint, roles))
+    return arrivals
 
 
 def _copied_files(checkpoint: Checkpoint) -> list[str]:
@@ -180,24 +217,19 @@ def _copied_files(checkpoint: Checkpoint) -> list[str]:
 
 
 def fetch(checkpoint: Checkpoint, files: Iterable[str]) -> None:
-    """Download `files` of a Hub source into the Hugging Face cache, several at a time. A
-    file that arrives (rather than being found in the cache) is hashed and must have the
-    sha256 the Hub states; one that does not is removed from the cache and refused."""
-    remote, commit = checkpoint.remote, checkpoint.revision
-    if remote is None or commit is None:
-        return
-    todo = sorted(set(files))
-    with ThreadPoolExecutor(DOWNLOAD_WORKERS, thread_name_prefix="source") as pool:
-        futures = [pool.submit(_arrive, checkpoint, remote, commit, file) for file in todo]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for future in done:
-            if future.exception() is not None:
-                for other in futures:
-                    other.cancel()
-                raise future.exception()  # type: ignore[misc]
+    """Download `files` of a Hub source into the Hugging Face cache and wait for them."""
+    arrivals = Arrivals()
+    try:
+        arrivals.submit(checkpoint, files)
+        arrivals.finish()
+    finally:
+        arrivals.close()
 
 
 def _arrive(checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file: str) -> None:
+    """Download one file (huggingface_hub finds it in the cache, or resumes a cut
+    transfer). A file that arrives, rather than being found, is hashed and must have the
+    sha256 the Hub states; one that does not is removed from the cache and refused."""
     fresh = not (checkpoint.root / file).exists()
     path = remote.download_to_cache(commit, file)
     expected = (checkpoint.known_sha256 or {}).get(file)

@@ -29,7 +29,7 @@ from shardprep.convert.checkpoint import (
     load_side_file,
     same_bytes,
 )
-from shardprep.convert.hub_source import fetch, fetch_for_plan, open_source
+from shardprep.convert.hub_source import Arrivals, fetch, open_source, start_fetch
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.scatter import write_rank_files
 from shardprep.errors import ShardprepError
@@ -177,7 +177,6 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
     """Plan, then execute while holding the output folder's lock. Any failure leaves no
     temporary file behind and is one ShardprepError; a rerun resumes."""
     plan, checkpoints = load_and_plan(model, options, progress=progress)
-    fetch_for_plan(plan, checkpoints)
     given = {"target": model, "draft": options.draft or model}
     sources = {role: _source_name(given[role], cp) for role, cp in checkpoints.items()}
     out = Path(out)
@@ -186,6 +185,7 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
         with outdir.locked(out):
             safefs.refuse_linked_folders(out, outdir.WRITTEN_FOLDERS)
             before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
+            arrivals = start_fetch(plan, checkpoints)
             try:
                 manifest = execute(
                     plan,
@@ -195,10 +195,13 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
                     progress=progress,
                     rehash_source=options.rehash_source,
                     request=options.request(plan, sources.get("draft")),
+                    arrivals=arrivals,
                 )
             except BaseException:
+                arrivals.close(wait=False)  # a transfer already running still ends
                 outdir.remove_incomplete(out)
                 raise
+            arrivals.close()
     except ShardprepError:
         raise
     except OSError as exc:
@@ -222,7 +225,10 @@ def execute(
     progress: bool = True,
     rehash_source: bool = False,
     request: ConversionRequest | None = None,
+    arrivals: Arrivals | None = None,
 ) -> mf.Manifest:
+    """`arrivals`: the Hub source files still downloading; each is waited for just
+    before it is read."""
     out = Path(out)
     journal = Journal.open(out, fingerprint(plan, checkpoints), plan, checkpoints)
     # The folder is shardprep's now: what an interrupted run of this or another plan left
@@ -232,8 +238,17 @@ def execute(
     done = journal.verified_files(out)
     todo = [f for f in plan.files if f.path not in done]
     source_hashes = write_rank_files(
-        plan, checkpoints, out, todo, journal, progress=progress, rehash_source=rehash_source
+        plan,
+        checkpoints,
+        out,
+        todo,
+        journal,
+        progress=progress,
+        rehash_source=rehash_source,
+        ready=arrivals.wait if arrivals else None,
     )
+    if arrivals is not None:
+        arrivals.finish()
     extra = [e for role, cp in checkpoints.items() for e in _copy_extras(cp, out, role)]
     manifest = _manifest(plan, checkpoints, sources, journal.done, source_hashes, extra)
     manifest = dataclasses.replace(manifest, request=request, plan_fingerprint=journal.fingerprint)

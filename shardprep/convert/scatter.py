@@ -18,7 +18,7 @@ import hashlib
 import mmap
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,10 @@ def write_rank_files(
     *,
     progress: bool,
     rehash_source: bool = False,
+    ready: Callable[[Checkpoint, str], None] | None = None,
 ) -> dict[tuple[str, str], str]:
-    """Write every file of `todo`; returns the sha256 of each source file read whole."""
+    """Write every file of `todo`; returns the sha256 of each source file read whole.
+    `ready(checkpoint, file)` returns once a source file is here to be read."""
     files, writes = open_outputs(todo, out)
     full = plan.stages == tuple(range(plan.topology.pp))
     sources = _distinct(checkpoints)
@@ -64,6 +66,8 @@ def write_rank_files(
             for file in checkpoint.files:
                 if not full and not _feeds(checkpoint, roles, file, writes):
                     continue  # a file of another stage: not read (a Hub source's not fetched)
+                if ready is not None:
+                    ready(checkpoint, file)
                 known = known_sha256(checkpoint, file) if full else None
                 hash_it = full and (known is None or rehash_source)
                 digest = _scatter_file(reader, mover, checkpoint, roles, file, writes, hash_it, bar)

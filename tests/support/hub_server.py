@@ -30,6 +30,7 @@ import os
 import re
 import socket
 import threading
+import time
 import traceback
 import uuid
 from collections import defaultdict
@@ -478,12 +479,16 @@ class HubServer:
         *,
         tree_page_size: int = 1000,
         ignore_ranges: bool = False,
+        bandwidth: float | None = None,
     ) -> None:
         """`ignore_ranges`: answer every GET with the whole file (200), as a server that
-        does not support range requests does."""
+        does not support range requests does. `bandwidth`: bytes per second that every
+        file body sent, all connections together, is held to (for benchmarks)."""
         self._store = _Store(Path(storage_dir))
         self._tree_page_size = tree_page_size
         self._ignore_ranges = ignore_ranges
+        self._bandwidth = bandwidth
+        self._sent_until = 0.0  # when the bytes sent so far may have been sent, at `bandwidth`
         self._lock = threading.Lock()
         self._requests: list[tuple[str, str]] = []
         self._ranges: dict[tuple[str, str], list[str | None]] = defaultdict(list)
@@ -556,6 +561,11 @@ class HubServer:
     def _count_served(self, key: tuple[str, str], count: int) -> None:
         with self._lock:
             self._served[key] += count
+            if self._bandwidth is None:
+                return
+            self._sent_until = max(self._sent_until, time.monotonic()) + count / self._bandwidth
+            until = self._sent_until
+        time.sleep(max(0.0, until - time.monotonic()))
 
     def cut_next_download(self, repo_id: str, path: str, after_bytes: int) -> None:
         """The next GET of this file asking for more than `after_bytes` bytes sends
