@@ -36,7 +36,9 @@ from shardprep.format.headers import sha256_file
 from shardprep.plan.records import Plan
 
 HEADER_WORKERS = 8
-DOWNLOAD_WORKERS = 8
+# Few at a time, so that files arrive one after another in the order they are converted
+# (with more, a shared link makes them all arrive at the end); see BENCHMARKS.md.
+DOWNLOAD_WORKERS = 2
 
 
 def open_source(
