@@ -86,6 +86,7 @@ def _options(args: argparse.Namespace) -> Any:
         max_part_bytes=max_part_bytes,
         dtype=args.dtype,
         revision=args.revision,
+        endpoint=args.endpoint,
         rehash_source=getattr(args, "rehash_source", False),
         expert_parallel=args.enable_expert_parallel,
         expert_placement=args.expert_placement_strategy,
@@ -281,6 +282,9 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
         help="dtype of the rank files (default: auto, what vLLM's auto picks)",
     )
     parser.add_argument("--revision", metavar="REV", help="revision of a Hub model")
+    parser.add_argument(
+        "--endpoint", metavar="URL", help="Hub URL of a repo id (default: HF_ENDPOINT)"
+    )
     parser.add_argument(
         "--enable-expert-parallel",
         action="store_true",

@@ -1,7 +1,8 @@
 """What the rest of shardprep needs from the Hugging Face Hub client: repo ids, the stored
-name of a rank file, and `Remote`, which resolves a revision to a commit, gives the id the
-Hub keeps for a file and downloads one file into a folder. Every failure of the client
-becomes a `HubError` that says what to do.
+name of a rank file, and `Remote`, which resolves a revision to a commit, lists a commit's
+files with the sizes and sha256 the Hub states, gives the id the Hub keeps for a file,
+reads a safetensors header by range request and downloads one file (into a folder or the
+Hugging Face cache). Every failure of the client becomes a `HubError` that says what to do.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from huggingface_hub import HfApi, constants, hf_hub_download
+from huggingface_hub import HfApi, constants, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (
     HFValidationError,
     OfflineModeIsEnabled,
@@ -22,13 +23,18 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.utils import (
+    build_hf_headers,
+    hf_raise_for_status,
+    http_stream_backoff,
+    validate_repo_id,
+)
 
 from shardprep import __version__
 from shardprep.constants import MANIFEST_NAME
 from shardprep.errors import ConfigError, HubError, ManifestError, printable
 from shardprep.format import manifest as mf
-from shardprep.format.headers import sha256_file
+from shardprep.format.headers import Header, header_length, parse_header, sha256_file
 from shardprep.progress import Progress as tqdm
 
 # The stored name of a compressed file is its logical path plus this suffix.
@@ -75,6 +81,15 @@ def is_connection_error(exc: BaseException) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class RemoteFile:
+    """A file of a commit as the Hub lists it."""
+
+    path: str
+    size: int
+    sha256: str | None  # the LFS object id; None for a file stored in git
+
+
+@dataclasses.dataclass(frozen=True)
 class Remote:
     """One repo on one Hub endpoint, as the cache talks to it."""
 
@@ -112,6 +127,71 @@ class Remote:
             f"{self.repo_id}@{commit[:12]} has no {path}: it is not a shardprep artifact, or its "
             f"upload is incomplete. Publish it with `shardprep publish OUT {self.repo_id}`"
         )
+
+    def list_files(self, commit: str) -> dict[str, RemoteFile]:
+        """Every file of `commit`, by path (the tree endpoint, recursive)."""
+        with hub_errors(f"Listing {self.repo_id}@{commit[:12]}", self.repo_id, self.endpoint):
+            entries = list(
+                HfApi(endpoint=self.endpoint, token=self.token).list_repo_tree(
+                    self.repo_id, revision=commit, recursive=True
+                )
+            )
+        return {
+            e.path: RemoteFile(e.path, e.size, e.lfs.sha256 if e.lfs else None)
+            for e in entries
+            if isinstance(e, RepoFile)
+        }
+
+    def read_range(self, commit: str, path: str, start: int, length: int) -> bytes:
+        """Bytes [start, start + length) of a file, by one HTTP range request; a server
+        that ignores the range is refused before more than `length` bytes are read."""
+        url = hf_hub_url(self.repo_id, path, revision=commit, endpoint=self.endpoint)
+        headers = build_hf_headers(token=self.token)
+        headers["Range"] = f"bytes={start}-{start + length - 1}"
+        data = bytearray()
+        action = f"Reading {path} of {self.repo_id}"
+        stream = http_stream_backoff(
+            "GET", url, headers=headers, follow_redirects=True, retry_on_status_codes=(429,)
+        )
+        with hub_errors(action, self.repo_id, self.endpoint), stream as response:
+            hf_raise_for_status(response)
+            partial = response.status_code == 206
+            if partial:
+                for block in response.iter_bytes():
+                    data += block
+                    if len(data) > length:
+                        break
+        if not partial or len(data) != length:
+            raise HubError(
+                f"{self.where} did not answer a range request for bytes {start:,}-"
+                f"{start + length - 1:,} of {self.repo_id}/{path} with exactly those bytes "
+                f"(status {response.status_code}); shardprep reads a Hub source's headers by "
+                "range: check HF_ENDPOINT, or download the model and pass its folder"
+            )
+        return bytes(data)
+
+    def read_header(self, commit: str, path: str, size: int) -> Header:
+        """A safetensors file's header, checked by the strict parser, from two range
+        requests (its length, then the header itself): no tensor byte is read."""
+        where = f"{self.repo_id}@{commit[:12]}/{path}"
+        prefix = self.read_range(commit, path, 0, 8) if size >= 8 else b""
+        declared = header_length(where, prefix, size)
+        raw = self.read_range(commit, path, 8, declared) if declared else b""
+        return parse_header(prefix + raw, size, where)
+
+    def download_to_cache(self, revision: str, path: str) -> Path:
+        """`path` of `revision` into the Hugging Face cache (or found there), as a later
+        `vllm serve` or `hf download` would find it."""
+        with hub_errors(f"Downloading {path} of {self.repo_id}", self.repo_id, self.endpoint):
+            local = hf_hub_download(
+                self.repo_id,
+                path,
+                revision=revision,
+                endpoint=self.endpoint,
+                token=self.token,
+                tqdm_class=tqdm if self.progress else _Silent,
+            )
+        return Path(local)
 
     def download(self, commit: str, path: str, folder: Path, *, again: bool = False) -> Path:
         """`path` of `commit` into `folder` (huggingface_hub resumes a cut transfer there).

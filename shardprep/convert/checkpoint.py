@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardprep.constants import (
     CHUNK_BYTES,
@@ -14,10 +14,13 @@ from shardprep.constants import (
     MAX_JSON_BYTES,
     MAX_SIDE_FILE_BYTES,
 )
-from shardprep.errors import ConfigError, CorruptFileError, HubError, printable, summarize
+from shardprep.errors import ConfigError, CorruptFileError, printable, summarize
 from shardprep.format import jsonio
-from shardprep.format.headers import TensorInfo, read_header
+from shardprep.format.headers import Header, TensorInfo, read_header
 from shardprep.plan import archs
+
+if TYPE_CHECKING:
+    from shardprep.hub_client import Remote
 
 INDEX_NAME = "model.safetensors.index.json"
 # Where `hf download --local-dir` keeps what it knows of each file it fetched.
@@ -42,7 +45,11 @@ class Checkpoint:
     files: tuple[str, ...]
     repo_id: str | None = None
     revision: str | None = None
-    known_sha256: dict[str, str] | None = None  # from the Hub, when fetched from it
+    known_sha256: dict[str, str] | None = None  # what the Hub states, for a Hub source
+    # A Hub source planned from its metadata: each file's size as the Hub lists it (a
+    # file arrives under `root` only once it is downloaded) and where to fetch it.
+    sizes: dict[str, int] | None = None
+    remote: Remote | None = None
     # Tensors read from a side file rather than a safetensors file (a draft's mask
     # embedding): name -> raw bytes, described by `tensors[name]` with offset 0.
     side_tensors: dict[str, bytes] = field(default_factory=dict)
@@ -53,59 +60,65 @@ class Checkpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: t.info.shape for name, t in self.tensors.items()}
 
+    def size(self, file: str) -> int:
+        if self.sizes is not None and file in self.sizes:
+            return self.sizes[file]
+        return (self.root / file).stat().st_size
 
-def resolve_model(
-    model: str, revision: str | None = None, progress: bool = True
-) -> tuple[Path, str | None, str | None]:
-    """A local folder as it is, or a Hub repo id downloaded with huggingface_hub."""
+    def read(self, file: str, offset: int, length: int) -> bytes:
+        """Bytes of a source file: from the folder, or by range request from the Hub for
+        a file not downloaded yet."""
+        path = self.root / file
+        if self.remote is not None and self.revision is not None and not path.exists():
+            return self.remote.read_range(self.revision, file, offset, length)
+        with open(path, "rb") as handle:
+            return os.pread(handle.fileno(), length, offset)
+
+
+def is_repo_id_shape(model: str) -> bool:
+    """Whether `model`, which is not a folder here, reads as a Hub repo id (org/name)."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path, None, None
-    if path.exists() or model.count("/") != 1 or model.startswith((".", "/")):
+    return not path.exists() and model.count("/") == 1 and not model.startswith((".", "/", "~"))
+
+
+def resolve_model(model: str) -> Path:
+    """A local model folder; anything else is refused (a Hub repo id is opened by
+    `hub_source.open_source`)."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
         raise ConfigError(f"{model} is neither a model folder nor a Hugging Face repo id")
-    from huggingface_hub import snapshot_download
-
-    from shardprep.hub_client import hub_errors
-    from shardprep.progress import Progress, Silent
-
-    try:
-        with hub_errors(f"Downloading {model}", model, None):
-            local = snapshot_download(
-                model,
-                revision=revision,
-                allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
-                tqdm_class=Progress if progress else Silent,
-            )
-    except HubError:
-        raise
-    except OSError as exc:
-        raise ConfigError(
-            f"could not download {model} from the Hugging Face Hub: {printable(exc, 300)}"
-        ) from None
-    return Path(local), model, revision
+    return path
 
 
-def open_checkpoint(model: str, revision: str | None = None, progress: bool = True) -> Checkpoint:
-    root, repo_id, revision = resolve_model(model, revision, progress)
+def open_checkpoint(
+    model: str | Path, repo_id: str | None = None, revision: str | None = None
+) -> Checkpoint:
+    """A model folder (a Hugging Face cache snapshot of `repo_id`@`revision`, if given)."""
+    root = resolve_model(str(model))
     _require_utf8(str(root.resolve()), "folder", root)
     config = dict(archs.read_config(load_config(root)))
     files = _weight_files(root)
     copied = {p.name for pattern in COPIED_FILE_PATTERNS for p in root.glob(pattern)}
     for name in sorted({*files, *copied}):
         _require_utf8(name, "file", root / name)
+    tensors = collect_tensors(root, [(file, read_header(root / file)) for file in files])
+    check_index(root, tensors)
+    return Checkpoint(root, config, tensors, tuple(files), repo_id, revision)
+
+
+def collect_tensors(root: Path | str, headers: list[tuple[str, Header]]) -> dict[str, SourceTensor]:
+    """Every tensor of the files' headers, by name; a name in two files is refused."""
     tensors: dict[str, SourceTensor] = {}
-    for file in files:
-        header = read_header(root / file)
+    for file, header in headers:
         for name, info in header.tensors.items():
             if name in tensors:
                 raise CorruptFileError(
                     f"tensor {name} appears in both {tensors[name].file} and {file} of {root}; "
                     "remove the duplicate file",
-                    path=str(root / file),
+                    path=f"{root}/{file}",
                 )
             tensors[name] = SourceTensor(name, file, info)
-    _check_index(root, tensors)
-    return Checkpoint(root, config, tensors, tuple(files), repo_id, revision)
+    return tensors
 
 
 def _require_utf8(name: str, what: str, path: Path) -> None:
@@ -151,7 +164,7 @@ def load_config(root: Path) -> dict[str, Any]:
 def _weight_files(root: Path) -> list[str]:
     index = root / INDEX_NAME
     if index.is_file():
-        weight_map = _read_index(index)
+        weight_map = read_index(index)
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (root / f).exists()]
         for file in files:
@@ -173,7 +186,7 @@ def _weight_files(root: Path) -> list[str]:
     return files
 
 
-def _read_index(index: Path) -> dict[str, str]:
+def read_index(index: Path) -> dict[str, str]:
     size = index.stat().st_size
     if size > MAX_JSON_BYTES:
         raise ConfigError(
@@ -219,11 +232,11 @@ def _is_weight_file_name(file: str) -> bool:
     )
 
 
-def _check_index(root: Path, tensors: dict[str, SourceTensor]) -> None:
+def check_index(root: Path, tensors: dict[str, SourceTensor]) -> None:
     index = root / INDEX_NAME
     if not index.is_file():
         return
-    weight_map = _read_index(index)
+    weight_map = read_index(index)
     absent = [
         name
         for name, file in weight_map.items()
@@ -259,7 +272,10 @@ class KnownSha256:
 
 def known_sha256(checkpoint: Checkpoint, file: str) -> KnownSha256 | None:
     """The sha256 of a source file, known without reading it: a Hugging Face cache blob's
-    name, or what `hf download --local-dir` recorded when it fetched the file."""
+    name, what `hf download --local-dir` recorded when it fetched the file, or (for a Hub
+    source) what the Hub states, which a download is checked against on arrival."""
+    if checkpoint.known_sha256 and file in checkpoint.known_sha256:
+        return KnownSha256(checkpoint.known_sha256[file], "the sha256 the Hub states")
     blob = cached_hub_sha256(checkpoint, file)
     if blob is not None:
         return KnownSha256(blob, "the sha256 its Hugging Face cache blob is named by")
@@ -321,17 +337,16 @@ def load_side_file(path: Path) -> Any:
 
 
 def same_bytes(a: Checkpoint, a_name: str, b: Checkpoint, b_name: str) -> bool:
-    """Whether two source tensors hold the same dtype, shape and bytes (read in chunks)."""
+    """Whether two source tensors hold the same dtype, shape and bytes (read in chunks;
+    by range request for a Hub source's file not downloaded yet)."""
     first, second = a.tensors[a_name], b.tensors[b_name]
     if (first.info.dtype, first.info.shape) != (second.info.dtype, second.info.shape):
         return False
-    with open(a.root / first.file, "rb") as f, open(b.root / second.file, "rb") as g:
-        f.seek(first.info.offset)
-        g.seek(second.info.offset)
-        left = first.info.nbytes
-        while left:
-            step = min(left, CHUNK_BYTES)
-            if f.read(step) != g.read(step):
-                return False
-            left -= step
+    done, total = 0, first.info.nbytes
+    while done < total:
+        step = min(total - done, CHUNK_BYTES)
+        left = a.read(first.file, first.info.offset + done, step)
+        if left != b.read(second.file, second.info.offset + done, step):
+            return False
+        done += step
     return True

@@ -156,7 +156,7 @@ def _source_differences(role: str, source: mf.Source, checkpoint: Checkpoint) ->
     if sorted(recorded) != sorted(checkpoint.files):
         return [f"{role} source files {sorted(recorded)[:3]}"]
     for name in checkpoint.files:
-        size = (checkpoint.root / name).stat().st_size
+        size = checkpoint.size(name)
         known = known_sha256(checkpoint, name)
         entry = recorded[name]
         if entry.bytes != size or (known and entry.sha256 and known.sha256 != entry.sha256):
@@ -171,11 +171,13 @@ def _hash_matches(path: Path, digest: str) -> bool:
 
 def fingerprint(plan: Plan, checkpoints: dict[str, Checkpoint]) -> str:
     """Changes whenever the plan (dtype, every tensor and file) or the sources' identity
-    changes: their folder or repo and revision, each file's size, time and known sha256."""
+    changes: their folder or repo and revision, each file's size, time and known sha256
+    (a Hub source's commit and sha256 name its bytes: no time, and a file of another stage
+    need not be here)."""
     stats = {
         f"{role}/{f}": [
-            (cp.root / f).stat().st_size,
-            (cp.root / f).stat().st_mtime_ns,
+            cp.size(f),
+            None if cp.remote else (cp.root / f).stat().st_mtime_ns,
             known.sha256 if (known := known_sha256(cp, f)) else None,
         ]
         for role, cp in checkpoints.items()

@@ -27,9 +27,9 @@ from shardprep.convert.checkpoint import (
     SourceTensor,
     known_sha256,
     load_side_file,
-    open_checkpoint,
     same_bytes,
 )
+from shardprep.convert.hub_source import Arrivals, fetch, open_source, start_fetch
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.scatter import write_rank_files
 from shardprep.errors import ShardprepError
@@ -49,6 +49,7 @@ class Options(ConversionRequest):
     """A conversion request, and how to execute it."""
 
     rehash_source: bool = False  # hash Hugging Face cache blobs instead of trusting their names
+    endpoint: str | None = None  # the Hub a repo id is read from (default: HF_ENDPOINT)
 
     def request(self, plan: Plan, draft_source: str | None) -> ConversionRequest:
         """What the manifest records: the options that shaped `plan`, the partition
@@ -71,14 +72,14 @@ def source_model(checkpoint: Checkpoint) -> SourceModel:
 def load_and_plan(
     model: str, options: Options, *, progress: bool = True
 ) -> tuple[Plan, dict[str, Checkpoint]]:
-    """Open the checkpoints (headers only; a Hub model is downloaded) and plan; nothing
-    is written."""
-    target = open_checkpoint(model, options.revision, progress)
+    """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
+    nothing is written."""
+    target = open_source(model, options.revision, endpoint=options.endpoint, progress=progress)
     checkpoints = {"target": target}
     method = options.draft_method
     notes: list[str] = []
     if options.draft:
-        draft = open_checkpoint(options.draft, progress=progress)
+        draft = open_source(options.draft, endpoint=options.endpoint, progress=progress)
         target_family = archs.target_family(target.config)[1].name
         method = method or archs.detect_draft_method(
             draft.config, sorted(draft.tensors), target_family
@@ -133,6 +134,14 @@ def distinct_copies(checkpoints: dict[str, Checkpoint], method: str | None) -> f
 def with_side_tensors(checkpoint: Checkpoint, family: archs.DraftFamily) -> Checkpoint:
     """The checkpoint plus the tensors its family reads from side files (held in memory:
     they are small, and safetensors is the only format shardprep reads by offset)."""
+    fetch(
+        checkpoint,
+        [
+            f
+            for f in family.side_tensor_files(checkpoint.config).values()
+            if f in (checkpoint.sizes or {})
+        ],
+    )
     found = {
         name: (file, family.side_tensor(name, load_side_file(path), checkpoint.config, str(path)))
         for name, file in family.side_tensor_files(checkpoint.config).items()
@@ -177,6 +186,7 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
         with outdir.locked(out):
             safefs.refuse_linked_folders(out, outdir.WRITTEN_FOLDERS)
             before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
+            arrivals = start_fetch(plan, checkpoints)
             try:
                 manifest = execute(
                     plan,
@@ -186,10 +196,13 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
                     progress=progress,
                     rehash_source=options.rehash_source,
                     request=options.request(plan, sources.get("draft")),
+                    arrivals=arrivals,
                 )
             except BaseException:
+                arrivals.close(wait=False)  # a transfer already running still ends
                 outdir.remove_incomplete(out)
                 raise
+            arrivals.close()
     except ShardprepError:
         raise
     except OSError as exc:
@@ -213,7 +226,10 @@ def execute(
     progress: bool = True,
     rehash_source: bool = False,
     request: ConversionRequest | None = None,
+    arrivals: Arrivals | None = None,
 ) -> mf.Manifest:
+    """`arrivals`: the Hub source files still downloading; each is waited for just
+    before it is read."""
     out = Path(out)
     journal = Journal.open(out, fingerprint(plan, checkpoints), plan, checkpoints)
     # The folder is shardprep's now: what an interrupted run of this or another plan left
@@ -223,8 +239,17 @@ def execute(
     done = journal.verified_files(out)
     todo = [f for f in plan.files if f.path not in done]
     source_hashes = write_rank_files(
-        plan, checkpoints, out, todo, journal, progress=progress, rehash_source=rehash_source
+        plan,
+        checkpoints,
+        out,
+        todo,
+        journal,
+        progress=progress,
+        rehash_source=rehash_source,
+        ready=arrivals.wait if arrivals else None,
     )
+    if arrivals is not None:
+        arrivals.finish()
     extra = [e for role, cp in checkpoints.items() for e in _copy_extras(cp, out, role)]
     manifest = _manifest(plan, checkpoints, sources, journal.done, source_hashes, extra)
     manifest = dataclasses.replace(manifest, request=request, plan_fingerprint=journal.fingerprint)
@@ -274,7 +299,7 @@ def _manifest(
             files=tuple(
                 mf.SourceFile(
                     f,
-                    (checkpoint.root / f).stat().st_size,
+                    checkpoint.size(f),
                     source_hashes.get((model.role, f)) or _known_sha256(checkpoint, f),
                 )
                 for f in checkpoint.files

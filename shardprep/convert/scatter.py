@@ -18,7 +18,7 @@ import hashlib
 import mmap
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,10 @@ def write_rank_files(
     *,
     progress: bool,
     rehash_source: bool = False,
+    ready: Callable[[Checkpoint, str], None] | None = None,
 ) -> dict[tuple[str, str], str]:
-    """Write every file of `todo`; returns the sha256 of each source file read whole."""
+    """Write every file of `todo`; returns the sha256 of each source file read whole.
+    `ready(checkpoint, file)` returns once a source file is here to be read."""
     files, writes = open_outputs(todo, out)
     full = plan.stages == tuple(range(plan.topology.pp))
     sources = _distinct(checkpoints)
@@ -62,6 +64,10 @@ def write_rank_files(
         reader = SourceReader(hashers[0])
         for roles, checkpoint in sources:
             for file in checkpoint.files:
+                if not full and not _feeds(checkpoint, roles, file, writes):
+                    continue  # a file of another stage: not read (a Hub source's not fetched)
+                if ready is not None:
+                    ready(checkpoint, file)
                 known = known_sha256(checkpoint, file) if full else None
                 hash_it = full and (known is None or rehash_source)
                 digest = _scatter_file(reader, mover, checkpoint, roles, file, writes, hash_it, bar)
@@ -112,6 +118,15 @@ def _targets(
     return [w for role in roles for w in writes.get((role, name), [])]
 
 
+def _feeds(
+    checkpoint: Checkpoint,
+    roles: tuple[str, ...],
+    file: str,
+    writes: dict[tuple[str, str], list[Write]],
+) -> bool:
+    return any(t.file == file and _targets(writes, roles, n) for n, t in checkpoint.tensors.items())
+
+
 def _bytes_to_read(
     checkpoint: Checkpoint,
     roles: tuple[str, ...],
@@ -119,7 +134,7 @@ def _bytes_to_read(
     full: bool,
 ) -> int:
     if full:
-        return sum((checkpoint.root / f).stat().st_size for f in checkpoint.files)
+        return sum(checkpoint.size(f) for f in checkpoint.files)
     return sum(t.info.nbytes for n, t in checkpoint.tensors.items() if _targets(writes, roles, n))
 
 

@@ -60,7 +60,7 @@ def read_header(path: Path) -> Header:
         raise _corrupt(path, "is not a regular file")
     with open(path, "rb") as f:
         prefix = f.read(8)
-        length = _header_length(path, prefix, info.st_size)
+        length = header_length(path, prefix, info.st_size)
         raw = f.read(length)
     return _parse(path, raw, length, info.st_size)
 
@@ -69,14 +69,15 @@ def parse_header(data: bytes, file_size: int | None = None, where: str = "header
     """The same checks as `read_header`, on bytes that start a file of `file_size` bytes
     (default: `data` is the whole file)."""
     file_size = len(data) if file_size is None else file_size
-    length = _header_length(where, data[:8], file_size)
+    length = header_length(where, data[:8], file_size)
     if len(data) < 8 + length:
         raise _corrupt(where, "is truncated inside its header")
     return _parse(where, data[8 : 8 + length], length, file_size)
 
 
-def _header_length(where: Path | str, prefix: bytes, file_size: int) -> int:
-    """The declared header length, refused before anything of that size is allocated."""
+def header_length(where: Path | str, prefix: bytes, file_size: int) -> int:
+    """The header length the first 8 bytes of a file of `file_size` bytes declare,
+    refused before anything of that size is allocated (or read over the network)."""
     if len(prefix) < 8 or file_size < 8:
         raise _corrupt(where, "is shorter than a safetensors header")
     (length,) = struct.unpack("<Q", prefix)

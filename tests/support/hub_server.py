@@ -14,7 +14,8 @@ Storage (under `storage_dir`, so a new server on the same folder sees the same r
 of a revision to its blob; `refs/<branch>` holds the branch head. Commit ids are 40-hex sha1s.
 Model repos only; repo ids are "org/name"; revisions are branch names or full commit ids.
 
-Test hooks: `corrupt_blob`, `cut_next_download`, `downloads`, `download_ranges`, `requests`.
+Test hooks: `corrupt_blob`, `cut_next_download`, `downloads`, `download_ranges`, `bytes_served`,
+`requests`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 import re
 import socket
 import threading
+import time
 import traceback
 import uuid
 from collections import defaultdict
@@ -340,6 +342,7 @@ class _FileSlice:
     start: int
     length: int
     cut_after: int | None = None
+    count_as: tuple[str, str] | None = None  # (repo, path) whose served bytes this adds to
 
 
 @dataclass
@@ -456,6 +459,8 @@ class _Handler(BaseHTTPRequestHandler):
                 chunk = blob.read(min(IO_CHUNK, remaining))
                 self.wfile.write(chunk)
                 remaining -= len(chunk)
+                if part.count_as is not None:
+                    self.server.hub._count_served(part.count_as, len(chunk))
         if part.cut_after is not None:
             self.wfile.flush()
             self.close_connection = True  # the advertised Content-Length is never reached
@@ -468,13 +473,27 @@ class _Handler(BaseHTTPRequestHandler):
 class HubServer:
     """A Hub-compatible HTTP server on 127.0.0.1 (free port), serving in a daemon thread."""
 
-    def __init__(self, storage_dir: Path | str, *, tree_page_size: int = 1000) -> None:
+    def __init__(
+        self,
+        storage_dir: Path | str,
+        *,
+        tree_page_size: int = 1000,
+        ignore_ranges: bool = False,
+        bandwidth: float | None = None,
+    ) -> None:
+        """`ignore_ranges`: answer every GET with the whole file (200), as a server that
+        does not support range requests does. `bandwidth`: bytes per second that every
+        file body sent, all connections together, is held to (for benchmarks)."""
         self._store = _Store(Path(storage_dir))
         self._tree_page_size = tree_page_size
+        self._ignore_ranges = ignore_ranges
+        self._bandwidth = bandwidth
+        self._sent_until = 0.0  # when the bytes sent so far may have been sent, at `bandwidth`
         self._lock = threading.Lock()
         self._requests: list[tuple[str, str]] = []
         self._ranges: dict[tuple[str, str], list[str | None]] = defaultdict(list)
         self._cuts: dict[tuple[str, str], int] = {}
+        self._served: dict[tuple[str, str], int] = defaultdict(int)
         self._http: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -534,8 +553,23 @@ class HubServer:
         with self._lock:
             return list(self._ranges.get((repo_id, path), []))
 
+    def bytes_served(self, repo_id: str, path: str) -> int:
+        """Body bytes sent for this file by GETs of `/resolve/` so far (any revision)."""
+        with self._lock:
+            return self._served.get((repo_id, path), 0)
+
+    def _count_served(self, key: tuple[str, str], count: int) -> None:
+        with self._lock:
+            self._served[key] += count
+            if self._bandwidth is None:
+                return
+            self._sent_until = max(self._sent_until, time.monotonic()) + count / self._bandwidth
+            until = self._sent_until
+        time.sleep(max(0.0, until - time.monotonic()))
+
     def cut_next_download(self, repo_id: str, path: str, after_bytes: int) -> None:
-        """The next GET of this file sends `after_bytes` bytes of its body, then hangs up."""
+        """The next GET of this file asking for more than `after_bytes` bytes sends
+        `after_bytes` bytes of its body, then hangs up."""
         with self._lock:
             self._cuts[(repo_id, path)] = after_bytes
 
@@ -777,21 +811,31 @@ class HubServer:
         blob = self._store.blob_path(entry.sha256)
         if request.method == "HEAD":
             return _Response(headers=headers, file=_FileSlice(blob, 0, entry.size))
-        cut_after = self._note_download(repo_id, path, request.headers.get("Range"))
-        byte_range = _byte_range(request.headers.get("Range"), entry.size)
+        byte_range = (
+            None if self._ignore_ranges else _byte_range(request.headers.get("Range"), entry.size)
+        )
+        length = entry.size if byte_range is None else byte_range[1] - byte_range[0] + 1
+        cut_after = self._note_download(repo_id, path, request.headers.get("Range"), length)
+        key = (repo_id, path)
         if byte_range is None:
-            return _Response(headers=headers, file=_FileSlice(blob, 0, entry.size, cut_after))
+            body = _FileSlice(blob, 0, entry.size, cut_after, key)
+            return _Response(headers=headers, file=body)
         start, end = byte_range
         headers["Content-Range"] = f"bytes {start}-{end}/{entry.size}"
-        return _Response(
-            206, headers=headers, file=_FileSlice(blob, start, end - start + 1, cut_after)
-        )
+        body = _FileSlice(blob, start, end - start + 1, cut_after, key)
+        return _Response(206, headers=headers, file=body)
 
-    def _note_download(self, repo_id: str, path: str, range_header: str | None) -> int | None:
-        """Count this GET; return the byte count to cut it after, if a cut was armed."""
+    def _note_download(
+        self, repo_id: str, path: str, range_header: str | None, length: int
+    ) -> int | None:
+        """Count this GET; return the byte count to cut it after, if a cut was armed for a
+        GET longer than that (a short range read, e.g. of a header, leaves it armed)."""
         with self._lock:
             self._ranges[(repo_id, path)].append(range_header)
-            return self._cuts.pop((repo_id, path), None)
+            cut = self._cuts.get((repo_id, path))
+            if cut is None or length <= cut:
+                return None
+            return self._cuts.pop((repo_id, path))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,252 @@
+"""A Hugging Face Hub repo as a source checkpoint: planned from its metadata alone, then
+only the files the plan reads are downloaded.
+
+The revision is resolved once to a commit, which the manifest records. The commit's file
+list gives each file's size and the sha256 the Hub states; config.json and the index are
+downloaded into the Hugging Face cache, and each safetensors header is read by two range
+requests and checked by the strict parser, so `plan` downloads no tensor byte. The
+checkpoint's folder is the cache snapshot of that commit: a weight file appears there once
+`start_fetch` has downloaded it (in parallel, its sha256 checked on arrival, while the
+files before it are converted), where a
+later `vllm serve` or `hf download` finds it too. With HF_HUB_OFFLINE=1 the cache snapshot
+is read as a model folder, or the one error line says what it lacks.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from shardprep import hub_client
+from shardprep.constants import COPIED_FILE_PATTERNS
+from shardprep.convert.checkpoint import (
+    INDEX_NAME,
+    Checkpoint,
+    check_index,
+    collect_tensors,
+    is_repo_id_shape,
+    load_config,
+    open_checkpoint,
+    read_index,
+)
+from shardprep.errors import ConfigError, CorruptFileError, summarize
+from shardprep.format.headers import sha256_file
+from shardprep.plan import archs
+from shardprep.plan.records import Plan
+
+HEADER_WORKERS = 8
+# Few at a time, so that files arrive one after another in the order they are converted
+# (with more, a shared link makes them all arrive at the end); see BENCHMARKS.md.
+DOWNLOAD_WORKERS = 2
+
+
+def open_source(
+    model: str, revision: str | None = None, *, endpoint: str | None = None, progress: bool = True
+) -> Checkpoint:
+    """A model folder as it is, or a Hub repo id planned from its metadata."""
+    if Path(model).expanduser().is_dir():
+        return open_checkpoint(model)
+    if not is_repo_id_shape(model):
+        raise ConfigError(f"{model} is neither a model folder nor a Hugging Face repo id")
+    hub_client.check_repo_id(model)
+    if hub_client.is_offline():
+        return _offline(model, revision)
+    remote = hub_client.Remote(model, endpoint, progress=progress)
+    return open_hub_checkpoint(remote, revision or "main")
+
+
+def open_hub_checkpoint(remote: hub_client.Remote, revision: str) -> Checkpoint:
+    commit = remote.resolve(revision)
+    where = f"{remote.repo_id}@{commit[:12]}"
+    listing = remote.list_files(commit)
+    if "config.json" not in listing:
+        raise ConfigError(
+            f"{where} has no config.json; point shardprep at a Hugging Face model repo"
+        )
+    # By the revision as given, so that the cache records which commit it names (as
+    # huggingface_hub does) and an offline run or `vllm serve` finds the snapshot.
+    root = remote.download_to_cache(revision, "config.json").parent
+    if root.name != commit:
+        raise ConfigError(
+            f"{remote.repo_id}@{revision} moved from {commit[:12]} to {root.name[:12]} while "
+            "shardprep read it; run again, or pin a commit with --revision"
+        )
+    config = dict(archs.read_config(load_config(root)))
+    files = _weight_files(remote, commit, listing, root)
+    with ThreadPoolExecutor(HEADER_WORKERS, thread_name_prefix="header") as pool:
+        headers = list(
+            pool.map(lambda f: (f, remote.read_header(commit, f, listing[f].size)), files)
+        )
+    tensors = collect_tensors(where, headers)
+    check_index(root, tensors)
+    return Checkpoint(
+        root,
+        config,
+        tensors,
+        tuple(files),
+        remote.repo_id,
+        commit,
+        known_sha256={p: f.sha256 for p, f in listing.items() if f.sha256},
+        sizes={p: f.size for p, f in listing.items()},
+        remote=remote,
+    )
+
+
+def _weight_files(
+    remote: hub_client.Remote, commit: str, listing: dict[str, hub_client.RemoteFile], root: Path
+) -> list[str]:
+    where = f"{remote.repo_id}@{commit[:12]}"
+    if INDEX_NAME in listing:
+        remote.download_to_cache(commit, INDEX_NAME)
+        files = sorted(set(read_index(root / INDEX_NAME).values()))
+        missing = [f for f in files if f not in listing]
+        if missing:
+            raise ConfigError(
+                f"{INDEX_NAME} of {where} names {summarize(missing)}, which the repo does not "
+                "hold; its upload is incomplete: pick another revision (--revision)"
+            )
+        return files
+    files = sorted(p for p in listing if p.endswith(".safetensors") and "/" not in p)
+    if not files:
+        raise ConfigError(
+            f"{where} holds no *.safetensors files; shardprep reads safetensors checkpoints only"
+        )
+    return files
+
+
+def _offline(repo_id: str, revision: str | None) -> Checkpoint:
+    """The Hugging Face cache's snapshot of the revision, which must hold every weight
+    file: the headers of the others cannot be read without the Hub."""
+    from huggingface_hub import snapshot_download
+
+    asked = f"{repo_id}@{revision or 'main'}"
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except Exception:  # the client's "not in the cache" errors differ by version
+        raise ConfigError(
+            f"HF_HUB_OFFLINE is set and {asked} is not in the Hugging Face cache; unset "
+            "HF_HUB_OFFLINE to read it from the Hub, or pass a model folder"
+        ) from None
+    index = folder / INDEX_NAME
+    if index.is_file():
+        missing = [f for f in sorted(set(read_index(index).values())) if not (folder / f).exists()]
+        if missing:
+            raise ConfigError(
+                f"HF_HUB_OFFLINE is set and the Hugging Face cache holds only part of {asked} "
+                f"(not {summarize(missing)}); unset HF_HUB_OFFLINE so that shardprep reads "
+                "their headers from the Hub"
+            )
+    return open_checkpoint(folder, repo_id, folder.name)
+
+
+def files_for_plan(plan: Plan, checkpoint: Checkpoint, roles: Iterable[str]) -> list[str]:
+    """The source files of `checkpoint` that hold a tensor the plan writes for `roles`:
+    every file when the plan covers every stage (a full convert hashes them all)."""
+    roles = set(roles)
+    if plan.stages == tuple(range(plan.topology.pp)):
+        return list(checkpoint.files)
+    wanted = {
+        checkpoint.tensors[block.source].file
+        for file in plan.files
+        if file.role in roles
+        for tensor in file.tensors
+        for block in tensor.blocks
+        if block.source is not None and block.source not in checkpoint.side_tensors
+    }
+    return sorted(wanted)
+
+
+class Arrivals:
+    """Downloads of a Hub source's files in flight, several at a time, in the order they
+    were asked for: the converter waits for each file just before it reads it, so that
+    converting overlaps downloading. Closing cancels what has not started."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(DOWNLOAD_WORKERS, thread_name_prefix="source")
+        self._futures: dict[tuple[int, str], Future[None]] = {}
+
+    def submit(self, checkpoint: Checkpoint, files: Iterable[str]) -> None:
+        remote, commit = checkpoint.remote, checkpoint.revision
+        if remote is None or commit is None:
+            return
+        for file in files:
+            key = (id(checkpoint), file)
+            if key not in self._futures:
+                self._futures[key] = self._pool.submit(_arrive, checkpoint, remote, commit, file)
+
+    def wait(self, checkpoint: Checkpoint, file: str) -> None:
+        """Until `file` of `checkpoint` is here (at once for a local source)."""
+        future = self._futures.get((id(checkpoint), file))
+        if future is not None:
+            future.result()
+
+    def finish(self) -> None:
+        """Until every download asked for is done; the first failure is raised."""
+        pending = list(self._futures.values())
+        done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+        for future in done:
+            if future.exception() is not None:
+                future.result()
+        for future in pending:
+            future.result()
+
+    def close(self, *, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
+def start_fetch(plan: Plan, checkpoints: dict[str, Checkpoint]) -> Arrivals:
+    """Start downloading what the plan reads of each Hub source, and the files copied
+    beside the rank files (first: they are small), in the order the converter reads."""
+    distinct: dict[int, tuple[list[str], Checkpoint]] = {}
+    for role, checkpoint in checkpoints.items():
+        roles, _ = distinct.get(id(checkpoint), ([], checkpoint))
+        distinct[id(checkpoint)] = ([*roles, role], checkpoint)
+    arrivals = Arrivals()
+    for _, checkpoint in distinct.values():
+        arrivals.submit(checkpoint, _copied_files(checkpoint))
+    for roles, checkpoint in distinct.values():
+        arrivals.submit(checkpoint, files_for_plan(plan, checkpoint, roles))
+    return arrivals
+
+
+def _copied_files(checkpoint: Checkpoint) -> list[str]:
+    return sorted(
+        path
+        for path in checkpoint.sizes or {}
+        if "/" not in path and any(fnmatch.fnmatch(path, p) for p in COPIED_FILE_PATTERNS)
+    )
+
+
+def fetch(checkpoint: Checkpoint, files: Iterable[str]) -> None:
+    """Download `files` of a Hub source into the Hugging Face cache and wait for them."""
+    arrivals = Arrivals()
+    try:
+        arrivals.submit(checkpoint, files)
+        arrivals.finish()
+    finally:
+        arrivals.close()
+
+
+def _arrive(checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file: str) -> None:
+    """Download one file (huggingface_hub finds it in the cache, or resumes a cut
+    transfer). A file that arrives, rather than being found, is hashed and must have the
+    sha256 the Hub states; one that does not is removed from the cache and refused."""
+    fresh = not (checkpoint.root / file).exists()
+    path = remote.download_to_cache(commit, file)
+    expected = (checkpoint.known_sha256 or {}).get(file)
+    if not fresh or expected is None:
+        return
+    found = sha256_file(path)
+    if found == expected:
+        return
+    blob = path.resolve()
+    path.unlink(missing_ok=True)
+    blob.unlink(missing_ok=True)
+    raise CorruptFileError(
+        f"{remote.repo_id}@{commit[:12]}: {file} arrived with sha256 {found}, not the "
+        f"{expected} the Hub states; it was removed from the Hugging Face cache and nothing "
+        "was converted: run again, and if it fails again the repo's copy is damaged",
+        path=str(path),
+    )

@@ -1,0 +1,239 @@
+"""A Hub repo id as the source of `plan` and `convert`, through the test Hub
+(tests/support/hub_server.py) and the real huggingface_hub client: `plan` reads headers by
+range request only, a one-stage convert downloads only the files holding its tensors (into
+the Hugging Face cache, each checked against the sha256 the Hub states), and its rank files
+equal a full convert's.
+
+The test model's stages live in different files: embeddings and layers 0-1 in the first,
+layers 2-3 in the second, the final norm and lm_head in the third, so stage 1 of pp=2 needs
+the second and third only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hub_server import HubServer
+from huggingface_hub import HfApi, try_to_load_from_cache
+from safetensors.torch import load_file, save_file
+
+from shardprep.constants import MANIFEST_NAME, MAX_HEADER_BYTES
+from shardprep.convert.run import Options, convert, load_and_plan
+from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
+from shardprep.errors import ConfigError, CorruptFileError, HubError
+
+# The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
+pytestmark = [
+    pytest.mark.usefixtures("hf_client_env"),
+    pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning"),
+]
+
+REPO = "shardprep-test/by-stage"
+DRAFT = "shardprep-test/by-stage-eagle3"
+FIRST, SECOND, THIRD = (f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3))
+WEIGHTS = (FIRST, SECOND, THIRD)
+HEADER_LIMIT = 4096  # bytes of a file `plan` may read: its header, nothing of its tensors
+
+
+def _file_of(name: str) -> str:
+    if name.startswith("model.layers."):
+        return FIRST if int(name.split(".")[2]) < 2 else SECOND
+    return FIRST if "embed_tokens" in name else THIRD
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = make_tiny_model(tmp_path_factory.mktemp("by-stage") / "model", torch_dtype="bfloat16")
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    weight_map = {name: _file_of(name) for name in sorted(tensors)}
+    for file in WEIGHTS:
+        part = {n: t for n, t in tensors.items() if weight_map[n] == file}
+        save_file(part, folder / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.fixture
+def repo(hub: HubServer, model: Path) -> str:
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo(REPO)
+    api.upload_folder(repo_id=REPO, folder_path=model)
+    return hub.head(REPO)
+
+
+def _options(hub: HubServer, **more: object) -> Options:
+    return Options(tp=2, pp=2, endpoint=hub.endpoint, **more)  # type: ignore[arg-type]
+
+
+def _shards(out: Path, stage: int) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "shards").glob(f"model-pp-{stage}-*"))}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_plan_reads_headers_by_range_only(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    plan, checkpoints = load_and_plan(REPO, _options(hub), progress=False)
+    for file in WEIGHTS:
+        served = hub.bytes_served(REPO, file)
+        assert 8 < served <= HEADER_LIMIT, (file, served)
+        assert hub.download_ranges(REPO, file) and all(hub.download_ranges(REPO, file)), file
+    assert checkpoints["target"].revision == repo  # "main", resolved once to its commit
+    local, _ = load_and_plan(str(model), Options(tp=2, pp=2), progress=False)
+    assert plan == local
+    # The same through the command line, reading the endpoint and token from the environment.
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "cli-home")}
+    command = [sys.executable, "-m", "shardprep.cli", "plan", REPO, "--tp", "2", "--pp", "2"]
+    result = subprocess.run(
+        [*command, "--revision", repo, "--json", "--quiet"],
+        capture_output=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert json.loads(result.stdout)["models"], result.stdout
+    assert all(hub.bytes_served(REPO, f) <= 2 * HEADER_LIMIT for f in WEIGHTS)
+
+
+def test_one_stage_downloads_only_its_files(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    stage = convert(REPO, tmp_path / "stage1", _options(hub, stage=1), progress=False)
+    assert hub.bytes_served(REPO, FIRST) <= HEADER_LIMIT  # stage 0's file: its header only
+    for file in (SECOND, THIRD):
+        assert hub.bytes_served(REPO, file) <= HEADER_LIMIT + (model / file).stat().st_size
+        cached = try_to_load_from_cache(REPO, file, revision=repo)
+        assert isinstance(cached, str) and Path(cached).read_bytes() == (model / file).read_bytes()
+    assert try_to_load_from_cache(REPO, FIRST, revision=repo) is None
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2), progress=False)
+    assert _shards(tmp_path / "stage1", 1) == _shards(full, 1) and _shards(full, 1)
+    source = stage.model("target").source
+    assert (source.repo_id, source.revision) == (REPO, repo)
+    assert [(f.path, f.bytes, f.sha256) for f in source.files] == [
+        (f, (model / f).stat().st_size, _sha256(model / f)) for f in WEIGHTS
+    ]
+    # A full convert from the Hub downloads the rest once and equals the local one.
+    from_hub = convert(REPO, tmp_path / "hub-full", _options(hub), progress=False)
+    assert _shards(tmp_path / "hub-full", 0) == _shards(full, 0)
+    assert _shards(tmp_path / "hub-full", 1) == _shards(full, 1)
+    assert from_hub.model("target").source.files == source.files
+    assert hub.downloads(REPO, SECOND) == len(hub.download_ranges(REPO, SECOND))
+
+
+def test_a_wrong_sha256_is_refused_then_a_rerun_converts(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    hub.corrupt_blob(REPO, SECOND)
+    with pytest.raises(CorruptFileError) as refused:
+        convert(REPO, out, _options(hub, stage=1), progress=False)
+    message = str(refused.value)
+    assert "\n" not in message and SECOND in message and "the Hub states" in message
+    assert not (out / MANIFEST_NAME).exists() and not list(out.glob("shards/*"))
+    assert try_to_load_from_cache(REPO, SECOND, revision=repo) is None
+    hub.corrupt_blob(REPO, SECOND)  # the same byte flipped back
+    convert(REPO, out, _options(hub, stage=1), progress=False)
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
+    assert _shards(out, 1) == _shards(full, 1)
+
+
+def test_a_cut_download_resumes_with_identical_bytes(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    size = (model / SECOND).stat().st_size
+    hub.cut_next_download(REPO, SECOND, size // 2)
+    convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
+    # The client asked again (from the last whole chunk it had kept: here, the start).
+    bodies = [r for r in hub.download_ranges(REPO, SECOND) if r is None or r.endswith("-")]
+    assert len(bodies) == 2, hub.download_ranges(REPO, SECOND)
+    cached = try_to_load_from_cache(REPO, SECOND, revision=repo)
+    assert isinstance(cached, str) and Path(cached).read_bytes() == (model / SECOND).read_bytes()
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
+    assert _shards(tmp_path / "out", 1) == _shards(full, 1)
+
+
+def test_offline_reads_the_cache_or_says_what_it_lacks(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+
+    convert(REPO, tmp_path / "stage1", _options(hub, stage=1), progress=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError) as partial:
+        load_and_plan(REPO, _options(hub), progress=False)
+    assert "HF_HUB_OFFLINE" in str(partial.value) and FIRST in str(partial.value)
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
+        load_and_plan("shardprep-test/never-fetched", _options(hub), progress=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    convert(REPO, tmp_path / "full", _options(hub), progress=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    offline, checkpoints = load_and_plan(REPO, _options(hub), progress=False)
+    assert checkpoints["target"].revision == repo
+    assert offline == load_and_plan(str(model), Options(tp=2, pp=2), progress=False)[0]
+
+
+def test_a_draft_repo_is_fetched_only_for_the_last_stage(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    draft = make_tiny_draft(tmp_path / "draft", model, "eagle3")
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo(DRAFT)
+    api.upload_folder(repo_id=DRAFT, folder_path=draft)
+    weights = sorted(p.name for p in draft.glob("*.safetensors"))
+    convert(REPO, tmp_path / "stage0", _options(hub, stage=0, draft=DRAFT), progress=False)
+    assert weights and all(hub.bytes_served(DRAFT, f) <= HEADER_LIMIT for f in weights)
+    assert hub.bytes_served(REPO, THIRD) <= HEADER_LIMIT
+    stage1 = convert(REPO, tmp_path / "stage1", _options(hub, stage=1, draft=DRAFT), progress=False)
+    assert all(hub.bytes_served(DRAFT, f) > HEADER_LIMIT for f in weights)
+    local = tmp_path / "local"
+    convert(str(model), local, Options(tp=2, pp=2, stage=1, draft=str(draft)), progress=False)
+    drafted = sorted((local / "draft" / "shards").iterdir())
+    assert drafted and [p.read_bytes() for p in drafted] == [
+        (tmp_path / "stage1" / "draft" / "shards" / p.name).read_bytes() for p in drafted
+    ]
+    assert _shards(tmp_path / "stage1", 1) == _shards(local, 1)
+    assert stage1.model("draft").source.repo_id == DRAFT
+
+
+def test_a_server_without_ranges_is_one_line(model: Path, tmp_path: Path) -> None:
+    with HubServer(tmp_path / "hub_storage", ignore_ranges=True) as plain:
+        api = HfApi(endpoint=plain.endpoint)
+        api.create_repo(REPO)
+        api.upload_folder(repo_id=REPO, folder_path=model)
+        with pytest.raises(HubError) as refused:
+            load_and_plan(REPO, Options(tp=2, pp=2, endpoint=plain.endpoint), progress=False)
+    message = str(refused.value)
+    assert "\n" not in message and "did not answer a range request" in message, message
+
+
+def test_a_header_too_large_is_refused_before_it_is_read(
+    hub: HubServer, model: Path, tmp_path: Path
+) -> None:
+    hostile = tmp_path / "hostile"
+    shutil.copytree(model, hostile)
+    data = bytearray((hostile / SECOND).read_bytes())
+    data[:8] = struct.pack("<Q", MAX_HEADER_BYTES + 1)
+    (hostile / SECOND).write_bytes(data)
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo(REPO)
+    api.upload_folder(repo_id=REPO, folder_path=hostile)
+    with pytest.raises(CorruptFileError, match="over the .* limit"):
+        load_and_plan(REPO, _options(hub), progress=False)
+    assert hub.download_ranges(REPO, SECOND) == ["bytes=0-7"]
