@@ -49,6 +49,7 @@ class ScaleEntry:
     cut: str
     block: tuple[int, int]
     grid: tuple[int, int] | None = None
+    heads: int = 0  # KV heads, for a weight cut kv_heads
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,8 @@ def piece_json(piece: dict[str, Any]) -> list[Any]:
         extra["expert"] = piece["expert"]
     if extra.get("scale_of") and extra["scale_of"]["grid"] is None:
         del extra["scale_of"]["grid"]
+    if extra.get("scale_of") and not extra["scale_of"].get("heads"):
+        extra["scale_of"].pop("heads", None)
     return [piece["source"], piece["cut"], *([extra] if extra else [])]
 
 
@@ -230,7 +233,8 @@ def piece_of_json(value: list[Any]) -> PieceEntry:
     scale = None
     if of is not None:
         grid = tuple(of["grid"]) if of.get("grid") is not None else None
-        scale = ScaleEntry(tuple(of["shape"]), of["cut"], tuple(of["block"]), grid)  # type: ignore[arg-type]
+        shape, block = tuple(of["shape"]), tuple(of["block"])
+        scale = ScaleEntry(shape, of["cut"], block, grid, of.get("heads", 0))  # type: ignore[arg-type]
     return PieceEntry(value[0], value[1], extra.get("heads", 0), extra.get("expert"), scale)
 
 

@@ -168,11 +168,12 @@ _SCALE = _object(
     "ScaleEntry",
     {
         "shape": _two,
-        "cut": _enum("replicate", "rows", "cols"),
+        "cut": _enum("replicate", "rows", "cols", "kv_heads"),
         "block": _two,
         "grid": _nullable(_two),
+        "heads": _integer(1),
     },
-    optional=frozenset({"grid"}),
+    optional=frozenset({"grid", "heads"}),
 )
 _PIECE_EXTRA = _object(
     "PieceEntry",

@@ -292,7 +292,7 @@ def _piece(p: PieceEntry) -> Piece:
     from shardprep.plan.layout import Cut, Piece, ScaleOf
 
     of = p.scale_of
-    scale = of and ScaleOf(of.shape, Cut(of.cut), of.block, of.grid)
+    scale = of and ScaleOf(of.shape, Cut(of.cut), of.block, of.grid, of.heads)
     return Piece(p.source, Cut(p.cut), p.heads, p.expert, scale)
 
 
