@@ -124,7 +124,8 @@ class ShardedFastLoader(BaseModelLoader):
             check_served(artifact, manifest, place.tp_size, place.pp_size)
             load_regrouped(
                 artifact, manifest, entry, model, place, verify=self.options.verify,
-                family=draft_family(manifest, entry), may_lack=_may_lack(manifest, entry),
+                family=draft_family(manifest, entry),
+                may_lack=_may_lack(manifest, entry, model),
             )  # fmt: skip
             logger.info("shardprep loaded %s in %.2f s", artifact, time.perf_counter() - started)
             return
