@@ -19,7 +19,7 @@ from shardprep.plan.archs.base import Param
 from shardprep.plan.layout import Block, Piece
 from shardprep.plan.make import tensor_plan
 from shardprep.plan.records import SourceModel, TensorPlan
-from shardprep.plan.topology import ExpertSplit
+from shardprep.plan.topology import ExpertSplit, Topology
 
 
 def served_tps(tp: int) -> tuple[int, ...]:
@@ -159,3 +159,24 @@ def _inside(inner: Block, outer: Block) -> bool:
 def _overlap(a: Block, b: Block) -> bool:
     (ar, ac), (br, bc) = _span(a), _span(b)
     return ar[0] < br[1] and br[0] < ar[1] and ac[0] < bc[1] and bc[0] < ac[1]
+
+
+def stages_for(artifact: Topology, partition: Sequence[int], stage: int) -> tuple[int, ...]:
+    """The artifact's stages whose rank files hold the layers of `stage` of the pipeline
+    split `partition` (layers per stage); the first and last artifact stages (embeddings,
+    head, draft) come with the first and last stages, which hold the first and last layer.
+
+    >>> stages_for(Topology(2, 2, (3, 3)), (2, 2, 2), 1)
+    (0, 1)
+    """
+    if sum(partition) != sum(artifact.partition):
+        raise PlanError(
+            f"the pipeline split {','.join(map(str, partition))} has {sum(partition)} layers, "
+            f"the artifact's model {sum(artifact.partition)}"
+        )
+    if not 0 <= stage < len(partition):
+        raise PlanError(f"stage {stage} is not one of the {len(partition)} stages (0 to "
+                        f"{len(partition) - 1})")  # fmt: skip
+    first = sum(partition[:stage])
+    last = first + partition[stage] - 1
+    return tuple(range(artifact.stage_of_layer(first), artifact.stage_of_layer(last) + 1))

@@ -10,8 +10,8 @@ import pytest
 from shardprep.errors import PlanError
 from shardprep.plan.layout import Cut, Piece, ScaleOf, w2_pieces, w13_pieces
 from shardprep.plan.records import TensorPlan
-from shardprep.plan.regions import locate, rank_tensor, served_tps, stored_blocks
-from shardprep.plan.topology import ExpertSplit
+from shardprep.plan.regions import locate, rank_tensor, served_tps, stages_for, stored_blocks
+from shardprep.plan.topology import ExpertSplit, Topology
 
 DTYPE = "F32"
 
@@ -165,3 +165,29 @@ def test_served_tps() -> None:
     assert served_tps(8) == (1, 2, 4, 8)
     assert served_tps(6) == (1, 2, 3, 6)
     assert served_tps(1) == (1,)
+
+
+@pytest.mark.parametrize(
+    ("partition", "new", "wanted"),
+    [
+        ((3, 3), (2, 2, 2), [(0,), (0, 1), (1,)]),
+        ((3, 4), (7,), [(0, 1)]),
+        ((7,), (2, 3, 2), [(0,), (0,), (0,)]),
+        ((2, 3, 2), (4, 3), [(0, 1), (1, 2)]),
+        ((1, 1, 1, 1, 1), (1, 3, 1), [(0,), (1, 2, 3), (4,)]),
+        ((4, 4), (4, 4), [(0,), (1,)]),
+    ],
+)
+def test_stages_for_another_pipeline_split(
+    partition: tuple[int, ...], new: tuple[int, ...], wanted: list[tuple[int, ...]]
+) -> None:
+    artifact = Topology(2, len(partition), partition)
+    assert [stages_for(artifact, new, stage) for stage in range(len(new))] == wanted
+
+
+def test_stages_for_refuses_a_split_of_another_model_or_stage() -> None:
+    artifact = Topology(2, 2, (3, 3))
+    with pytest.raises(PlanError, match="has 5 layers, the artifact's model 6"):
+        stages_for(artifact, (2, 3), 0)
+    with pytest.raises(PlanError, match="stage 3 is not one of the 3 stages"):
+        stages_for(artifact, (2, 2, 2), 3)
