@@ -184,7 +184,7 @@ def cmd_fetch(args: argparse.Namespace) -> None:
     from shardprep.hub.cache import fetch
 
     folder = fetch(
-        args.repo_id, stage=args.stage, rank=args.rank, all_stages=args.all,
+        args.repo_id, stage=args.stage, rank=args.rank, all_stages=args.all, pp=args.pp,
         revision=args.revision, cache_dir=args.cache_dir, endpoint=args.endpoint,
         progress=not args.quiet, verify=args.verify,
     )  # fmt: skip
@@ -195,6 +195,7 @@ def cmd_fetch(args: argparse.Namespace) -> None:
         "stage": args.stage,
         "rank": args.rank,
         "all": args.all,
+        "pp": args.pp,
     }
     _emit(args, data, str(folder))
 
@@ -227,6 +228,13 @@ def _add_hub_flags(parser: argparse.ArgumentParser, name: str) -> None:
         "--rank", metavar="R", type=int, help="only this tensor parallel rank of the stage"
     )
     only.add_argument("--all", action="store_true", help="every stage")
+    parser.add_argument(
+        "--pp",
+        metavar="P'",
+        type=int,
+        help="--stage is a stage of this pipeline size: fetch the artifact stages that hold "
+        "its layers (for an artifact that serves any pp)",
+    )
     parser.add_argument("--revision", metavar="REV", help="branch, tag or commit (default: main)")
     parser.add_argument(
         "--cache-dir",

@@ -34,8 +34,15 @@ from pathlib import Path
 from huggingface_hub import constants as hf_constants
 
 from shardprep import hub_client
-from shardprep.constants import ENV_CACHE, FETCHED_MANIFEST, MANIFEST_NAME, cache_root
-from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
+from shardprep.constants import (
+    ENV_CACHE,
+    ENV_PP_PARTITION,
+    FETCHED_MANIFEST,
+    MANIFEST_NAME,
+    cache_root,
+    pp_partition_from_env,
+)
+from shardprep.errors import ConfigError, CorruptFileError, HubError, PlanError, summarize
 from shardprep.format.headers import sha256_file
 from shardprep.format.manifest import Manifest
 from shardprep.hub.cache_manifest import (
@@ -53,6 +60,8 @@ from shardprep.hub.cache_state import (
     is_complete,
     write_marker,
 )
+from shardprep.plan.regions import stages_for
+from shardprep.plan.topology import default_partition, parse_partition
 
 DOWNLOAD_WORKERS = 8
 
@@ -76,6 +85,7 @@ def fetch(
     stage: int | None = None,
     rank: int | None = None,
     all_stages: bool = False,
+    pp: int | None = None,
     revision: str | None = None,
     cache_dir: Path | str | None = None,
     endpoint: str | None = None,
@@ -86,9 +96,11 @@ def fetch(
     """Make the cache hold `stage` of `repo_id` (or its `rank` only, or `all_stages`) and
     return the folder to point vLLM at. Only the manifest, the extra files and that part's
     rank files are downloaded; a part fetched before needs no network. `verify` re-hashes
-    what the cache already holds of the part and downloads again any file that fails."""
+    what the cache already holds of the part and downloads again any file that fails.
+    `pp`: `stage` is a stage of that pipeline split (VLLM_PP_LAYER_PARTITION, else vLLM's
+    default), and the artifact's stages that hold its layers are fetched."""
     hub_client.check_repo_id(repo_id)
-    _check_request(stage, rank, all_stages)
+    _check_request(stage, rank, all_stages, pp)
     repo_dir = repo_folder(repo_id, cache_dir)
     revision = revision or hf_constants.DEFAULT_REVISION
     remote = (
@@ -99,7 +111,12 @@ def fetch(
     if verify and remote is not None:
         recheck_manifest(folder, commit, remote)
     manifest = cached_manifest(folder, repo_id, commit, remote)
-    for part in _parts(manifest, repo_id, stage, rank, all_stages):
+    parts = (
+        _parts(manifest, repo_id, stage, rank, all_stages)
+        if pp is None or stage is None
+        else _other_split(manifest, repo_id, pp, stage, rank)
+    )
+    for part in parts:
         if verify:
             _recheck(folder, repo_id, manifest, part, remote, progress)
         _fetch_part(folder, repo_id, manifest, part, remote, progress)
@@ -128,9 +145,15 @@ def ensure_stage(
 # ---------------------------------------------------------------------------- requests
 
 
-def _check_request(stage: int | None, rank: int | None, all_stages: bool) -> None:
-    if all_stages and (stage is not None or rank is not None):
-        raise ConfigError("--all fetches every stage and rank: drop --stage and --rank")
+def _check_request(
+    stage: int | None, rank: int | None, all_stages: bool, pp: int | None = None
+) -> None:
+    if all_stages and (stage is not None or rank is not None or pp is not None):
+        raise ConfigError("--all fetches every stage and rank: drop --stage, --rank and --pp")
+    if pp is not None and stage is None:
+        raise ConfigError(f"--pp {pp} needs --stage: say which stage of the {pp} to fetch")
+    if pp is not None and pp < 1:
+        raise ConfigError(f"--pp {pp} is not a pipeline size; pass 1 or more")
     if rank is not None and stage is None:
         raise ConfigError(f"--rank {rank} needs --stage: say which stage's rank to fetch")
     for name, value in (("stage", stage), ("rank", rank)):
@@ -161,6 +184,35 @@ def _parts(
             f"{repo_id} was built for tp={topo.tp}: --rank takes 0 to {topo.tp - 1}, not {rank}"
         )
     return [Part(stage, rank)]
+
+
+def _other_split(
+    manifest: Manifest, repo_id: str, pp: int, stage: int, rank: int | None
+) -> list[Part]:
+    """The artifact's stages (or their rank `rank`) that stage `stage` of `pp` reads."""
+    topo = manifest.topology
+    layers, env = sum(topo.partition), pp_partition_from_env()
+    try:
+        partition = (
+            parse_partition(env, layers, pp, ENV_PP_PARTITION)
+            if env
+            else default_partition(layers, pp)
+        )
+        if (pp, partition) == (topo.pp, tuple(topo.partition)):
+            return _parts(manifest, repo_id, stage, rank, False)
+        if not manifest.served_tps:
+            raise ConfigError(
+                f"{repo_id} is tp{topo.tp} x pp{topo.pp} and serves "
+                f"{manifest.served_topologies()}: fetch one of its own stages (drop --pp {pp})"
+            )
+        stages = stages_for(topo, partition, stage)
+    except PlanError as exc:
+        raise ConfigError(f"{repo_id} at --pp {pp}: {exc}") from None
+    if rank is not None and rank >= topo.tp:
+        raise ConfigError(
+            f"{repo_id} was built for tp={topo.tp}: --rank takes 0 to {topo.tp - 1}, not {rank}"
+        )
+    return [Part(p, rank) for p in stages]
 
 
 def _wanted(manifest: Manifest, part: Part) -> list[Wanted]:

@@ -125,6 +125,39 @@ def test_fetch_one_rank_only(hub: HubServer, artifact: Path, published: str) -> 
     assert all(hub.downloads(REPO, path) == 1 for path in _wanted_paths(artifact, 1))
 
 
+def test_fetch_a_stage_of_another_pipeline_split(
+    hub: HubServer, artifact: Path, published: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 layers at pp2 are (2, 2); at pp4 stage 1 holds layer 1 (artifact stage 0 only),
+    at pp3 (1, 2, 1) stage 1 holds layers 1-2 (artifact stages 0 and 1)."""
+    assert _manifest(artifact).topology.partition == (2, 2)
+    argv = ["fetch", REPO, "--stage", "1", "--pp", "4", "--endpoint", hub.endpoint]
+    assert cli.main([*argv, "--json", "-q"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    folder = Path(out["path"])
+    assert (out["stage"], out["pp"]) == (1, 4)
+    assert set(_requested(hub)) == {*_wanted_paths(artifact, 0), MANIFEST_NAME}
+    assert all(
+        (folder / p).read_bytes() == (artifact / p).read_bytes() for p in _stage_paths(artifact, 0)
+    )
+    assert not any((folder / p).exists() for p in _stage_paths(artifact, 1))
+
+    before = len(_requested(hub))
+    assert fetch(REPO, stage=1, pp=3, endpoint=hub.endpoint, progress=False) == folder
+    assert set(_requested(hub)[before:]) == set(_stage_paths(artifact, 1))  # stage 0 is cached
+    assert all(hub.downloads(REPO, path) == 1 for path in _stage_paths(artifact, 1))
+    assert (folder / "draft/config.json").is_file()
+
+    with pytest.raises(ConfigError, match="--pp 3 needs --stage"):
+        fetch(REPO, pp=3, endpoint=hub.endpoint)
+    with pytest.raises(ConfigError, match="stage 3 is not one of the 3 stages"):
+        fetch(REPO, stage=3, pp=3, endpoint=hub.endpoint)
+    with pytest.raises(ConfigError, match="holds stage\\(s\\) 0, 1 of pp=2, not stage 2"):
+        fetch(REPO, stage=2, pp=2, endpoint=hub.endpoint)  # its own split: its own stages
+    with pytest.raises(ConfigError, match="fewer than pp=5 stages"):
+        fetch(REPO, stage=0, pp=5, endpoint=hub.endpoint)
+
+
 _FETCH_AND_CHECK = """
 import hashlib, json, sys
 from shardprep.hub.cache import fetch
