@@ -31,6 +31,7 @@ from shardprep.convert.checkpoint import (
     collect_tensors,
     is_repo_id_shape,
     load_config,
+    local_dir_metadata_path,
     open_checkpoint,
     read_index,
 )
@@ -273,7 +274,7 @@ class BudgetedArrivals(Arrivals):
         self._room = threading.Condition()
         self._held = 0
         self._closed = False
-        self._paths: dict[tuple[int, str], tuple[Path, int]] = {}
+        self._paths: dict[tuple[int, str], tuple[list[Path], int]] = {}
 
     def submit_private(self, checkpoint: Checkpoint, files: Iterable[str]) -> None:
         remote, commit = checkpoint.remote, checkpoint.revision
@@ -294,7 +295,9 @@ class BudgetedArrivals(Arrivals):
         remote, commit = checkpoint.remote, checkpoint.revision
         assert remote is not None and commit is not None
         path = remote.download(commit, file, checkpoint.root)
-        self._paths[(id(checkpoint), file)] = (path, size)
+        # With the record huggingface_hub keeps beside a file it downloaded.
+        record = local_dir_metadata_path(checkpoint.root, file)
+        self._paths[(id(checkpoint), file)] = ([path, record], size)
         self.watch()
         expected = (checkpoint.known_sha256 or {}).get(file)
         found = sha256_file(path) if expected else None
@@ -313,7 +316,8 @@ class BudgetedArrivals(Arrivals):
         if held is None:
             return
         self.watch()
-        held[0].unlink(missing_ok=True)
+        for path in held[0]:
+            path.unlink(missing_ok=True)
         with self._room:
             self._held -= held[1]
             self._room.notify_all()
@@ -367,6 +371,21 @@ def start_budgeted_fetch(
         if checkpoint.remote is not None:
             arrivals.submit_private(checkpoint, wanted[key])
     return arrivals, {role: private[id(cp)] for role, cp in checkpoints.items()}
+
+
+def begin_fetch(
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    private: Path,
+    budget: int | None,
+    watch: Callable[[], None] | None = None,
+) -> tuple[Arrivals, dict[str, Checkpoint]]:
+    """`start_fetch`, or with a budget `start_budgeted_fetch` into `private` (emptied
+    first of what a killed run left)."""
+    if budget is None:
+        return start_fetch(plan, checkpoints), checkpoints
+    remove_private(private)
+    return start_budgeted_fetch(plan, checkpoints, private, budget, watch)
 
 
 def remove_private(folder: Path) -> None:

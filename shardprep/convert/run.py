@@ -34,11 +34,10 @@ from shardprep.convert.checkpoint import (
 from shardprep.convert.hub_source import (
     Arrivals,
     BudgetedArrivals,
+    begin_fetch,
     fetch,
     open_source,
     remove_private,
-    start_budgeted_fetch,
-    start_fetch,
 )
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.scatter import write_rank_files
@@ -217,14 +216,9 @@ def convert_folder(
             safefs.refuse_linked_folders(out, outdir.WRITTEN_FOLDERS)
             before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
             private = out / SOURCE_DOWNLOAD_DIR
-            remove_private(private)  # what a killed run left
-            arrivals: Arrivals
-            if options.source_budget is None:
-                arrivals = start_fetch(plan, checkpoints)
-            else:
-                arrivals, checkpoints = start_budgeted_fetch(
-                    plan, checkpoints, private, options.source_budget, source_watch
-                )
+            arrivals, checkpoints = begin_fetch(
+                plan, checkpoints, private, options.source_budget, source_watch
+            )
             try:
                 manifest = execute(
                     plan,
