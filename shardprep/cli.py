@@ -56,6 +56,11 @@ def _flag_size(flag: str, text: str) -> int:
         raise ConfigError(f"{flag}: {exc}") from None
 
 
+def _source_budget(args: argparse.Namespace) -> int | None:
+    text = getattr(args, "source_budget", None)
+    return None if text is None else _flag_size("--source-budget", text)
+
+
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=1, sort_keys=True) if args.json else text)
 
@@ -88,6 +93,7 @@ def _options(args: argparse.Namespace) -> Any:
         revision=args.revision,
         endpoint=args.endpoint,
         rehash_source=getattr(args, "rehash_source", False),
+        source_budget=_source_budget(args),
         expert_parallel=args.enable_expert_parallel,
         expert_placement=args.expert_placement_strategy,
         dp=args.dp,
@@ -348,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
                 help="hash source files whose sha256 is known too (default: a Hugging Face "
                 "cache blob's name, or the sha256 `hf download --local-dir` recorded, is "
                 "recorded as it is)",
+            )
+            command.add_argument(
+                "--source-budget",
+                metavar="SIZE",
+                help="download a Hub source's weight files into the output folder, not the "
+                "Hugging Face cache, each deleted once converted, at most SIZE of them on "
+                "disk at once (default: None, the cache)",
             )
         if name in ("verify", "inspect"):
             command.add_argument("artifact", metavar="OUT", help="artifact folder")

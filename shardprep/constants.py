@@ -19,6 +19,8 @@ VLLM_SHARDED_STATE_PATTERN = "shards/model-pp-{pp_rank}-tp-{tp_rank}-part-{part}
 PARTIAL_MARKER = ".shardprep-partial.json"
 INCOMPLETE_SUFFIX = ".incomplete"
 LOCK_NAME = ".shardprep-lock"
+# The private folder of a convert with --source-budget, removed when it ends.
+SOURCE_DOWNLOAD_DIR = ".source-download"
 # A fetched folder's own state (markers, locks, staging), beside the files it holds.
 STATE_DIR = ".shardprep"
 # The manifest as fetch downloaded it, in STATE_DIR: what makes a folder a fetched one.

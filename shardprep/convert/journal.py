@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardprep import safefs
-from shardprep.constants import LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER
+from shardprep.constants import LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER, SOURCE_DOWNLOAD_DIR
 from shardprep.convert.checkpoint import Checkpoint, known_sha256
 from shardprep.errors import CorruptFileError, OutputExistsError
 from shardprep.format import manifest as mf
@@ -49,7 +49,9 @@ class Journal:
             journal = cls(path, fingerprint, done)
             journal._save()
             return journal
-        if out.exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
+        if out.exists() and any(
+            p.name not in (LOCK_NAME, SOURCE_DOWNLOAD_DIR) for p in out.iterdir()
+        ):
             raise OutputExistsError(
                 f"{out} already holds files that are not a shardprep artifact; "
                 "choose an empty or new output folder"

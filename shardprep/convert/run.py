@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from shardprep.constants import (
     ENV_PP_PARTITION,
     FORMAT,
     INCOMPLETE_SUFFIX,
+    SOURCE_DOWNLOAD_DIR,
     pp_partition_from_env,
 )
 from shardprep.convert import outdir
@@ -29,7 +31,14 @@ from shardprep.convert.checkpoint import (
     load_side_file,
     same_bytes,
 )
-from shardprep.convert.hub_source import Arrivals, fetch, open_source, start_fetch
+from shardprep.convert.hub_source import (
+    Arrivals,
+    BudgetedArrivals,
+    begin_fetch,
+    fetch,
+    open_source,
+    remove_private,
+)
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.scatter import write_rank_files
 from shardprep.errors import ShardprepError
@@ -50,6 +59,9 @@ class Options(ConversionRequest):
 
     rehash_source: bool = False  # hash Hugging Face cache blobs instead of trusting their names
     endpoint: str | None = None  # the Hub a repo id is read from (default: HF_ENDPOINT)
+    # Most bytes of a Hub source's weight files on disk at once, in a private folder of
+    # the output (each deleted once converted) instead of the Hugging Face cache.
+    source_budget: int | None = None
 
     def request(self, plan: Plan, draft_source: str | None) -> ConversionRequest:
         """What the manifest records: the options that shaped `plan`, the partition
@@ -162,8 +174,17 @@ def with_side_tensors(checkpoint: Checkpoint, family: archs.DraftFamily) -> Chec
     return dataclasses.replace(checkpoint, tensors=tensors, side_tensors=side)
 
 
-def convert(model: str, out: Path, options: Options, *, progress: bool = True) -> mf.Manifest:
-    return convert_folder(model, out, options, progress=progress).manifest
+def convert(
+    model: str,
+    out: Path,
+    options: Options,
+    *,
+    progress: bool = True,
+    source_watch: Callable[[], None] | None = None,
+) -> mf.Manifest:
+    return convert_folder(
+        model, out, options, progress=progress, source_watch=source_watch
+    ).manifest
 
 
 @dataclass(frozen=True)
@@ -174,9 +195,17 @@ class Converted:
     notes: tuple[str, ...] = ()  # the plan's notes
 
 
-def convert_folder(model: str, out: Path, options: Options, *, progress: bool = True) -> Converted:
+def convert_folder(
+    model: str,
+    out: Path,
+    options: Options,
+    *,
+    progress: bool = True,
+    source_watch: Callable[[], None] | None = None,
+) -> Converted:
     """Plan, then execute while holding the output folder's lock. Any failure leaves no
-    temporary file behind and is one ShardprepError; a rerun resumes."""
+    temporary file behind and is one ShardprepError; a rerun resumes. `source_watch` is
+    called whenever the private source folder of a budgeted convert may peak."""
     plan, checkpoints = load_and_plan(model, options, progress=progress)
     given = {"target": model, "draft": options.draft or model}
     sources = {role: _source_name(given[role], cp) for role, cp in checkpoints.items()}
@@ -186,7 +215,10 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
         with outdir.locked(out):
             safefs.refuse_linked_folders(out, outdir.WRITTEN_FOLDERS)
             before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
-            arrivals = start_fetch(plan, checkpoints)
+            private = out / SOURCE_DOWNLOAD_DIR
+            arrivals, checkpoints = begin_fetch(
+                plan, checkpoints, private, options.source_budget, source_watch
+            )
             try:
                 manifest = execute(
                     plan,
@@ -202,6 +234,10 @@ def convert_folder(model: str, out: Path, options: Options, *, progress: bool = 
                 arrivals.close(wait=False)  # a transfer already running still ends
                 outdir.remove_incomplete(out)
                 raise
+            finally:
+                if isinstance(arrivals, BudgetedArrivals):
+                    arrivals.close()
+                    remove_private(private)
             arrivals.close()
     except ShardprepError:
         raise
@@ -247,6 +283,7 @@ def execute(
         progress=progress,
         rehash_source=rehash_source,
         ready=arrivals.wait if arrivals else None,
+        done=arrivals.release if isinstance(arrivals, BudgetedArrivals) else None,
     )
     if arrivals is not None:
         arrivals.finish()

@@ -48,9 +48,11 @@ def write_rank_files(
     progress: bool,
     rehash_source: bool = False,
     ready: Callable[[Checkpoint, str], None] | None = None,
+    done: Callable[[Checkpoint, str], None] | None = None,
 ) -> dict[tuple[str, str], str]:
     """Write every file of `todo`; returns the sha256 of each source file read whole.
-    `ready(checkpoint, file)` returns once a source file is here to be read."""
+    `ready(checkpoint, file)` returns once a source file is here to be read;
+    `done(checkpoint, file)` is called once every tensor of it is written."""
     files, writes = open_outputs(todo, out)
     full = plan.stages == tuple(range(plan.topology.pp))
     sources = _distinct(checkpoints)
@@ -81,6 +83,9 @@ def write_rank_files(
                 if digest or known:
                     for role in roles:
                         source_hashes[(role, file)] = digest or known.sha256  # type: ignore[union-attr]
+                if done is not None:
+                    mover.wait()
+                    done(checkpoint, file)
             for name, data in checkpoint.side_tensors.items():
                 info = checkpoint.tensors[name].info
                 _scatter_chunk(mover, info, 0, memoryview(data), _targets(writes, roles, name))

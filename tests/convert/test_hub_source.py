@@ -25,7 +25,7 @@ from hub_server import HubServer
 from huggingface_hub import HfApi, try_to_load_from_cache
 from safetensors.torch import load_file, save_file
 
-from shardprep.constants import MANIFEST_NAME, MAX_HEADER_BYTES
+from shardprep.constants import MANIFEST_NAME, MAX_HEADER_BYTES, SOURCE_DOWNLOAD_DIR
 from shardprep.convert.run import Options, convert, load_and_plan
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 from shardprep.errors import ConfigError, CorruptFileError, HubError
@@ -237,3 +237,61 @@ def test_a_header_too_large_is_refused_before_it_is_read(
     with pytest.raises(CorruptFileError, match="over the .* limit"):
         load_and_plan(REPO, _options(hub), progress=False)
     assert hub.download_ranges(REPO, SECOND) == ["bytes=0-7"]
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of the regular files under `folder` (links to the cache not counted)."""
+    return sum(p.lstat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def test_a_source_budget_bounds_the_source_on_disk(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    sizes = {f: (model / f).stat().st_size for f in WEIGHTS}
+    budget = max(sizes.values()) + min(sizes.values()) - 1  # never all three, nor the two largest
+    assert budget < sum(sorted(sizes.values())[1:])
+    out = tmp_path / "budget"
+    peaks: list[int] = []
+
+    def watch() -> None:
+        private = out / SOURCE_DOWNLOAD_DIR
+        peaks.append(_folder_bytes(private) if private.is_dir() else 0)
+
+    convert(REPO, out, _options(hub, source_budget=budget), progress=False, source_watch=watch)
+    assert max(peaks) <= budget and max(peaks) >= max(sizes.values()), peaks
+    assert len(peaks) >= 3 * len(WEIGHTS)  # each file: start, finish, delete
+    assert not (out / SOURCE_DOWNLOAD_DIR).exists()
+    for file in WEIGHTS:  # downloaded whole, once, into the private folder only
+        assert hub.bytes_served(REPO, file) <= HEADER_LIMIT + sizes[file]
+        assert try_to_load_from_cache(REPO, file, revision=repo) is None
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2), progress=False)
+    for stage in (0, 1):
+        assert _shards(out, stage) == _shards(full, stage) and _shards(full, stage)
+    assert (out / "config.json").read_bytes() == (model / "config.json").read_bytes()
+
+
+def test_a_file_over_the_source_budget_is_one_line(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    largest = max(WEIGHTS, key=lambda f: (model / f).stat().st_size)
+    size = (model / largest).stat().st_size
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as refused:
+        convert(REPO, out, _options(hub, source_budget=size - 1), progress=False)
+    message = str(refused.value)
+    assert "\n" not in message and largest in message and f"({size} bytes)" in message
+    assert not (out / MANIFEST_NAME).exists() and not list(out.glob("shards/*"))
+    assert all(hub.bytes_served(REPO, f) <= HEADER_LIMIT for f in WEIGHTS)
+    # The command line refuses it the same way, in one line and no traceback.
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint}
+    command = [sys.executable, "-m", "shardprep.cli", "convert", REPO, "--tp", "2", "--pp", "2"]
+    result = subprocess.run(
+        [*command, "-o", str(out), "--source-budget", f"{size - 1}B", "--quiet"],
+        capture_output=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    stderr = result.stderr.decode().strip()
+    assert result.returncode != 0 and largest in stderr and "Traceback" not in stderr, stderr
