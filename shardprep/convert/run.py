@@ -1,8 +1,8 @@
 """Execute a plan: read every source byte once, write every output byte once.
 
 The bytes move in `scatter.py` (rank files written under a temporary name, hashed as
-they are written, then renamed); the extra files are copied and the manifest is written
-last. A journal lets a rerun skip files already complete and verified.
+they are written, then renamed); the extra files are copied and the manifest
+(`record.py`) is written last. A journal lets a rerun skip files already complete and verified.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import shardprep
 from shardprep import safefs
 from shardprep.constants import (
     COPIED_FILE_PATTERNS,
     ENV_PP_PARTITION,
-    FORMAT,
     INCOMPLETE_SUFFIX,
     SOURCE_DOWNLOAD_DIR,
     pp_partition_from_env,
@@ -27,7 +25,6 @@ from shardprep.convert import outdir
 from shardprep.convert.checkpoint import (
     Checkpoint,
     SourceTensor,
-    known_sha256,
     load_side_file,
     same_bytes,
 )
@@ -40,17 +37,16 @@ from shardprep.convert.hub_source import (
     remove_private,
 )
 from shardprep.convert.journal import Journal, fingerprint
+from shardprep.convert.record import manifest_of
 from shardprep.convert.scatter import write_rank_files
 from shardprep.errors import ShardprepError
 from shardprep.format import manifest as mf
 from shardprep.format.dtypes import safetensors_name
-from shardprep.format.headers import TensorInfo, encode_header, sha256_file
+from shardprep.format.headers import TensorInfo, sha256_file
 from shardprep.format.request import ConversionRequest
-from shardprep.format.vllm_layout import current_layout
 from shardprep.plan import archs
-from shardprep.plan.layout import Piece
 from shardprep.plan.make import make_plan
-from shardprep.plan.records import FilePlan, ModelPlan, Plan, SourceModel
+from shardprep.plan.records import Plan, SourceModel
 
 
 @dataclass(frozen=True)
@@ -288,7 +284,7 @@ def execute(
     if arrivals is not None:
         arrivals.finish()
     extra = [e for role, cp in checkpoints.items() for e in _copy_extras(cp, out, role)]
-    manifest = _manifest(plan, checkpoints, sources, journal.done, source_hashes, extra)
+    manifest = manifest_of(plan, checkpoints, sources, journal.done, source_hashes, extra)
     manifest = dataclasses.replace(manifest, request=request, plan_fingerprint=journal.fingerprint)
     mf.write_manifest(out, manifest)
     journal.remove()
@@ -311,103 +307,3 @@ def _copy_extras(checkpoint: Checkpoint, out: Path, role: str) -> list[mf.ExtraF
         rel = name if role == "target" else f"draft/{name}"
         copied.append(mf.ExtraFile(rel, src.stat().st_size, sha256_file(folder / name)))
     return copied
-
-
-def _manifest(
-    plan: Plan,
-    checkpoints: dict[str, Checkpoint],
-    sources: dict[str, str],
-    done: dict[str, str],
-    source_hashes: dict[tuple[str, str], str],
-    extra: list[mf.ExtraFile],
-) -> mf.Manifest:
-    models = []
-    for model in plan.models:
-        checkpoint = checkpoints[model.role]
-        ranks: dict[str, dict[str, mf.ParamSpec]] = {}
-        for file in plan.files:
-            if file.role == model.role:
-                specs = ranks.setdefault(mf.rank_key(file.pp, file.tp, file.dp), {})
-                specs.update({t.name: mf.ParamSpec(t.dtype, t.shape) for t in file.tensors})
-        source = mf.Source(
-            model=sources[model.role],
-            repo_id=checkpoint.repo_id,
-            revision=checkpoint.revision,
-            files=tuple(
-                mf.SourceFile(
-                    f,
-                    checkpoint.size(f),
-                    source_hashes.get((model.role, f)) or _known_sha256(checkpoint, f),
-                )
-                for f in checkpoint.files
-            ),
-        )
-        models.append(
-            mf.ModelEntry(
-                role=model.role,
-                architecture=model.architecture,
-                dtype=model.dtype,
-                folder=model.folder,
-                num_layers=model.num_layers,
-                source=source,
-                method=model.method,
-                ranks=ranks,
-                spec_decode_only=model.spec_decode_only,
-                shared_with_target=model.shared_with_target,
-                experts=_experts(model),
-                quantization=model.quantization,
-                pieces={name: tuple(map(_piece_entry, ps)) for name, ps in model.pieces},
-                source_shapes=dict(model.source_shapes),
-            )
-        )
-    files = tuple(
-        mf.FileEntry(f.path, f.role, f.pp, f.tp, f.part, _size(f), done[f.path], dp=f.dp)
-        for f in plan.files
-    )
-    topology = mf.Topology(
-        plan.topology.tp,
-        plan.topology.pp,
-        plan.topology.partition,
-        expert_parallel=any(m.experts and m.experts.split.expert_parallel for m in plan.models),
-    )
-    return mf.Manifest(
-        format=FORMAT,
-        shardprep_version=shardprep.__version__,
-        vllm_layout=current_layout(
-            {m.family for m in plan.models} | {m.scheme for m in plan.models if m.scheme}
-        ),
-        topology=topology,
-        stages=plan.stages,
-        models=tuple(models),
-        files=files,
-        extra_files=tuple(sorted(extra, key=lambda e: e.path)),
-    )
-
-
-def _piece_entry(piece: Piece) -> mf.PieceEntry:
-    of = piece.scale_of
-    scale = of and mf.ScaleEntry(of.shape, of.cut.value, of.block, of.grid, of.heads)
-    return mf.PieceEntry(piece.source, piece.cut.value, piece.heads, piece.expert, scale)
-
-
-def _known_sha256(checkpoint: Checkpoint, file: str) -> str | None:
-    known = known_sha256(checkpoint, file)
-    return known.sha256 if known else None
-
-
-def _experts(model: ModelPlan) -> mf.Experts | None:
-    if model.experts is None:
-        return None
-    split = model.experts.split
-    return mf.Experts(
-        num_experts=split.num_experts,
-        expert_parallel=split.uses_ep,
-        dp=split.dp,
-        placement=split.placement,
-        requested_placement=model.experts.requested_placement,
-        rank_experts=model.experts.rank_experts,
-    )
-
-
-def _size(file: FilePlan) -> int:
-    return len(encode_header([t.spec for t in file.tensors], {"format": "pt"})) + file.nbytes

@@ -36,13 +36,11 @@ from huggingface_hub import constants as hf_constants
 from shardprep import hub_client
 from shardprep.constants import (
     ENV_CACHE,
-    ENV_PP_PARTITION,
     FETCHED_MANIFEST,
     MANIFEST_NAME,
     cache_root,
-    pp_partition_from_env,
 )
-from shardprep.errors import ConfigError, CorruptFileError, HubError, PlanError, summarize
+from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
 from shardprep.format.headers import sha256_file
 from shardprep.format.manifest import Manifest
 from shardprep.hub.cache_manifest import (
@@ -52,6 +50,12 @@ from shardprep.hub.cache_manifest import (
     resolve_commit,
     write_ref,
 )
+from shardprep.hub.cache_parts import (
+    check_request,
+    other_split_parts,
+    requested_parts,
+    wanted_files,
+)
 from shardprep.hub.cache_state import (
     STATE_DIR,
     Part,
@@ -60,8 +64,6 @@ from shardprep.hub.cache_state import (
     is_complete,
     write_marker,
 )
-from shardprep.plan.regions import stages_for
-from shardprep.plan.topology import default_partition, parse_partition
 
 DOWNLOAD_WORKERS = 8
 
@@ -100,7 +102,7 @@ def fetch(
     `pp`: `stage` is a stage of that pipeline split (VLLM_PP_LAYER_PARTITION, else vLLM's
     default), and the artifact's stages that hold its layers are fetched."""
     hub_client.check_repo_id(repo_id)
-    _check_request(stage, rank, all_stages, pp)
+    check_request(stage, rank, all_stages, pp)
     repo_dir = repo_folder(repo_id, cache_dir)
     revision = revision or hf_constants.DEFAULT_REVISION
     remote = (
@@ -112,9 +114,9 @@ def fetch(
         recheck_manifest(folder, commit, remote)
     manifest = cached_manifest(folder, repo_id, commit, remote)
     parts = (
-        _parts(manifest, repo_id, stage, rank, all_stages)
+        requested_parts(manifest, repo_id, stage, rank, all_stages)
         if pp is None or stage is None
-        else _other_split(manifest, repo_id, pp, stage, rank)
+        else other_split_parts(manifest, repo_id, pp, stage, rank)
     )
     for part in parts:
         if verify:
@@ -142,103 +144,6 @@ def ensure_stage(
     return fetch(text, stage=stage, revision=revision, progress=progress)
 
 
-# ---------------------------------------------------------------------------- requests
-
-
-def _check_request(
-    stage: int | None, rank: int | None, all_stages: bool, pp: int | None = None
-) -> None:
-    if all_stages and (stage is not None or rank is not None or pp is not None):
-        raise ConfigError("--all fetches every stage and rank: drop --stage, --rank and --pp")
-    if pp is not None and stage is None:
-        raise ConfigError(f"--pp {pp} needs --stage: say which stage of the {pp} to fetch")
-    if pp is not None and pp < 1:
-        raise ConfigError(f"--pp {pp} is not a pipeline size; pass 1 or more")
-    if rank is not None and stage is None:
-        raise ConfigError(f"--rank {rank} needs --stage: say which stage's rank to fetch")
-    for name, value in (("stage", stage), ("rank", rank)):
-        if value is not None and value < 0:
-            raise ConfigError(f"--{name} {value} is negative; stages and ranks count from 0")
-
-
-def _parts(
-    manifest: Manifest, repo_id: str, stage: int | None, rank: int | None, all_stages: bool
-) -> list[Part]:
-    stages, topo = list(manifest.stages), manifest.topology
-    if all_stages:
-        return [Part(p) for p in stages]
-    if stage is None:
-        if topo.pp == 1 and stages == [0]:
-            return [Part(0)]
-        raise ConfigError(
-            f"{repo_id} is split into {topo.pp} pipeline stages: pass --stage P (the stage this "
-            f"node serves, one of {', '.join(map(str, stages))}) or --all"
-        )
-    if stage not in stages:
-        raise ConfigError(
-            f"{repo_id} holds stage(s) {', '.join(map(str, stages))} of pp={topo.pp}, not "
-            f"stage {stage}; pass one of those to --stage"
-        )
-    if rank is not None and rank >= topo.tp:
-        raise ConfigError(
-            f"{repo_id} was built for tp={topo.tp}: --rank takes 0 to {topo.tp - 1}, not {rank}"
-        )
-    return [Part(stage, rank)]
-
-
-def _other_split(
-    manifest: Manifest, repo_id: str, pp: int, stage: int, rank: int | None
-) -> list[Part]:
-    """The artifact's stages (or their rank `rank`) that stage `stage` of `pp` reads."""
-    topo = manifest.topology
-    layers, env = sum(topo.partition), pp_partition_from_env()
-    try:
-        partition = (
-            parse_partition(env, layers, pp, ENV_PP_PARTITION)
-            if env
-            else default_partition(layers, pp)
-        )
-        if (pp, partition) == (topo.pp, tuple(topo.partition)):
-            return _parts(manifest, repo_id, stage, rank, False)
-        if not manifest.served_tps:
-            raise ConfigError(
-                f"{repo_id} is tp{topo.tp} x pp{topo.pp} and serves "
-                f"{manifest.served_topologies()}: fetch one of its own stages (drop --pp {pp})"
-            )
-        stages = stages_for(topo, partition, stage)
-    except PlanError as exc:
-        raise ConfigError(f"{repo_id} at --pp {pp}: {exc}") from None
-    if rank is not None and rank >= topo.tp:
-        raise ConfigError(
-            f"{repo_id} was built for tp={topo.tp}: --rank takes 0 to {topo.tp - 1}, not {rank}"
-        )
-    return [Part(p, rank) for p in stages]
-
-
-def _wanted(manifest: Manifest, part: Part) -> list[Wanted]:
-    """The part's rank files (every role: the draft lives on the last stage) and the extras."""
-    items = []
-    for f in manifest.files:
-        if f.pp != part.stage or (part.rank is not None and f.tp != part.rank):
-            continue
-        stored = hub_client.stored_path(f)
-        packed = f.codec != "none"
-        items.append(
-            Wanted(
-                path=f.path,
-                bytes=f.bytes,
-                sha256=f.sha256,
-                stored=stored,
-                stored_bytes=f.stored_bytes if packed and f.stored_bytes is not None else f.bytes,
-                stored_sha256=f.stored_sha256 if packed and f.stored_sha256 else f.sha256,
-                codec=f.codec,
-            )
-        )
-    for e in manifest.extra_files:
-        items.append(Wanted(e.path, e.bytes, e.sha256, e.path, e.bytes, e.sha256, "none"))
-    return items
-
-
 # ---------------------------------------------------------------------------- re-verifying
 
 
@@ -254,7 +159,7 @@ def _recheck(
     that differs from the fetched one), so that the fetch downloads them again."""
     damaged = []
     with fetch_lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
-        for item in _wanted(manifest, part):
+        for item in wanted_files(manifest, part):
             final = folder / item.path
             if final.is_file() and _check(final, item.bytes, item.sha256) is not None:
                 final.unlink()
@@ -297,7 +202,7 @@ def _fetch_part(
     with fetch_lock(folder, f"stage-{part.stage}", f"stage {part.stage}", progress):
         if is_complete(folder, part):
             return
-        wanted = _wanted(manifest, part)
+        wanted = wanted_files(manifest, part)
         staging = folder / STATE_DIR / "staging" / f"stage-{part.stage}"
         _download_and_place(folder, staging, wanted, remote)
         place_manifest(folder)

@@ -1,0 +1,106 @@
+"""Which parts of an artifact a fetch asks for: the request checked, the stages (or one
+rank of them) it names, those of another pipeline split, and each part's files."""
+
+from __future__ import annotations
+
+from shardprep import hub_client
+from shardprep.constants import ENV_PP_PARTITION, pp_partition_from_env
+from shardprep.errors import ConfigError, PlanError
+from shardprep.format.manifest import Manifest
+from shardprep.hub.cache_state import Part, Wanted
+from shardprep.plan.regions import stages_for
+from shardprep.plan.topology import default_partition, parse_partition
+
+
+def check_request(
+    stage: int | None, rank: int | None, all_stages: bool, pp: int | None = None
+) -> None:
+    if all_stages and (stage is not None or rank is not None or pp is not None):
+        raise ConfigError("--all fetches every stage and rank: drop --stage, --rank and --pp")
+    if pp is not None and stage is None:
+        raise ConfigError(f"--pp {pp} needs --stage: say which stage of the {pp} to fetch")
+    if pp is not None and pp < 1:
+        raise ConfigError(f"--pp {pp} is not a pipeline size; pass 1 or more")
+    if rank is not None and stage is None:
+        raise ConfigError(f"--rank {rank} needs --stage: say which stage's rank to fetch")
+    for name, value in (("stage", stage), ("rank", rank)):
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name} {value} is negative; stages and ranks count from 0")
+
+
+def requested_parts(
+    manifest: Manifest, repo_id: str, stage: int | None, rank: int | None, all_stages: bool
+) -> list[Part]:
+    stages, topo = list(manifest.stages), manifest.topology
+    if all_stages:
+        return [Part(p) for p in stages]
+    if stage is None:
+        if topo.pp == 1 and stages == [0]:
+            return [Part(0)]
+        raise ConfigError(
+            f"{repo_id} is split into {topo.pp} pipeline stages: pass --stage P (the stage this "
+            f"node serves, one of {', '.join(map(str, stages))}) or --all"
+        )
+    if stage not in stages:
+        raise ConfigError(
+            f"{repo_id} holds stage(s) {', '.join(map(str, stages))} of pp={topo.pp}, not "
+            f"stage {stage}; pass one of those to --stage"
+        )
+    if rank is not None and rank >= topo.tp:
+        raise ConfigError(
+            f"{repo_id} was built for tp={topo.tp}: --rank takes 0 to {topo.tp - 1}, not {rank}"
+        )
+    return [Part(stage, rank)]
+
+
+def other_split_parts(
+    manifest: Manifest, repo_id: str, pp: int, stage: int, rank: int | None
+) -> list[Part]:
+    """The artifact's stages (or their rank `rank`) that stage `stage` of `pp` reads."""
+    topo = manifest.topology
+    layers, env = sum(topo.partition), pp_partition_from_env()
+    try:
+        partition = (
+            parse_partition(env, layers, pp, ENV_PP_PARTITION)
+            if env
+            else default_partition(layers, pp)
+        )
+        if (pp, partition) == (topo.pp, tuple(topo.partition)):
+            return requested_parts(manifest, repo_id, stage, rank, False)
+        if not manifest.served_tps:
+            raise ConfigError(
+                f"{repo_id} is tp{topo.tp} x pp{topo.pp} and serves "
+                f"{manifest.served_topologies()}: fetch one of its own stages (drop --pp {pp})"
+            )
+        stages = stages_for(topo, partition, stage)
+    except PlanError as exc:
+        raise ConfigError(f"{repo_id} at --pp {pp}: {exc}") from None
+    if rank is not None and rank >= topo.tp:
+        raise ConfigError(
+            f"{repo_id} was built for tp={topo.tp}: --rank takes 0 to {topo.tp - 1}, not {rank}"
+        )
+    return [Part(p, rank) for p in stages]
+
+
+def wanted_files(manifest: Manifest, part: Part) -> list[Wanted]:
+    """The part's rank files (every role: the draft lives on the last stage) and the extras."""
+    items = []
+    for f in manifest.files:
+        if f.pp != part.stage or (part.rank is not None and f.tp != part.rank):
+            continue
+        stored = hub_client.stored_path(f)
+        packed = f.codec != "none"
+        items.append(
+            Wanted(
+                path=f.path,
+                bytes=f.bytes,
+                sha256=f.sha256,
+                stored=stored,
+                stored_bytes=f.stored_bytes if packed and f.stored_bytes is not None else f.bytes,
+                stored_sha256=f.stored_sha256 if packed and f.stored_sha256 else f.sha256,
+                codec=f.codec,
+            )
+        )
+    for e in manifest.extra_files:
+        items.append(Wanted(e.path, e.bytes, e.sha256, e.path, e.bytes, e.sha256, "none"))
+    return items
