@@ -253,11 +253,8 @@ def _arrive(checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file
     blob = path.resolve()
     path.unlink(missing_ok=True)
     blob.unlink(missing_ok=True)
-    raise CorruptFileError(
-        f"{remote.repo_id}@{commit[:12]}: {file} arrived with sha256 {found}, not the "
-        f"{expected} the Hub states; it was removed from the Hugging Face cache and nothing "
-        "was converted: run again, and if it fails again the repo's copy is damaged",
-        path=str(path),
+    raise _wrong_sha256(
+        remote, commit, file, found, expected, path, "removed from the Hugging Face cache"
     )
 
 
@@ -277,8 +274,6 @@ class BudgetedArrivals(Arrivals):
         self._paths: dict[tuple[int, str], tuple[list[Path], int]] = {}
 
     def submit_private(self, checkpoint: Checkpoint, files: Iterable[str]) -> None:
-        remote, commit = checkpoint.remote, checkpoint.revision
-        assert remote is not None and commit is not None
         for file in files:
             key = (id(checkpoint), file)
             if key not in self._futures:
@@ -303,12 +298,7 @@ class BudgetedArrivals(Arrivals):
         found = sha256_file(path) if expected else None
         if found != expected:
             path.unlink(missing_ok=True)
-            raise CorruptFileError(
-                f"{remote.repo_id}@{commit[:12]}: {file} arrived with sha256 {found}, not "
-                f"the {expected} the Hub states; it was deleted and nothing was converted: "
-                "run again, and if it fails again the repo's copy is damaged",
-                path=str(path),
-            )
+            raise _wrong_sha256(remote, commit, file, found, expected, path, "deleted")
 
     def release(self, checkpoint: Checkpoint, file: str) -> None:
         """`file` of `checkpoint` is converted: delete it, making room for the next."""
@@ -390,3 +380,20 @@ def begin_fetch(
 
 def remove_private(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wrong_sha256(
+    remote: hub_client.Remote,
+    commit: str,
+    file: str,
+    found: str | None,
+    expected: str,
+    path: Path,
+    done: str,
+) -> CorruptFileError:
+    return CorruptFileError(
+        f"{remote.repo_id}@{commit[:12]}: {file} arrived with sha256 {found}, not the "
+        f"{expected} the Hub states; it was {done} and nothing was converted: run again, "
+        "and if it fails again the repo's copy is damaged",
+        path=str(path),
+    )
