@@ -3,6 +3,7 @@
     generate(model_dir, tp, pp, load_format="auto", **kw) -> list[list[int]]
     dump_state(model_dir, tp, pp, dump_dir, **kw) -> {(role, pp_rank, tp_rank): Path}
     serve_and_complete(model_dir, tp, pp, load_format, prompt_ids, **kw) -> list[int]
+    run_until(done, model_dir, tp, pp, load_format, **kw) -> None (stopped once done())
 
 Keyword arguments of the first three: prompts (list of token-id lists), max_tokens,
 dtype ("float32" unless given), speculative_config (dict), model_loader_extra_config
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,14 @@ def remove_dist_files(tmpdir: Path, output: str) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+def shared_memory_files() -> set[Path]:
+    """Python's shared memory blocks and semaphores in /dev/shm: a run stopped by a kill
+    leaves those of its message queues behind (one vLLM runs at a time, so the new ones
+    are its own)."""
+    root = Path("/dev/shm")
+    return {*root.glob("psm_*"), *root.glob("sem.mp-*")} if root.is_dir() else set()
+
+
 def kill_group(proc: subprocess.Popen[str]) -> None:
     """Kill the process group that this helper started (the runner is its leader)."""
     with contextlib.suppress(ProcessLookupError):
@@ -158,13 +167,22 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
 
 
 def run_python(
-    args: list[str], world_size: int, env: Mapping[str, str] | None, timeout: float
+    args: list[str],
+    world_size: int,
+    env: Mapping[str, str] | None,
+    timeout: float,
+    done: Callable[[], bool] | None = None,
 ) -> str:
-    """Run ``vllm-python ARGS`` in its own session; return stdout, raise with the tail."""
+    """Run ``vllm-python ARGS`` in its own session; return stdout, raise with the tail.
+
+    ``done``: polled every half second; once it holds, the run has given what was asked of
+    it (a state dump is taken right after loading), and it is stopped there.
+    """
     tmpdir = Path(tempfile.mkdtemp(prefix="shardprep-vllm-"))
     cmd = [require_python(), *args]
     asked = time.monotonic()
     with one_vllm_at_a_time():
+        shared_before = shared_memory_files()
         started = time.monotonic()
         proc = subprocess.Popen(
             cmd,
@@ -175,9 +193,9 @@ def run_python(
             text=True,
             start_new_session=True,
         )
-        stdout, stderr, timed_out = "", "", False
+        stdout, stderr, timed_out, stopped = "", "", False, False
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            stdout, stderr, stopped = communicate(proc, started + timeout, done)
         except subprocess.TimeoutExpired:
             timed_out = True
             kill_group(proc)
@@ -185,17 +203,39 @@ def run_python(
         finally:
             kill_group(proc)  # stray workers, if the runner left any
             remove_dist_files(tmpdir, stdout + stderr)
+            for path in shared_memory_files() - shared_before:
+                path.unlink(missing_ok=True)
     LOG.info(
-        "vLLM run took %.0f s (after %.0f s waiting for the lock): %s",
+        "vLLM run took %.0f s (after %.0f s waiting for the lock)%s: %s",
         time.monotonic() - started,
         started - asked,
+        ", stopped once done" if stopped else "",
         " ".join(cmd),
     )
     if timed_out:
         raise VllmRunError(failure(cmd, f"timed out after {timeout:.0f} s", stdout, stderr))
-    if proc.returncode != 0:
+    given = stopped or (done is not None and done())  # a failure after that is not the run's
+    if proc.returncode != 0 and not given:
         raise VllmRunError(failure(cmd, f"exit code {proc.returncode}", stdout, stderr))
     return stdout
+
+
+def communicate(
+    proc: subprocess.Popen[str], deadline: float, done: Callable[[], bool] | None
+) -> tuple[str, str, bool]:
+    """(stdout, stderr, stopped early) once the run ends, or ``done`` holds and it is stopped."""
+    while True:
+        wait = deadline - time.monotonic() if done is None else 0.5
+        try:
+            stdout, stderr = proc.communicate(timeout=max(0.0, wait))
+            return stdout, stderr, False
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+            if done is not None and done():
+                kill_group(proc)
+                stdout, stderr = proc.communicate()
+                return stdout, stderr, True
 
 
 def failure(cmd: list[str], why: str, stdout: str, stderr: str) -> str:
@@ -268,6 +308,25 @@ def generate(
     return parse_tokens(run_python(args, tp * pp, env, timeout))
 
 
+def run_until(
+    done: Callable[[], bool],
+    model_dir: Path | str,
+    tp: int,
+    pp: int,
+    load_format: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    **kw: Any,
+) -> None:
+    """Run vLLM until ``done()`` holds, then stop it (or until it ends by itself); raise if
+    it fails first. For runs that are asked for what loading leaves, not for tokens."""
+    if load_format == DUMP_FORMAT:
+        require_dump_plugin()
+    args = runner_args(model_dir, tp, pp, load_format, **kw)
+    run_python(args, tp * pp, env, timeout, done=done)
+
+
 def dump_state(
     model_dir: Path | str,
     tp: int,
@@ -277,27 +336,29 @@ def dump_state(
     max_tokens: int = 1,
     allow_engine_failure: bool = False,
     load_format: str = DUMP_FORMAT,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
     **kw: Any,
 ) -> DumpFiles:
     """Run vLLM with ``--load-format dump-default`` (or ``dump-sharded-fast``: shardprep's
     loader, dumped the same way); the rank files it wrote.
 
     With a ``speculative_config`` the draft is dumped too (role ``draft``, last stage).
-    ``allow_engine_failure``: accept a run that fails after loading (speculative
-    decoding with pp > 1 loads, then crashes on the CPU), provided that every expected
-    rank file was written; the failure is saved to ``dump_dir/engine-error.txt``.
+    ``allow_engine_failure``: only the state after loading counts, not what the engine
+    does next (speculative decoding with pp > 1 loads, then crashes on the CPU): the run is
+    stopped as soon as every expected rank file is written. Without it the run must end
+    by itself, without error.
     """
     clear_dumps(dump_dir)
-    try:
-        generate(model_dir, tp, pp, load_format, dump_dir=dump_dir, max_tokens=max_tokens, **kw)
-    except VllmRunError as error:
-        missing = (
-            expected_dumps(tp, pp, kw.get("speculative_config") is not None)
-            - dump_files(dump_dir).keys()
-        )
-        if not allow_engine_failure or missing:
-            raise
-        (Path(dump_dir) / "engine-error.txt").write_text(str(error))
+    expected = expected_dumps(tp, pp, kw.get("speculative_config") is not None)
+
+    def complete() -> bool:
+        return expected <= dump_files(dump_dir).keys()
+
+    run_until(
+        complete if allow_engine_failure else lambda: False, model_dir, tp, pp, load_format,
+        env=env, timeout=timeout, dump_dir=dump_dir, max_tokens=max_tokens, **kw,
+    )  # fmt: skip
     return dump_files(dump_dir)
 
 
@@ -314,7 +375,6 @@ def clear_dumps(dump_dir: Path | str) -> None:
     Path(dump_dir).mkdir(parents=True, exist_ok=True)
     for path in dump_files(dump_dir).values():
         path.unlink()
-    (Path(dump_dir) / "engine-error.txt").unlink(missing_ok=True)
 
 
 def dump_files(dump_dir: Path | str) -> DumpFiles:

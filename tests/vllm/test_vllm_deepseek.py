@@ -43,7 +43,9 @@ def converted(model: Path, out: Path, tp: int, pp: int, dtype: str = "auto") -> 
 def test_v2_rank_files_equal_vllm_state_at_tp2(tiny, tmp_path: Path) -> None:
     model = tiny.model(f"vllm-{V2}", V2, **LAYERS)
     artifact = converted(model, tmp_path / "artifact", 2, 1)
-    dumps = vllm_env.dump_state(model, 2, 1, tmp_path / "dump", dtype="bfloat16")
+    dumps = vllm_env.dump_state(
+        model, 2, 1, tmp_path / "dump", dtype="bfloat16", allow_engine_failure=True
+    )
     assert sorted(dumps) == [("target", 0, 0), ("target", 0, 1)]
     state, _ = vllm_env.read_dump(dumps[("target", 0, 0)])
     attention = "model.layers.0.self_attn."

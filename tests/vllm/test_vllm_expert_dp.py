@@ -36,19 +36,23 @@ DUMP_NAME = re.compile(r"target-pp0-tp(\d+)-dp(\d+)\.safetensors")
 def dp_dumps(model: Path, dump_dir: Path, load_format: str, env: dict[str, str]) -> dict:
     """{(tp rank, dp rank): dump} of one vLLM server run over tp2 x dp2."""
     vllm_env.clear_dumps(dump_dir)
-    try:
-        vllm_env.generate(
-            model, TP, 1, load_format, server=True, engine=ENGINE, dump_dir=dump_dir,
-            max_tokens=1, prompts=[[1, 2, 3]], env=BINDING | env, timeout=420,
-        )  # fmt: skip
-    except vllm_env.VllmRunError as error:  # the engine dies on the request, after loading
-        (dump_dir / "engine-error.txt").write_text(str(error))
+    expected = [(t, d) for t in range(TP) for d in range(DP)]
+    vllm_env.run_until(
+        lambda: sorted(found_dumps(dump_dir)) == expected, model, TP, 1, load_format,
+        server=True, engine=ENGINE, dump_dir=dump_dir, max_tokens=1, prompts=[[1, 2, 3]],
+        env=BINDING | env, timeout=420,
+    )  # fmt: skip
+    found = found_dumps(dump_dir)
+    assert sorted(found) == expected, sorted(found)
+    return found
+
+
+def found_dumps(dump_dir: Path) -> dict[tuple[int, int], Path]:
     found = {}
     for path in sorted(dump_dir.glob("*.safetensors")):
         match = DUMP_NAME.fullmatch(path.name)
         assert match, path.name
         found[(int(match[1]), int(match[2]))] = path
-    assert sorted(found) == [(t, d) for t in range(TP) for d in range(DP)], sorted(found)
     return found
 
 

@@ -59,7 +59,9 @@ def test_rank_files_equal_vllm_default_loader_state(case: str, tmp_path: Path) -
     artifact = tmp_path / "artifact"
     options = Options(tp=tp, pp=pp, partition=partition, dtype="float32")
     convert(str(model), artifact, options, progress=False)
-    dumps = vllm_env.dump_state(model, tp, pp, tmp_path / "dump", env=env)
+    dumps = vllm_env.dump_state(
+        model, tp, pp, tmp_path / "dump", env=env, allow_engine_failure=True
+    )
     assert sorted(dumps) == [("target", p, t) for p in range(pp) for t in range(tp)]
     for (role, p, t), path in dumps.items():
         vllm_state, _ = vllm_env.read_dump(path)

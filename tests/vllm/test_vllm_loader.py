@@ -2,7 +2,7 @@
 
 Greedy tokens through `--load-format sharded-fast` equal those of Hugging Face
 transformers (and so of vLLM's default loader) on the original model at tp1, tp2, pp2 and
-tp2 x pp2 (float32: token for token), for every family at tp2 x pp2, with an EAGLE3 draft
+tp2 x pp2 (float32: token for token), for Qwen3 too at tp2 x pp2, with an EAGLE3 draft
 too; a topology mismatch fails with one clear line. vLLM's stock
 `sharded_state` loader reads the same rank files once the attention scale buffers are
 added (why it needs them, and why it cannot take every artifact, is tested here too).
@@ -313,10 +313,11 @@ def test_sharded_fast_generates_what_the_default_loader_does(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
-def test_every_family_generates_through_sharded_fast_at_tp2_pp2(
-    tiny, arch: str, tmp_path: Path
-) -> None:
+def test_another_family_generates_through_sharded_fast_at_tp2_pp2(tiny, tmp_path: Path) -> None:
+    """Qwen3 (qk-norm, no bias). The loader fills parameters by name whatever the family,
+    and each family's rank files equal vLLM's own state (test_vllm_layout.py), so one
+    family besides Llama stands for the others here."""
+    arch = "Qwen3ForCausalLM"
     model = tiny.model(f"vllm-{arch}", arch, **MODEL_CONFIG)
     out = tmp_path / "artifact"
     convert(str(model), out, Options(tp=2, pp=2, dtype="float32"), progress=False)
