@@ -27,6 +27,7 @@ import numpy as np
 
 from shardprep.codec import container
 from shardprep.codec.container import DEFAULT_FRAME_SIZE, MAX_FRAME_SIZE, MIN_FRAME_SIZE
+from shardprep.codec.outputs import output_array
 from shardprep.codec.streams import (
     MAX_PENDING_UPDATES,
     HashingReader,
@@ -207,7 +208,8 @@ def decompress_buffer(
     check_sha256: bool = True,
 ) -> np.ndarray:
     """Restore a zstd container held in memory: each frame is decoded straight into its
-    place in the returned u8 array. Raises CorruptFileError as `decompress_file` does;
+    place in the returned u8 array (into the memory of an earlier output that is no longer
+    used, when one fits: `outputs`). Raises CorruptFileError as `decompress_file` does;
     `check_sha256=False` skips the final hash (for measuring the codec alone)."""
     view = memoryview(data).cast("B")
     try:
@@ -228,7 +230,7 @@ def _decode_buffer(
 
     box = container.Container(read, expected_bytes, len(view))
     try:
-        out = np.empty(box.raw_size, np.uint8)  # untouched pages: no memory until written
+        out = output_array(box.raw_size)  # no page is touched before a frame is written
     except (MemoryError, ValueError):
         raise CorruptFileError(f"it claims {box.raw_size:,} bytes, more than fit") from None
 

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from shardprep import hub_client
 from shardprep.constants import COPIED_FILE_PATTERNS
 from shardprep.convert.checkpoint import (
     INDEX_NAME,
@@ -40,6 +40,9 @@ from shardprep.format.headers import sha256_file
 from shardprep.plan import archs
 from shardprep.plan.records import Plan
 
+if TYPE_CHECKING:  # huggingface_hub takes a while to import; a local folder never needs it
+    from shardprep import hub_client
+
 HEADER_WORKERS = 8
 # Few at a time, so that files arrive one after another in the order they are converted
 # (with more, a shared link makes them all arrive at the end); see BENCHMARKS.md.
@@ -54,6 +57,8 @@ def open_source(
         return open_checkpoint(model)
     if not is_repo_id_shape(model):
         raise ConfigError(f"{model} is neither a model folder nor a Hugging Face repo id")
+    from shardprep import hub_client
+
     hub_client.check_repo_id(model)
     if hub_client.is_offline():
         return _offline(model, revision)
