@@ -16,6 +16,7 @@ from shardprep.errors import TopologyMismatchError
 from shardprep.format.manifest import Manifest, read_manifest
 from shardprep.loader.reader import read_rank
 from shardprep.loader.regroup import ReadCount, check_served, regroup_rank
+from shardprep.plan.regions import tp_ranks_for, worker_stages
 from shardprep.plan.topology import ExpertSplit
 
 
@@ -42,6 +43,8 @@ def _compare(
                 split = ExpertSplit(entry.experts.num_experts, topo.tp, dp, ep, "linear")
                 experts = (split, split.moe_rank(tp_rank))
             count = ReadCount()
+            art = manifest.topology
+            stages = worker_stages(art, topo.partition, pp_rank, draft=role == "draft")
             got = dict(
                 regroup_rank(
                     artifact,
@@ -52,6 +55,7 @@ def _compare(
                     tp_rank=tp_rank,
                     experts=experts,
                     count=count,
+                    stages=stages,
                 )
             )
             assert sorted(got) == sorted(want)
@@ -59,11 +63,13 @@ def _compare(
                 assert got[name].dtype == tensor.dtype, name
                 assert got[name].shape == tensor.shape, name
                 assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
-            # Only the stages of this rank's layers: files of other stages stay unopened.
-            stages = {int(Path(f).name.split("-")[2]) for f in count.files}
-            layers = set(range(*topo.layer_range(pp_rank)))
-            art = manifest.topology
-            assert stages <= {art.stage_of_layer(i) for i in layers} | {0, art.last_stage}
+            # Only the stages of this rank's layers (what a fetch from the Hub brings) and,
+            # without experts, only the tp ranks this rank is made of.
+            opened = [Path(f).name.split("-") for f in count.files]
+            assert {int(name[2]) for name in opened} <= set(stages)
+            if entry.experts is None:
+                ranks = tp_ranks_for(art.tp, topo.tp, tp_rank)
+                assert {int(name[4]) for name in opened} <= set(ranks)
             ratios.append(count.read / count.own)
     return ratios
 
