@@ -154,3 +154,18 @@ def test_an_artifact_without_pieces_serves_only_its_own_topology(
         check_served(artifact, old, 1, 1)
     one_stage = dataclasses.replace(manifest, stages=(1,))
     assert one_stage.served_topologies() == "tp2 x pp2 only (it holds stage(s) 1)"
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1)])
+def test_deepseek_v3_with_its_mtp_draft(tmp_path: Path, tp: int, pp: int) -> None:
+    """The MTP draft, stored on the last stage of tp2 x pp2, cut for the last stage of
+    another topology, where it shares the target's embedding (the files leave it out)."""
+    target = make_tiny_model(
+        tmp_path / "dsv3", "DeepseekV3ForCausalLM", num_hidden_layers=3,
+        num_nextn_predict_layers=1,
+    )  # fmt: skip
+    artifact, reference = tmp_path / "tp2-pp2", tmp_path / "served"
+    _convert(target, artifact, 2, 2)
+    _convert(target, reference, tp, pp)
+    for role in ("target", "draft"):
+        assert set(_compare(artifact, reference, role)) == {1.0}
