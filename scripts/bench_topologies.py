@@ -19,6 +19,7 @@ from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 from shardprep.format.manifest import ModelEntry, Topology, read_manifest
 from shardprep.loader.regroup import ReadCount, regroup_rank
+from shardprep.plan.regions import worker_stages
 from shardprep.plan.topology import make_topology
 
 TP, PP, LAYERS = 4, 2, 8
@@ -58,9 +59,13 @@ def main() -> None:
                     for rank in range(tp):
                         wanted = _names(entry, topo, stage)
                         count = ReadCount()
+                        stages = worker_stages(
+                            manifest.topology, topo.partition, stage, draft=role == "draft"
+                        )
                         for _ in regroup_rank(
-                            artifact, manifest, entry, wanted, tp=tp, tp_rank=rank, count=count
-                        ):
+                            artifact, manifest, entry, wanted, tp=tp, tp_rank=rank, count=count,
+                            stages=stages,
+                        ):  # fmt: skip
                             pass
                         ratios.append(count.read / count.own)
                         files.append(len(count.files))

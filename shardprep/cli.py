@@ -191,7 +191,7 @@ def cmd_fetch(args: argparse.Namespace) -> None:
 
     folder = fetch(
         args.repo_id, stage=args.stage, rank=args.rank, all_stages=args.all, pp=args.pp,
-        revision=args.revision, cache_dir=args.cache_dir, endpoint=args.endpoint,
+        tp=args.tp, revision=args.revision, cache_dir=args.cache_dir, endpoint=args.endpoint,
         progress=not args.quiet, verify=args.verify,
     )  # fmt: skip
     data = {
@@ -202,6 +202,7 @@ def cmd_fetch(args: argparse.Namespace) -> None:
         "rank": args.rank,
         "all": args.all,
         "pp": args.pp,
+        "tp": args.tp,
     }
     _emit(args, data, str(folder))
 
@@ -240,6 +241,13 @@ def _add_hub_flags(parser: argparse.ArgumentParser, name: str) -> None:
         type=int,
         help="--stage is a stage of this pipeline size: fetch the artifact stages that hold "
         "its layers (for an artifact that serves any pp)",
+    )
+    parser.add_argument(
+        "--tp",
+        metavar="T'",
+        type=int,
+        help="--rank is a rank of this tensor parallel size (a divisor of the artifact's): "
+        "fetch the artifact ranks it is made of",
     )
     parser.add_argument("--revision", metavar="REV", help="branch, tag or commit (default: main)")
     parser.add_argument(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -52,9 +53,10 @@ from shardprep.hub.cache_manifest import (
 )
 from shardprep.hub.cache_parts import (
     check_request,
-    other_split_parts,
     requested_parts,
+    split_parts,
     wanted_files,
+    worker_parts,
 )
 from shardprep.hub.cache_state import (
     STATE_DIR,
@@ -88,6 +90,7 @@ def fetch(
     rank: int | None = None,
     all_stages: bool = False,
     pp: int | None = None,
+    tp: int | None = None,
     revision: str | None = None,
     cache_dir: Path | str | None = None,
     endpoint: str | None = None,
@@ -100,9 +103,81 @@ def fetch(
     rank files are downloaded; a part fetched before needs no network. `verify` re-hashes
     what the cache already holds of the part and downloads again any file that fails.
     `pp`: `stage` is a stage of that pipeline split (VLLM_PP_LAYER_PARTITION, else vLLM's
-    default), and the artifact's stages that hold its layers are fetched."""
+    default), and the artifact's stages that hold its layers are fetched. `tp`: `rank` is
+    a rank of that tp (dividing the artifact's), and the artifact's ranks it is made of
+    are fetched."""
     hub_client.check_repo_id(repo_id)
-    check_request(stage, rank, all_stages, pp)
+    check_request(stage, rank, all_stages, pp, tp)
+
+    def parts(manifest: Manifest) -> list[Part]:
+        if stage is None or (pp is None and tp is None):
+            return requested_parts(manifest, repo_id, stage, rank, all_stages)
+        return split_parts(manifest, repo_id, stage, rank, pp=pp, tp=tp)
+
+    return _fetch(repo_id, parts, revision, cache_dir, endpoint, token, progress, verify)
+
+
+def ensure_stage(
+    repo_id_or_path: str, stage: int, *, revision: str | None = None, progress: bool = False
+) -> Path:
+    """A local artifact folder that holds `stage`. A folder is returned as it is; a Hub
+    repo id is fetched into the cache (only that stage), or found there."""
+    local = _local(repo_id_or_path)
+    if local is not None:
+        return local
+    return fetch(str(repo_id_or_path), stage=stage, revision=revision, progress=progress)
+
+
+def ensure_rank(
+    repo_id_or_path: str,
+    role: str,
+    *,
+    stage: int,
+    tp: int,
+    tp_rank: int,
+    partition: Sequence[int] | None,
+    revision: str | None = None,
+    progress: bool = False,
+) -> Path:
+    """For the loader: a local artifact folder that holds what the vLLM worker at `stage`
+    of the pipeline split `partition` (None for a draft), tp rank `tp_rank` of `tp`, reads
+    to load `role` (`worker_parts`). A folder is returned as it is; for a Hub repo id only
+    those parts are fetched into the cache (once per node, under a lock), or found there."""
+    local = _local(repo_id_or_path)
+    if local is not None:
+        return local
+    repo_id = str(repo_id_or_path)
+
+    def parts(manifest: Manifest) -> list[Part]:
+        return worker_parts(manifest, repo_id, role, stage, tp, tp_rank, partition)
+
+    return _fetch(repo_id, parts, revision, None, None, None, progress, False)
+
+
+def _local(repo_id_or_path: str) -> Path | None:
+    local = Path(repo_id_or_path).expanduser()
+    if local.is_dir():
+        return local
+    text = str(repo_id_or_path)
+    if text.startswith(("/", ".", "~")) or text.count("/") > 1:
+        raise ConfigError(
+            f"{text} is neither a folder nor a Hub repo id: convert a model into it "
+            "(`shardprep convert`) or name a repo like org/Model-TP8-PP2"
+        )
+    return None
+
+
+def _fetch(
+    repo_id: str,
+    parts: Callable[[Manifest], list[Part]],
+    revision: str | None,
+    cache_dir: Path | str | None,
+    endpoint: str | None,
+    token: str | None,
+    progress: bool,
+    verify: bool,
+) -> Path:
+    hub_client.check_repo_id(repo_id)
     repo_dir = repo_folder(repo_id, cache_dir)
     revision = revision or hf_constants.DEFAULT_REVISION
     remote = (
@@ -113,35 +188,13 @@ def fetch(
     if verify and remote is not None:
         recheck_manifest(folder, commit, remote)
     manifest = cached_manifest(folder, repo_id, commit, remote)
-    parts = (
-        requested_parts(manifest, repo_id, stage, rank, all_stages)
-        if pp is None or stage is None
-        else other_split_parts(manifest, repo_id, pp, stage, rank)
-    )
-    for part in parts:
+    for part in parts(manifest):
         if verify:
             _recheck(folder, repo_id, manifest, part, remote, progress)
         _fetch_part(folder, repo_id, manifest, part, remote, progress)
     if not hub_client.is_commit(revision):
         write_ref(repo_dir, revision, commit)
     return folder
-
-
-def ensure_stage(
-    repo_id_or_path: str, stage: int, *, revision: str | None = None, progress: bool = False
-) -> Path:
-    """For the loader: a local artifact folder that holds `stage`. A folder is returned as it
-    is; a Hub repo id is fetched into the cache (only that stage), or found there."""
-    local = Path(repo_id_or_path).expanduser()
-    if local.is_dir():
-        return local
-    text = str(repo_id_or_path)
-    if text.startswith(("/", ".", "~")) or text.count("/") > 1:
-        raise ConfigError(
-            f"{text} is neither a folder nor a Hub repo id: convert a model into it "
-            "(`shardprep convert`) or name a repo like org/Model-TP8-PP2"
-        )
-    return fetch(text, stage=stage, revision=revision, progress=progress)
 
 
 # ---------------------------------------------------------------------------- re-verifying

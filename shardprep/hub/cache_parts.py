@@ -3,24 +3,34 @@ rank of them) it names, those of another pipeline split, and each part's files."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from shardprep import hub_client
 from shardprep.constants import ENV_PP_PARTITION, pp_partition_from_env
-from shardprep.errors import ConfigError, PlanError
+from shardprep.errors import ConfigError, PlanError, TopologyMismatchError
 from shardprep.format.manifest import Manifest
 from shardprep.hub.cache_state import Part, Wanted
-from shardprep.plan.regions import stages_for
+from shardprep.plan.regions import stages_for, tp_ranks_for
 from shardprep.plan.topology import default_partition, parse_partition
 
 
 def check_request(
-    stage: int | None, rank: int | None, all_stages: bool, pp: int | None = None
+    stage: int | None,
+    rank: int | None,
+    all_stages: bool,
+    pp: int | None = None,
+    tp: int | None = None,
 ) -> None:
-    if all_stages and (stage is not None or rank is not None or pp is not None):
-        raise ConfigError("--all fetches every stage and rank: drop --stage, --rank and --pp")
+    if all_stages and (stage is not None or rank is not None or pp is not None or tp is not None):
+        raise ConfigError("--all fetches every stage and rank: drop --stage, --rank, --pp and --tp")
     if pp is not None and stage is None:
         raise ConfigError(f"--pp {pp} needs --stage: say which stage of the {pp} to fetch")
     if pp is not None and pp < 1:
         raise ConfigError(f"--pp {pp} is not a pipeline size; pass 1 or more")
+    if tp is not None and rank is None:
+        raise ConfigError(f"--tp {tp} needs --rank: say which rank of the {tp} to fetch")
+    if tp is not None and tp < 1:
+        raise ConfigError(f"--tp {tp} is not a tensor parallel size; pass 1 or more")
     if rank is not None and stage is None:
         raise ConfigError(f"--rank {rank} needs --stage: say which stage's rank to fetch")
     for name, value in (("stage", stage), ("rank", rank)):
@@ -53,33 +63,77 @@ def requested_parts(
     return [Part(stage, rank)]
 
 
-def other_split_parts(
-    manifest: Manifest, repo_id: str, pp: int, stage: int, rank: int | None
+def split_parts(
+    manifest: Manifest,
+    repo_id: str,
+    stage: int,
+    rank: int | None,
+    *,
+    pp: int | None = None,
+    tp: int | None = None,
+    partition: Sequence[int] | None = None,
 ) -> list[Part]:
-    """The artifact's stages (or their rank `rank`) that stage `stage` of `pp` reads."""
+    """The artifact's parts that rank `rank` (None: every rank) of stage `stage` reads when
+    vLLM runs at tp x pp: `partition` (layers per stage), else that of `pp`
+    (VLLM_PP_LAYER_PARTITION, else vLLM's default), else the artifact's own; tp defaults to
+    the artifact's. Whole stages for a model with experts: which ranks hold a rank's experts
+    depends on the expert parallelism vLLM runs with."""
     topo = manifest.topology
+    tp = topo.tp if tp is None else tp
     layers, env = sum(topo.partition), pp_partition_from_env()
+    flag = f"--pp {pp}" if pp is not None else f"--tp {tp}"
     try:
-        partition = (
-            parse_partition(env, layers, pp, ENV_PP_PARTITION)
-            if env
-            else default_partition(layers, pp)
-        )
-        if (pp, partition) == (topo.pp, tuple(topo.partition)):
+        if partition is None and pp is None:
+            partition = tuple(topo.partition)
+        elif partition is None:
+            partition = (
+                parse_partition(env, layers, pp, ENV_PP_PARTITION)
+                if env
+                else default_partition(layers, pp)
+            )
+        partition = tuple(partition)
+        if (tp, partition) == (topo.tp, tuple(topo.partition)):
             return requested_parts(manifest, repo_id, stage, rank, False)
         if not manifest.served_tps:
             raise ConfigError(
                 f"{repo_id} is tp{topo.tp} x pp{topo.pp} and serves "
-                f"{manifest.served_topologies()}: fetch one of its own stages (drop --pp {pp})"
+                f"{manifest.served_topologies()}: fetch one of its own stages and ranks "
+                "(drop --pp and --tp)"
             )
         stages = stages_for(topo, partition, stage)
+        if rank is None:
+            return [Part(p) for p in stages]
+        ranks = tp_ranks_for(topo.tp, tp, rank)
     except PlanError as exc:
-        raise ConfigError(f"{repo_id} at --pp {pp}: {exc}") from None
-    if rank is not None and rank >= topo.tp:
-        raise ConfigError(
-            f"{repo_id} was built for tp={topo.tp}: --rank takes 0 to {topo.tp - 1}, not {rank}"
+        raise ConfigError(f"{repo_id} at {flag}: {exc}") from None
+    if any(m.experts is not None for m in manifest.models):
+        return [Part(p) for p in stages]
+    return [Part(p, r) for p in stages for r in ranks]
+
+
+def worker_parts(
+    manifest: Manifest,
+    repo_id: str,
+    role: str,
+    stage: int,
+    tp: int,
+    tp_rank: int,
+    partition: Sequence[int] | None,
+) -> list[Part]:
+    """What the vLLM worker at `stage` of the pipeline split `partition` (vLLM's; None for
+    a draft, which lives on the artifact's last stage), tp rank `tp_rank` of `tp`, reads."""
+    topo = manifest.topology
+    split = tuple(topo.partition) if partition is None else tuple(partition)
+    if (tp, split) != (topo.tp, tuple(topo.partition)) and tp not in manifest.served_tps:
+        raise TopologyMismatchError(
+            f"{repo_id} is tp{topo.tp} x pp{topo.pp} and serves {manifest.served_topologies()}; "
+            f"vLLM runs tp{tp} x pp{len(split)} (layers {','.join(map(str, split))}), which it "
+            f"cannot serve; start vLLM at a topology it serves, or convert again with --tp {tp} "
+            f"--pp {len(split)}"
         )
-    return [Part(p, rank) for p in stages]
+    if role == "draft":  # on the last stage of any split: the artifact's last stage
+        return split_parts(manifest, repo_id, topo.last_stage, tp_rank, tp=tp)
+    return split_parts(manifest, repo_id, stage, tp_rank, tp=tp, partition=split)
 
 
 def wanted_files(manifest: Manifest, part: Part) -> list[Wanted]:

@@ -111,19 +111,21 @@ class ShardedFastLoader(BaseModelLoader):
         started = time.perf_counter()
         role = model_role(model_config)
         place = RankPlace.current()
-        artifact = resolve_artifact(model_config, role, place.pp_rank)
+        built, vllm_partition = (
+            vllm_layers(model, model_config, place) if role == "target" else ((0, 0), None)
+        )
+        artifact = resolve_artifact(model_config, role, place, vllm_partition)
         manifest = read_manifest(artifact)
         entry = model_entry(manifest, role, artifact)
         check_contract(artifact, manifest, entry, model, model_config)
         check_dtype(artifact, entry, model_config.dtype)
-        if role == "target":
-            built, vllm_partition = vllm_layers(model, model_config, place)
-        else:
-            built, vllm_partition = (0, 0), manifest.topology.partition
+        if vllm_partition is None:  # a draft lives on the last stage, whatever the split
+            vllm_partition = tuple(manifest.topology.partition)
         if (place.tp_size, place.pp_size, vllm_partition) != _own(manifest):
             check_served(artifact, manifest, place.tp_size, place.pp_size)
             load_regrouped(
-                artifact, manifest, entry, model, place, verify=self.options.verify,
+                artifact, manifest, entry, model, place, vllm_partition,
+                verify=self.options.verify,
                 family=draft_family(manifest, entry),
                 may_lack=_may_lack(manifest, entry, model),
             )  # fmt: skip
@@ -188,15 +190,25 @@ def model_path(model_config: ModelConfig) -> Path:
     return Path(getattr(model_config, "model_weights", "") or model_config.model)
 
 
-def resolve_artifact(model_config: ModelConfig, role: str, pp_rank: int) -> Path:
-    """The local artifact: the model path itself, or, for a Hub repo id, this rank's stage
-    fetched into the stage-sharded cache (once per node, under a lock)."""
+def resolve_artifact(
+    model_config: ModelConfig,
+    role: str,
+    place: RankPlace,
+    partition: tuple[int, ...] | None,
+) -> Path:
+    """The local artifact: the model path itself, or, for a Hub repo id, the parts this
+    worker reads (the artifact's stages and tp ranks that make its rank of vLLM's
+    `partition`, None for a draft) fetched into the stage-sharded cache (once per node,
+    under a lock)."""
     path = model_path(model_config)
     # A draft has a repo id for a path when it lives in its target (MTP layers).
     if not path.exists() and REPO_ID.fullmatch(str(path)):
-        from shardprep.hub.cache import ensure_stage
+        from shardprep.hub.cache import ensure_rank
 
-        return ensure_stage(str(path), pp_rank, revision=model_config.revision)
+        return ensure_rank(
+            str(path), role, stage=place.pp_rank, tp=place.tp_size, tp_rank=place.tp_rank,
+            partition=partition, revision=model_config.revision,
+        )  # fmt: skip
     return find_artifact(path, role)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,14 +65,25 @@ def load_regrouped(
     entry: ModelEntry,
     model: torch.nn.Module,
     place: RankPlace,
+    partition: tuple[int, ...],
     *,
     verify: bool,
     family: DraftFamily | None,
     may_lack: set[str],
 ) -> None:
-    """Fill the model from an artifact of another topology: the draft family's hooks
-    around the copy, as at the artifact's own topology."""
+    """Fill the model from an artifact of another topology (vLLM's layer `partition`):
+    the draft family's hooks around the copy, as at the artifact's own topology."""
+    from shardprep.plan.regions import worker_stages
+
     wanted = _wanted(model, entry)
+    try:
+        stages = worker_stages(
+            manifest.topology, partition, place.pp_rank, draft=entry.role == "draft"
+        )
+    except PlanError as exc:
+        raise TopologyMismatchError(
+            f"artifact {artifact} cannot serve vLLM's pipeline split: {exc}"
+        ) from None
     where = (
         f"{artifact} ({entry.role}, rank pp{place.pp_rank} tp{place.tp_rank} of "
         f"tp{place.tp_size} x pp{place.pp_size})"
@@ -82,7 +93,7 @@ def load_regrouped(
     count = ReadCount()
     tensors = regroup_rank(
         artifact, manifest, entry, wanted, tp=place.tp_size, tp_rank=place.tp_rank,
-        experts=running_split(model, entry, place), verify=verify, count=count,
+        experts=running_split(model, entry, place), verify=verify, count=count, stages=stages,
     )  # fmt: skip
     if entry.experts is not None:
         tensors = _device_layout_checked(artifact, entry, model, tensors)
@@ -152,9 +163,12 @@ def regroup_rank(
     experts: tuple[ExpertSplit, int] | None = None,
     verify: bool = False,
     count: ReadCount | None = None,
+    stages: Collection[int] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for each parameter in `wanted` that the artifact has, cut for
-    tp rank `tp_rank` of `tp`. `experts`: vLLM's (ExpertSplit, moe rank) of this rank."""
+    tp rank `tp_rank` of `tp`. `experts`: vLLM's (ExpertSplit, moe rank) of this rank.
+    `stages`: the artifact stages this rank reads (`worker_stages`); a tensor that other
+    stages hold too (the embeddings a draft shares) is read from them."""
     from shardprep.plan.regions import locate, rank_tensor, stored_blocks
     from shardprep.plan.topology import ExpertSplit
 
@@ -196,7 +210,11 @@ def regroup_rank(
                     stored += stored_blocks(holder, theirs)
                 prefer = sorted(
                     (h for h, _ in held),
-                    key=lambda h: (split_rank_key(h)[1] not in own_ranks, h),
+                    key=lambda h: (
+                        split_rank_key(h)[0] not in stages,
+                        split_rank_key(h)[1] not in own_ranks,
+                        h,
+                    ),
                 )
                 reads, zeros = locate(mine, stored, prefer)
             except PlanError as exc:

@@ -180,3 +180,28 @@ def stages_for(artifact: Topology, partition: Sequence[int], stage: int) -> tupl
     first = sum(partition[:stage])
     last = first + partition[stage] - 1
     return tuple(range(artifact.stage_of_layer(first), artifact.stage_of_layer(last) + 1))
+
+
+def tp_ranks_for(artifact_tp: int, tp: int, rank: int) -> range:
+    """The artifact's tp ranks whose files make rank `rank` of `tp` (dividing artifact_tp):
+    every cut splits a tensor into contiguous runs in rank order, so a coarser rank is
+    made of the k = artifact_tp / tp ranks rank*k .. rank*k + k - 1.
+
+    >>> tp_ranks_for(8, 2, 1)
+    range(4, 8)
+    """
+    if tp < 1 or artifact_tp % tp:
+        raise PlanError(f"tp{tp} is not a divisor of the artifact's tp{artifact_tp}")
+    if not 0 <= rank < tp:
+        raise PlanError(f"rank {rank} is not one of the {tp} ranks of tp{tp} (0 to {tp - 1})")
+    k = artifact_tp // tp
+    return range(rank * k, rank * k + k)
+
+
+def worker_stages(
+    artifact: Topology, partition: Sequence[int], stage: int, draft: bool = False
+) -> tuple[int, ...]:
+    """The artifact's stages a worker at `stage` of the split `partition` reads: those of
+    its layers (`stages_for`), or for a draft (which lives on the last stage of any split)
+    the artifact's last stage."""
+    return (artifact.last_stage,) if draft else stages_for(artifact, partition, stage)

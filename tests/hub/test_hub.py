@@ -28,9 +28,11 @@ from shardprep import cli
 from shardprep.constants import MANIFEST_NAME
 from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
-from shardprep.errors import ConfigError, CorruptFileError, HubError
+from shardprep.errors import ConfigError, CorruptFileError, HubError, TopologyMismatchError
 from shardprep.format.manifest import Manifest, Source, read_manifest, write_manifest
 from shardprep.hub.cache import STATE_DIR, ensure_stage, fetch, repo_folder
+from shardprep.hub.cache_parts import worker_parts
+from shardprep.hub.cache_state import Part
 from shardprep.hub.modelcard import model_card
 from shardprep.hub.publish import publish
 
@@ -156,6 +158,67 @@ def test_fetch_a_stage_of_another_pipeline_split(
         fetch(REPO, stage=2, pp=2, endpoint=hub.endpoint)  # its own split: its own stages
     with pytest.raises(ConfigError, match="fewer than pp=5 stages"):
         fetch(REPO, stage=0, pp=5, endpoint=hub.endpoint)
+
+
+def test_fetch_a_rank_of_a_coarser_tp(
+    hub: HubServer, tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 of tp2 from a tp4 x pp2 artifact is its ranks 2 and 3; with --pp 1 as well,
+    those ranks of both stages (the draft with the last)."""
+    model = tiny.model("llama")
+    artifact = tmp_path / "tiny-tp4-pp2"
+    convert(str(model), artifact, Options(tp=4, pp=2, draft=str(tiny.draft("eagle3", model))),
+            progress=False)  # fmt: skip
+    repo = "shardprep-test/Tiny-TP4-PP2"
+    publish(artifact, repo, endpoint=hub.endpoint, progress=False)
+    files = _manifest(artifact).files
+    extras = {e.path for e in _manifest(artifact).extra_files}
+
+    def paths(stages: set[int], ranks: set[int]) -> set[str]:
+        return {f.path for f in files if f.pp in stages and f.tp in ranks}
+
+    argv = ["fetch", repo, "--stage", "1", "--rank", "1", "--tp", "2", "--endpoint", hub.endpoint]
+    assert cli.main([*argv, "--json", "-q"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["stage"], out["rank"], out["tp"]) == (1, 1, 2)
+    assert set(_requested(hub)) == paths({1}, {2, 3}) | extras | {MANIFEST_NAME}
+    assert any(p.startswith("draft/shards/") for p in paths({1}, {2, 3}))
+    folder = Path(out["path"])
+    assert all((folder / p).read_bytes() == (artifact / p).read_bytes() for p in paths({1}, {2, 3}))
+
+    before = len(_requested(hub))
+    assert fetch(repo, stage=0, rank=1, pp=1, tp=2, endpoint=hub.endpoint, progress=False) == folder
+    assert set(_requested(hub)[before:]) == paths({0}, {2, 3})  # stage 1's ranks are cached
+    assert not any((folder / p).exists() for p in paths({0, 1}, {0, 1}))
+
+    with pytest.raises(ConfigError, match="--tp 2 needs --rank"):
+        fetch(repo, stage=0, tp=2, endpoint=hub.endpoint)
+    with pytest.raises(ConfigError, match="at --tp 3: tp3 is not a divisor of the artifact's tp4"):
+        fetch(repo, stage=0, rank=0, tp=3, endpoint=hub.endpoint)
+    with pytest.raises(ConfigError, match="rank 2 is not one of the 2 ranks of tp2"):
+        fetch(repo, stage=0, rank=2, tp=2, endpoint=hub.endpoint)
+
+
+def test_the_parts_a_vllm_worker_fetches(artifact: Path) -> None:
+    """What each worker of vLLM fetches from a tp2 x pp2 artifact of 4 layers: its own
+    rank at the artifact's topology, the ranks and stages its rank is made of elsewhere;
+    a draft's are the artifact's last stage; a tp that does not divide is refused."""
+    manifest = _manifest(artifact)
+    assert worker_parts(manifest, REPO, "target", 1, 2, 1, (2, 2)) == [Part(1, 1)]
+    assert worker_parts(manifest, REPO, "draft", 1, 2, 1, None) == [Part(1, 1)]
+    assert worker_parts(manifest, REPO, "target", 0, 1, 0, (4,)) == [
+        Part(0, 0), Part(0, 1), Part(1, 0), Part(1, 1)
+    ]  # fmt: skip
+    assert worker_parts(manifest, REPO, "target", 1, 1, 0, (2, 2)) == [Part(1, 0), Part(1, 1)]
+    assert worker_parts(manifest, REPO, "target", 2, 2, 0, (1, 2, 1)) == [Part(1, 0)]
+    assert worker_parts(manifest, REPO, "draft", 0, 1, 0, None) == [Part(1, 0), Part(1, 1)]
+    with pytest.raises(TopologyMismatchError) as info:
+        worker_parts(manifest, REPO, "target", 0, 4, 0, (4,))
+    assert str(info.value) == (
+        f"{REPO} is tp2 x pp2 and serves tp 1, 2 x any pp; vLLM runs tp4 x pp1 (layers 4), "
+        "which it cannot serve; start vLLM at a topology it serves, or convert again with "
+        "--tp 4 --pp 1"
+    )
 
 
 _FETCH_AND_CHECK = """

@@ -16,6 +16,7 @@ from shardprep.errors import TopologyMismatchError
 from shardprep.format.manifest import Manifest, read_manifest
 from shardprep.loader.reader import read_rank
 from shardprep.loader.regroup import ReadCount, check_served, regroup_rank
+from shardprep.plan.regions import tp_ranks_for, worker_stages
 from shardprep.plan.topology import ExpertSplit
 
 
@@ -42,6 +43,8 @@ def _compare(
                 split = ExpertSplit(entry.experts.num_experts, topo.tp, dp, ep, "linear")
                 experts = (split, split.moe_rank(tp_rank))
             count = ReadCount()
+            art = manifest.topology
+            stages = worker_stages(art, topo.partition, pp_rank, draft=role == "draft")
             got = dict(
                 regroup_rank(
                     artifact,
@@ -52,6 +55,7 @@ def _compare(
                     tp_rank=tp_rank,
                     experts=experts,
                     count=count,
+                    stages=stages,
                 )
             )
             assert sorted(got) == sorted(want)
@@ -59,11 +63,13 @@ def _compare(
                 assert got[name].dtype == tensor.dtype, name
                 assert got[name].shape == tensor.shape, name
                 assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
-            # Only the stages of this rank's layers: files of other stages stay unopened.
-            stages = {int(Path(f).name.split("-")[2]) for f in count.files}
-            layers = set(range(*topo.layer_range(pp_rank)))
-            art = manifest.topology
-            assert stages <= {art.stage_of_layer(i) for i in layers} | {0, art.last_stage}
+            # Only the stages of this rank's layers (what a fetch from the Hub brings) and,
+            # without experts, only the tp ranks this rank is made of.
+            opened = [Path(f).name.split("-") for f in count.files]
+            assert {int(name[2]) for name in opened} <= set(stages)
+            if entry.experts is None:
+                ranks = tp_ranks_for(art.tp, topo.tp, tp_rank)
+                assert {int(name[4]) for name in opened} <= set(ranks)
             ratios.append(count.read / count.own)
     return ratios
 
@@ -148,3 +154,18 @@ def test_an_artifact_without_pieces_serves_only_its_own_topology(
         check_served(artifact, old, 1, 1)
     one_stage = dataclasses.replace(manifest, stages=(1,))
     assert one_stage.served_topologies() == "tp2 x pp2 only (it holds stage(s) 1)"
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1)])
+def test_deepseek_v3_with_its_mtp_draft(tmp_path: Path, tp: int, pp: int) -> None:
+    """The MTP draft, stored on the last stage of tp2 x pp2, cut for the last stage of
+    another topology, where it shares the target's embedding (the files leave it out)."""
+    target = make_tiny_model(
+        tmp_path / "dsv3", "DeepseekV3ForCausalLM", num_hidden_layers=3,
+        num_nextn_predict_layers=1,
+    )  # fmt: skip
+    artifact, reference = tmp_path / "tp2-pp2", tmp_path / "served"
+    _convert(target, artifact, 2, 2)
+    _convert(target, reference, tp, pp)
+    for role in ("target", "draft"):
+        assert set(_compare(artifact, reference, role)) == {1.0}

@@ -10,7 +10,15 @@ import pytest
 from shardprep.errors import PlanError
 from shardprep.plan.layout import Cut, Piece, ScaleOf, w2_pieces, w13_pieces
 from shardprep.plan.records import TensorPlan
-from shardprep.plan.regions import locate, rank_tensor, served_tps, stages_for, stored_blocks
+from shardprep.plan.regions import (
+    locate,
+    rank_tensor,
+    served_tps,
+    stages_for,
+    stored_blocks,
+    tp_ranks_for,
+    worker_stages,
+)
 from shardprep.plan.topology import ExpertSplit, Topology
 
 DTYPE = "F32"
@@ -191,3 +199,25 @@ def test_stages_for_refuses_a_split_of_another_model_or_stage() -> None:
         stages_for(artifact, (2, 3), 0)
     with pytest.raises(PlanError, match="stage 3 is not one of the 3 stages"):
         stages_for(artifact, (2, 2, 2), 3)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 6, 12])
+def test_tp_ranks_for_tile_the_artifact_ranks_in_order(tp: int) -> None:
+    ranks = [list(tp_ranks_for(12, tp, r)) for r in range(tp)]
+    assert [r for run in ranks for r in run] == list(range(12))
+    assert {len(r) for r in ranks} == {12 // tp}
+
+
+def test_tp_ranks_for_refuses_a_tp_that_does_not_divide_or_a_rank_outside() -> None:
+    with pytest.raises(PlanError, match="tp4 is not a divisor of the artifact's tp6"):
+        tp_ranks_for(6, 4, 0)
+    with pytest.raises(PlanError, match="rank 3 is not one of the 3 ranks of tp3"):
+        tp_ranks_for(6, 3, 3)
+
+
+def test_worker_stages_put_a_draft_on_the_artifact_last_stage() -> None:
+    artifact = Topology(2, 3, (2, 2, 2))
+    assert worker_stages(artifact, (6,), 0) == (0, 1, 2)
+    assert worker_stages(artifact, (3, 3), 0) == (0, 1)
+    assert worker_stages(artifact, (3, 3), 1, draft=True) == (2,)
+    assert worker_stages(artifact, (6,), 0, draft=True) == (2,)

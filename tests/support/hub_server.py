@@ -15,7 +15,7 @@ of a revision to its blob; `refs/<branch>` holds the branch head. Commit ids are
 Model repos only; repo ids are "org/name"; revisions are branch names or full commit ids.
 
 Test hooks: `corrupt_blob`, `cut_next_download`, `downloads`, `download_ranges`, `bytes_served`,
-`requests`.
+`requests`, `downloads_by_origin`.
 """
 
 from __future__ import annotations
@@ -491,6 +491,7 @@ class HubServer:
         self._sent_until = 0.0  # when the bytes sent so far may have been sent, at `bandwidth`
         self._lock = threading.Lock()
         self._requests: list[tuple[str, str]] = []
+        self._origins: list[tuple[str, str, str | None]] = []
         self._ranges: dict[tuple[str, str], list[str | None]] = defaultdict(list)
         self._cuts: dict[tuple[str, str], int] = {}
         self._served: dict[tuple[str, str], int] = defaultdict(int)
@@ -544,6 +545,17 @@ class HubServer:
         with self._lock:
             return list(self._requests)
 
+    def downloads_by_origin(self, repo_id: str) -> dict[str | None, list[str]]:
+        """Repo paths of the GETs of `/resolve/` of this repo, per the `origin/NAME` part of
+        the client's User-Agent (huggingface_hub's HF_HUB_USER_AGENT_ORIGIN; None without)."""
+        prefix = f"/{repo_id}/resolve/"
+        found: dict[str | None, list[str]] = defaultdict(list)
+        with self._lock:
+            for method, path, origin in self._origins:
+                if method == "GET" and path.startswith(prefix):
+                    found[origin].append(path[len(prefix) :].split("/", 1)[1])
+        return dict(found)
+
     def downloads(self, repo_id: str, path: str) -> int:
         """Number of GETs of `/resolve/` for this file (any revision; HEADs not counted)."""
         return len(self.download_ranges(repo_id, path))
@@ -595,8 +607,11 @@ class HubServer:
     # -- dispatch -------------------------------------------------------------------------------
 
     def _handle(self, request: _Request) -> _Response:
+        agent = request.headers.get("User-Agent") or ""
+        origin = next((p[7:] for p in agent.split("; ") if p.startswith("origin/")), None)
         with self._lock:
             self._requests.append((request.method, unquote(request.path)))
+            self._origins.append((request.method, unquote(request.path), origin))
         for method, pattern, handler in _COMPILED_ROUTES:
             match = pattern.fullmatch(request.path)
             if match and method == request.method:

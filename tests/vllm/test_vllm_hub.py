@@ -1,5 +1,6 @@
 """vLLM started on a Hub repo id with --load-format sharded-fast: each worker fetches only
-its own stage from the (test) Hub into the stage-sharded cache, under a lock, and loads."""
+the rank files it reads from the (test) Hub into the stage-sharded cache, under a lock, and
+loads, at the artifact's own topology and at another one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import pytest
 import vllm_env
 from hub_server import HubServer
+from test_vllm_layout import assert_same_state, rank_tensors
+from test_vllm_moe import TRAP
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model
@@ -49,3 +52,46 @@ def test_vllm_serves_a_hub_repo_fetching_one_stage_per_worker(
     (commit,) = [p for p in repo_folder(REPO, cache_dir=cache).iterdir() if len(p.name) == 40]
     for entry in manifest.files:
         assert (commit / entry.path).read_bytes() == (artifact / entry.path).read_bytes()
+
+
+def test_vllm_serves_a_hub_repo_at_another_topology(hub: HubServer, tmp_path: Path) -> None:
+    """One vLLM run: a tp2 x pp2 repo served at tp2 x pp1. Worker tp r reads rank r of both
+    artifact stages, and that is all it downloads; every rank, loaded with every collective
+    trapped, holds what a conversion made at tp2 x pp1 holds (the layout canary proves that
+    equal to vLLM's default loader), and the tokens are transformers' greedy ones."""
+    model = make_tiny_model(tmp_path / "model")
+    artifact = tmp_path / "artifact"
+    convert(str(model), artifact, Options(tp=2, pp=2, dtype="float32"), progress=False)
+    repo = "shardprep-test/Tiny-TP2-PP2"
+    publish(artifact, repo, endpoint=hub.endpoint, progress=False)
+    env = {
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_HUB_OFFLINE": "0",
+        "SHARDPREP_CACHE": str(tmp_path / "node-cache"),
+        "HF_HOME": str(tmp_path / "vllm-hf-home"),
+        **TRAP,
+    }
+    dumps = tmp_path / "dumps"
+    tokens = vllm_env.generate(
+        repo, 2, 1, "dump-sharded-fast", env=env, prompts=PROMPTS, dump_dir=dumps
+    )
+    assert tokens == vllm_env.transformers_greedy(model, PROMPTS, 8)
+
+    files = read_manifest(artifact).files
+    by_worker = hub.downloads_by_origin(repo)
+    for rank in (0, 1):
+        shards = [p for p in by_worker[f"target-pp0-tp{rank}"] if p.startswith("shards/")]
+        assert sorted(shards) == sorted(f.path for f in files if f.tp == rank), rank
+    assert all(hub.downloads(repo, f.path) == 1 for f in files)
+    # Unlabelled: vLLM's own front end reading config.json and the like, never a rank file.
+    assert set(by_worker) - {None} == {"target-pp0-tp0", "target-pp0-tp1"}
+    assert not any(p.startswith("shards/") for p in by_worker.get(None, [])), by_worker[None]
+
+    reference = tmp_path / "tp2-pp1"
+    convert(str(model), reference, Options(tp=2, pp=1, dtype="float32"), progress=False)
+    found = vllm_env.dump_files(dumps)
+    assert found.keys() == vllm_env.expected_dumps(2, 1, with_draft=False)
+    for key, path in found.items():
+        state, meta = vllm_env.read_dump(path)
+        assert meta["trap_armed"] and meta["collective_calls"] == [], meta
+        assert_same_state(rank_tensors(reference, *key), state)

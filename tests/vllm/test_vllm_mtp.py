@@ -10,7 +10,8 @@ from the target's own folder.
   loads: speculative decoding gives the tokens that vLLM's own loader gives with the same
   draft, target and draft hold their rank files; the lm_head copies (and at pp = 1 the
   embedding) that vLLM replaces with the target's after loading are the only parameters
-  the files leave out.
+  the files leave out. The same from a tp2 x pp2 artifact (its draft on its last stage)
+  cut at load time: the same tokens, and every rank holds what the tp2 x pp1 files hold.
 """
 
 from __future__ import annotations
@@ -107,3 +108,22 @@ def test_mtp_speculates_through_sharded_fast_at_tp2_with_collectives_refused(
         assert_same_state(state, rank_tensors(artifact, role, p, t))
     assert [len(seq) for seq in tokens] == [len(seq) for seq in reference] == [8, 8]
     assert tokens == reference
+
+    # One more run: a tp2 x pp2 artifact served at tp2 x pp1, each rank cut out of it.
+    finer = tmp_path / "tp2-pp2"
+    convert(str(model), finer, Options(tp=2, pp=2, dtype="float32"), progress=False)
+    regrouped = vllm_env.generate(
+        finer, 2, 1, "dump-sharded-fast", speculative_config=MTP, **FLOAT32,
+        dump_dir=tmp_path / "regrouped", env={"SHARDPREP_TRAP_COLLECTIVES": "1"},
+    )  # fmt: skip
+    assert regrouped == reference
+    dumps = vllm_env.dump_files(tmp_path / "regrouped")
+    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=True))
+    for (role, p, t), path in dumps.items():
+        state, meta = vllm_env.read_dump(path)
+        assert meta["trap_armed"] and meta["collective_calls"] == []
+        ours = rank_tensors(artifact, role, p, t)
+        if role == "draft":
+            assert meta["model_class"] == "DeepSeekMTP"
+            state = without(state, shared)
+        assert_same_state(state, ours)

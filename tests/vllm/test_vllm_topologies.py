@@ -2,8 +2,9 @@
 a dense model with an EAGLE3 draft, loaded through `sharded-fast` at tp1 x pp1, tp2 x pp1
 and tp1 x pp2 with every collective trapped, leaves on every rank (draft included, on the
 new last stage) what vLLM's default loader leaves there, byte for byte, and generates the
-default loader's tokens; a MoE artifact likewise at tp1 x pp1. Five vLLM runs in all,
-each checking several things: the suite's time matters."""
+default loader's tokens; the same artifact at tp1 x pp4 (target only); a MoE artifact
+likewise at tp1 x pp1. Six vLLM runs in all, each checking several things: the suite's
+time matters."""
 
 from __future__ import annotations
 
@@ -104,6 +105,29 @@ def _assert_same(
             assert [meta[f] for f in _FLAGS] == [want_meta[f] for f in _FLAGS], key
             want = loaded(want, want_meta, shared)
         assert_same_state(want, loaded(state, meta, shared))
+
+
+def test_dense_at_tp1_pp4(tiny, tmp_path: Path) -> None:
+    """One vLLM run: the tp2 x pp2 artifact (six layers, 3 + 3) at tp1 x pp4 with
+    VLLM_PP_LAYER_PARTITION=2,2,1,1, so that stage 1 (layers 2-3) takes layers of both
+    artifact stages; no draft, since the CPU engine serves none at pp > 1. Every rank,
+    loaded with every collective trapped, holds what a conversion made at that split
+    holds; the tokens are transformers' greedy ones."""
+    model = tiny.model("vllm-topo-llama6", num_hidden_layers=6)
+    artifact = _convert(model, tmp_path / "tp2-pp2", 2, 2)
+    split = {"VLLM_PP_LAYER_PARTITION": "2,2,1,1"}
+    tokens = vllm_env.generate(
+        artifact, 1, 4, "dump-sharded-fast", dump_dir=tmp_path / "fast", env=TRAP | split
+    )
+    assert tokens == vllm_env.transformers_greedy(model, vllm_env.DEFAULT_PROMPTS, 8)
+    reference = _convert(model, tmp_path / "tp1-pp4", 1, 4, partition="2,2,1,1")
+    assert read_manifest(reference).topology.partition == (2, 2, 1, 1)
+    dumps = vllm_env.dump_files(tmp_path / "fast")
+    assert dumps.keys() == vllm_env.expected_dumps(1, 4, with_draft=False)
+    for key, path in dumps.items():
+        state, meta = vllm_env.read_dump(path)
+        assert meta["trap_armed"] and meta["collective_calls"] == [], meta
+        assert_same_state(rank_tensors(reference, *key), state)
 
 
 def test_moe_at_a_coarser_tp_and_pp(tiny, tmp_path: Path) -> None:

@@ -123,3 +123,12 @@ class DumpShardedFastLoader(DumpDefaultLoader):
         from shardprep.loader.plugin import ShardedFastLoader
 
         return ShardedFastLoader(replace(load_config, load_format="sharded-fast"))
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        # Labels the Hub requests of this worker's fetch (the test Hub records them), as
+        # HF_HUB_USER_AGENT_ORIGIN would: `origin/{role}-pp{P}-tp{T}` in the User-Agent.
+        from huggingface_hub import constants
+
+        pp, tp = get_pp_group().rank_in_group, get_tensor_model_parallel_rank()
+        constants.HF_HUB_USER_AGENT_ORIGIN = f"{model_role(model_config)}-pp{pp}-tp{tp}"
+        super().load_weights(model, model_config)
