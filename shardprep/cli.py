@@ -5,60 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from shardprep import __version__, report
 from shardprep.constants import debug_enabled
-from shardprep.errors import ConfigError, ShardprepError, printable
+from shardprep.errors import ConfigError, ShardprepError
 from shardprep.format.dtypes import MODEL_DTYPES
 from shardprep.plan import archs
+from shardprep.sizes import flag_size
 from shardprep.terminal import Terminated, error_line, quiet_output, terminate
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """'5GiB', '500MB', '1.5GB', '1000000' -> bytes (at least one)."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"size {text!r} is not understood; write it as e.g. 5GiB or 500MB")
-    size = int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])  # exact, no inf
-    if not 1 <= size < 2**63:
-        raise ConfigError(
-            f"size {printable(text, 40)!r} is not a size a file can have; write e.g. 5GiB"
-        )
-    return size
-
-
-def _flag_size(flag: str, text: str) -> int:
-    try:
-        return parse_size(text)
-    except ConfigError as exc:
-        raise ConfigError(f"{flag}: {exc}") from None
 
 
 def _source_budget(args: argparse.Namespace) -> int | None:
     text = getattr(args, "source_budget", None)
-    return None if text is None else _flag_size("--source-budget", text)
+    return None if text is None else flag_size("--source-budget", text)
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -80,7 +46,7 @@ def _options(args: argparse.Namespace) -> Any:
             f"--draft-method {args.draft_method} needs --draft DRAFT (the draft model it "
             "describes); leave it out to convert the target alone"
         )
-    max_part_bytes = _flag_size("--max-part-size", args.max_part_size)
+    max_part_bytes = flag_size("--max-part-size", args.max_part_size)
     return Options(
         tp=args.tp,
         pp=args.pp,

@@ -21,6 +21,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "shardprep.constants",
         "shardprep.progress",
         "shardprep.safefs",
+        "shardprep.sizes",
     ),
     ("shardprep.format",),
     ("shardprep.codec",),

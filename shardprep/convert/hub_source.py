@@ -14,11 +14,8 @@ is read as a model folder, or the one error line says what it lacks.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
-import shutil
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +28,6 @@ from shardprep.convert.checkpoint import (
     collect_tensors,
     is_repo_id_shape,
     load_config,
-    local_dir_metadata_path,
     open_checkpoint,
     read_index,
 )
@@ -208,16 +204,16 @@ class Arrivals:
 def start_fetch(plan: Plan, checkpoints: dict[str, Checkpoint]) -> Arrivals:
     """Start downloading what the plan reads of each Hub source, and the files copied
     beside the rank files (first: they are small), in the order the converter reads."""
-    distinct = _distinct(checkpoints)
+    distinct = distinct_sources(checkpoints)
     arrivals = Arrivals()
     for _, checkpoint in distinct.values():
-        arrivals.submit(checkpoint, _copied_files(checkpoint))
+        arrivals.submit(checkpoint, copied_files(checkpoint))
     for roles, checkpoint in distinct.values():
         arrivals.submit(checkpoint, files_for_plan(plan, checkpoint, roles))
     return arrivals
 
 
-def _distinct(checkpoints: dict[str, Checkpoint]) -> dict[int, tuple[list[str], Checkpoint]]:
+def distinct_sources(checkpoints: dict[str, Checkpoint]) -> dict[int, tuple[list[str], Checkpoint]]:
     distinct: dict[int, tuple[list[str], Checkpoint]] = {}
     for role, checkpoint in checkpoints.items():
         roles, _ = distinct.get(id(checkpoint), ([], checkpoint))
@@ -225,7 +221,7 @@ def _distinct(checkpoints: dict[str, Checkpoint]) -> dict[int, tuple[list[str], 
     return distinct
 
 
-def _copied_files(checkpoint: Checkpoint) -> list[str]:
+def copied_files(checkpoint: Checkpoint) -> list[str]:
     return sorted(
         path
         for path in checkpoint.sizes or {}
@@ -258,136 +254,12 @@ def _arrive(checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file
     blob = path.resolve()
     path.unlink(missing_ok=True)
     blob.unlink(missing_ok=True)
-    raise _wrong_sha256(
+    raise wrong_sha256(
         remote, commit, file, found, expected, path, "removed from the Hugging Face cache"
     )
 
 
-class BudgetedArrivals(Arrivals):
-    """Downloads of Hub source weight files into a private folder, never more than
-    `budget` bytes of them there at once: a download waits until the files converted
-    before it are deleted (`release`). `watch` is called whenever a download starts or
-    ends and before a file is deleted (the moments the folder's size peaks)."""
-
-    def __init__(self, budget: int, watch: Callable[[], None] | None = None) -> None:
-        super().__init__()
-        self.budget = budget
-        self.watch = watch or (lambda: None)
-        self._room = threading.Condition()
-        self._held = 0
-        self._closed = False
-        self._paths: dict[tuple[int, str], tuple[list[Path], int]] = {}
-
-    def submit_private(self, checkpoint: Checkpoint, files: Iterable[str]) -> None:
-        for file in files:
-            key = (id(checkpoint), file)
-            if key not in self._futures:
-                self._futures[key] = self._pool.submit(self._arrive, checkpoint, file)
-
-    def _arrive(self, checkpoint: Checkpoint, file: str) -> None:
-        size = checkpoint.size(file)
-        with self._room:
-            self._room.wait_for(lambda: self._closed or self._held + size <= self.budget)
-            if self._closed:
-                return
-            self._held += size
-        self.watch()
-        remote, commit = checkpoint.remote, checkpoint.revision
-        assert remote is not None and commit is not None
-        path = remote.download(commit, file, checkpoint.root)
-        # With the record huggingface_hub keeps beside a file it downloaded.
-        record = local_dir_metadata_path(checkpoint.root, file)
-        self._paths[(id(checkpoint), file)] = ([path, record], size)
-        self.watch()
-        expected = (checkpoint.known_sha256 or {}).get(file)
-        found = sha256_file(path) if expected else None
-        if found != expected:
-            path.unlink(missing_ok=True)
-            raise _wrong_sha256(remote, commit, file, found, expected, path, "deleted")
-
-    def release(self, checkpoint: Checkpoint, file: str) -> None:
-        """`file` of `checkpoint` is converted: delete it, making room for the next."""
-        held = self._paths.pop((id(checkpoint), file), None)
-        if held is None:
-            return
-        self.watch()
-        for path in held[0]:
-            path.unlink(missing_ok=True)
-        with self._room:
-            self._held -= held[1]
-            self._room.notify_all()
-
-    def close(self, *, wait: bool = True) -> None:
-        with self._room:
-            self._closed = True
-            self._room.notify_all()
-        super().close(wait=wait)
-
-
-def start_budgeted_fetch(
-    plan: Plan,
-    checkpoints: dict[str, Checkpoint],
-    folder: Path,
-    budget: int,
-    watch: Callable[[], None] | None = None,
-) -> tuple[BudgetedArrivals, dict[str, Checkpoint]]:
-    """Like `start_fetch`, but each Hub source's weight files go into its own subfolder
-    of `folder` (not the Hugging Face cache) within `budget`; the checkpoints returned
-    read them there. The small files (config, tokenizer, side files) stay in the cache
-    and are linked into the subfolder."""
-    distinct = _distinct(checkpoints)
-    wanted = {
-        key: files_for_plan(plan, cp, roles) if cp.remote else []
-        for key, (roles, cp) in distinct.items()
-    }
-    for key, (_, checkpoint) in distinct.items():
-        for file in wanted[key]:
-            if checkpoint.size(file) > budget:
-                raise ConfigError(
-                    f"--source-budget {budget} bytes is smaller than {file} of "
-                    f"{checkpoint.repo_id} ({checkpoint.size(file)} bytes); give a budget of "
-                    "at least its size, or leave --source-budget out"
-                )
-    arrivals = BudgetedArrivals(budget, watch)
-    private: dict[int, Checkpoint] = {}
-    for n, (key, (_, checkpoint)) in enumerate(distinct.items()):
-        if checkpoint.remote is None:
-            private[key] = checkpoint
-            continue
-        arrivals.submit(checkpoint, _copied_files(checkpoint))
-        arrivals.finish()  # the small files first, into the cache
-        root = folder / str(n)
-        root.mkdir(parents=True, exist_ok=True)
-        for name in sorted(p.name for p in checkpoint.root.iterdir()):
-            if name not in checkpoint.files:
-                (root / name).symlink_to((checkpoint.root / name).resolve())
-        private[key] = dataclasses.replace(checkpoint, root=root)
-    for key, checkpoint in private.items():
-        if checkpoint.remote is not None:
-            arrivals.submit_private(checkpoint, wanted[key])
-    return arrivals, {role: private[id(cp)] for role, cp in checkpoints.items()}
-
-
-def begin_fetch(
-    plan: Plan,
-    checkpoints: dict[str, Checkpoint],
-    private: Path,
-    budget: int | None,
-    watch: Callable[[], None] | None = None,
-) -> tuple[Arrivals, dict[str, Checkpoint]]:
-    """`start_fetch`, or with a budget `start_budgeted_fetch` into `private` (emptied
-    first of what a killed run left)."""
-    if budget is None:
-        return start_fetch(plan, checkpoints), checkpoints
-    remove_private(private)
-    return start_budgeted_fetch(plan, checkpoints, private, budget, watch)
-
-
-def remove_private(folder: Path) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _wrong_sha256(
+def wrong_sha256(
     remote: hub_client.Remote,
     commit: str,
     file: str,

@@ -28,14 +28,8 @@ from shardprep.convert.checkpoint import (
     load_side_file,
     same_bytes,
 )
-from shardprep.convert.hub_source import (
-    Arrivals,
-    BudgetedArrivals,
-    begin_fetch,
-    fetch,
-    open_source,
-    remove_private,
-)
+from shardprep.convert.hub_budget import BudgetedArrivals, begin_fetch, remove_private
+from shardprep.convert.hub_source import Arrivals, fetch, open_source
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.record import manifest_of
 from shardprep.convert.scatter import write_rank_files

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shardprep.cli import main, parse_size
+from shardprep.cli import main
+from shardprep.sizes import parse_size
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
