@@ -1,10 +1,18 @@
-"""One artifact, several topologies, in a real vLLM (CPU build): a tp2 x pp2 artifact of
-a dense model with an EAGLE3 draft, loaded through `sharded-fast` at tp1 x pp1, tp2 x pp1
-and tp1 x pp2 with every collective trapped, leaves on every rank (draft included, on the
-new last stage) what vLLM's default loader leaves there, byte for byte, and generates the
-default loader's tokens; the same artifact at tp1 x pp4 (target only); a MoE artifact
-likewise at tp1 x pp1. Six vLLM runs in all, each checking several things: the suite's
-time matters."""
+"""One artifact, several topologies, in a real vLLM (CPU build). Every run loads through
+`sharded-fast` with every collective trapped, and every rank then holds what vLLM's
+default loader leaves there, byte for byte (a default run's dump, or the rank files of a
+conversion made straight at that topology, which the layout canaries prove equal to it):
+
+- a tp2 x pp2 artifact of a dense model with an EAGLE3 draft at tp1 x pp1, tp2 x pp1 and
+  tp1 x pp2 (the draft on the new last stage), the default loader's tokens; the same
+  artifact at tp1 x pp4 (target only), transformers' tokens;
+- a tp2 x pp2 Qwen3-MoE artifact at tp1 x pp1, tp2 x pp1, tp1 x pp2 and tp1 x pp4,
+  transformers' tokens;
+- a tp2 x pp2 DeepSeek-V3 artifact with its MTP draft at tp1 x pp1 (speculating, the
+  default loader's tokens), tp1 x pp2 and tp1 x pp4 (state after loading; tp2 x pp1 is in
+  test_vllm_mtp).
+
+Thirteen vLLM runs in all, each checking several things: the suite's time matters."""
 
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import torch
 import vllm_env
 from test_vllm_layout import _FLAGS, assert_same_state, loaded, rank_tensors
 from test_vllm_moe import TRAP
+from test_vllm_mtp import FLOAT32, MTP, without
 
 from shardprep.convert.run import Options, convert
 from shardprep.format.manifest import read_manifest
@@ -130,19 +139,130 @@ def test_dense_at_tp1_pp4(tiny, tmp_path: Path) -> None:
         assert_same_state(rank_tensors(reference, *key), state)
 
 
-def test_moe_at_a_coarser_tp_and_pp(tiny, tmp_path: Path) -> None:
-    """One vLLM run: a tp2 x pp2 MoE artifact at tp1 x pp1, against a conversion made
-    at tp1 x pp1 (the canary's proof of the default loader's state) and transformers."""
+# Qwen3-MoE with five layers, layer 3 dense: the tp2 x pp2 artifact splits them 3 + 2, so
+# its stage 1 mixes dense and sparse (vLLM refuses a stage without a sparse layer). Each
+# served topology is one vLLM run: tp1 x pp1 and tp2 x pp1 take the experts of both
+# artifact tp ranks or of one; at tp1 x pp2 with VLLM_PP_LAYER_PARTITION=2,3 stage 1 takes
+# a layer of artifact stage 0 and both layers of stage 1; at tp1 x pp4 vLLM's own split
+# (1, 1, 2, 1) puts layers 2 (sparse) and 3 (dense) of two artifact stages on stage 2.
+MOE_TOPOLOGIES = [(1, 1, None), (2, 1, None), (1, 2, "2,3"), (1, 4, None)]
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "partition"),
+    MOE_TOPOLOGIES,
+    ids=[f"tp{tp}-pp{pp}" for tp, pp, _ in MOE_TOPOLOGIES],
+)
+def test_moe_at_coarser_topologies(
+    tiny, tmp_path: Path, tp: int, pp: int, partition: str | None
+) -> None:
+    """One vLLM run each: the tp2 x pp2 MoE artifact served at tp x pp generates
+    transformers' greedy tokens, and every rank, loaded with every collective trapped,
+    holds what a conversion made at that topology and split holds (the canary's proof of
+    the default loader's state)."""
     model = tiny.model(
-        "vllm-topo-qwen3-moe", "Qwen3MoeForCausalLM", num_hidden_layers=5, mlp_only_layers=[0, 3]
+        "vllm-topo-qwen3-moe", "Qwen3MoeForCausalLM", num_hidden_layers=5, mlp_only_layers=[3]
     )
     artifact = _convert(model, tmp_path / "tp2-pp2", 2, 2)
+    split = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
     fast = vllm_env.generate(
-        artifact, 1, 1, "dump-sharded-fast", dump_dir=tmp_path / "fast", env=TRAP
+        artifact, tp, pp, "dump-sharded-fast", dump_dir=tmp_path / "fast", env=TRAP | split
     )
     assert fast == vllm_env.transformers_greedy(model, vllm_env.DEFAULT_PROMPTS, 8)
-    reference = _convert(model, tmp_path / "tp1-pp1", 1, 1)
-    ((key, path),) = vllm_env.dump_files(tmp_path / "fast").items()
-    state, meta = vllm_env.read_dump(path)
-    assert meta["trap_armed"] and meta["collectives_trapped"] > 30 and not meta["collective_calls"]
-    assert_same_state(rank_tensors(reference, *key), state)
+    reference = _convert(model, tmp_path / "reference", tp, pp, partition=partition)
+    dumps = vllm_env.dump_files(tmp_path / "fast")
+    assert dumps.keys() == vllm_env.expected_dumps(tp, pp, with_draft=False)
+    for key, path in dumps.items():
+        state, meta = vllm_env.read_dump(path)
+        assert meta["trap_armed"] and meta["collectives_trapped"] > 30, meta
+        assert meta["collective_calls"] == [], meta
+        assert_same_state(rank_tensors(reference, *key), state)
+
+
+# DeepSeek-V3 (MLA with q_lora_rank, layer 0 dense, routed and shared experts) with its
+# MTP draft, five layers, tp2 x pp2 artifact (3 + 2 layers, the draft on stage 1).
+MTP_LAYERS = 5
+
+
+def _mtp_model(tiny) -> Path:
+    return tiny.model(
+        "vllm-topo-deepseek-v3-mtp", "DeepseekV3ForCausalLM",
+        num_hidden_layers=MTP_LAYERS, num_nextn_predict_layers=1,
+    )  # fmt: skip
+
+
+def _shared(artifact: Path) -> set[str]:
+    return set(read_manifest(artifact).model("draft").shared_with_target)
+
+
+def test_deepseek_mtp_at_tp1_pp1(tiny, tmp_path: Path) -> None:
+    """Two vLLM runs at tp1 x pp1, both speculating with the MTP draft: vLLM's default
+    loader on the checkpoint, then sharded-fast on the tp2 x pp2 artifact with every
+    collective trapped. The same tokens; every rank, target and draft, holds what the
+    default loader left there (but the draft's copies that vLLM replaces with the target's
+    after loading, which the artifact leaves out)."""
+    model = _mtp_model(tiny)
+    artifact = _convert(model, tmp_path / "tp2-pp2", 2, 2)
+    shared = _shared(_convert(model, tmp_path / "tp1-pp1", 1, 1))
+    assert shared == {
+        "model.embed_tokens.weight",
+        f"model.layers.{MTP_LAYERS}.shared_head.head.weight",
+    }
+    default = vllm_env.generate(
+        model, 1, 1, "dump-default", speculative_config=MTP, **FLOAT32,
+        dump_dir=tmp_path / "default",
+    )  # fmt: skip
+    fast = vllm_env.generate(
+        artifact, 1, 1, "dump-sharded-fast", speculative_config=MTP, **FLOAT32,
+        dump_dir=tmp_path / "fast", env=TRAP,
+    )  # fmt: skip
+    assert [len(seq) for seq in fast] == [8, 8]
+    assert fast == default
+    dumps, reference = (
+        vllm_env.dump_files(tmp_path / "fast"),
+        vllm_env.dump_files(tmp_path / "default"),
+    )
+    assert dumps.keys() == reference.keys() == vllm_env.expected_dumps(1, 1, with_draft=True)
+    for key, path in dumps.items():
+        (state, meta), (want, _) = vllm_env.read_dump(path), vllm_env.read_dump(reference[key])
+        assert meta["trap_armed"] and meta["collective_calls"] == [], meta
+        if key[0] == "draft":
+            assert meta["model_class"] == "DeepSeekMTP"
+            state, want = without(state, shared), without(want, shared)
+        assert_same_state(want, state)
+
+
+# At pp > 1 with a draft the CPU engine loads every rank, then fails before serving: the
+# state right after loading is what is compared. tp1 x pp2 with the split 2 + 3 takes
+# stage 1 from both artifact stages; tp1 x pp4 is vLLM's own split (1, 1, 2, 1).
+MTP_PIPELINES = [(2, "2,3"), (4, None)]
+
+
+@pytest.mark.parametrize(("pp", "partition"), MTP_PIPELINES, ids=["tp1-pp2", "tp1-pp4"])
+def test_deepseek_mtp_at_tp1_and_more_stages(
+    tiny, tmp_path: Path, pp: int, partition: str | None
+) -> None:
+    """One vLLM run each: the tp2 x pp2 artifact loaded at tp1 x pp with every collective
+    trapped; every rank, the draft on the new last stage included, holds what a conversion
+    made at that topology and split holds (the MTP canary, test_vllm_mtp, proves such
+    files equal the default loader's state at pp > 1)."""
+    model = _mtp_model(tiny)
+    artifact = _convert(model, tmp_path / "tp2-pp2", 2, 2)
+    reference = _convert(model, tmp_path / "reference", 1, pp, partition=partition)
+    shared = _shared(reference)
+    split = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
+    dumps = vllm_env.dump_state(
+        artifact, 1, pp, tmp_path / "fast", load_format="dump-sharded-fast", env=TRAP | split,
+        speculative_config=MTP, allow_engine_failure=True, **FLOAT32,
+    )  # fmt: skip
+    assert dumps.keys() == vllm_env.expected_dumps(1, pp, with_draft=True)
+    for key, path in dumps.items():
+        state, meta = vllm_env.read_dump(path)
+        assert meta["trap_armed"] and meta["collective_calls"] == [], meta
+        if key[0] == "draft":
+            assert meta["model_class"] == "DeepSeekMTP"
+            assert (
+                "model.embed_tokens.weight" in state and "model.embed_tokens.weight" not in shared
+            )
+            state = without(state, shared)
+        assert_same_state(rank_tensors(reference, *key), state)
