@@ -52,6 +52,7 @@ from shardprep.hub.cache_manifest import (
     write_ref,
 )
 from shardprep.hub.cache_parts import (
+    RunningSplit,
     check_request,
     requested_parts,
     split_parts,
@@ -136,20 +137,22 @@ def ensure_rank(
     tp: int,
     tp_rank: int,
     partition: Sequence[int] | None,
+    experts: RunningSplit | None = None,
     revision: str | None = None,
     progress: bool = False,
 ) -> Path:
     """For the loader: a local artifact folder that holds what the vLLM worker at `stage`
     of the pipeline split `partition` (None for a draft), tp rank `tp_rank` of `tp`, reads
-    to load `role` (`worker_parts`). A folder is returned as it is; for a Hub repo id only
-    those parts are fetched into the cache (once per node, under a lock), or found there."""
+    to load `role` (`worker_parts`; `experts`: how vLLM spreads a model's experts on this
+    worker). A folder is returned as it is; for a Hub repo id only those parts are fetched
+    into the cache (once per node, under a lock), or found there."""
     local = _local(repo_id_or_path)
     if local is not None:
         return local
     repo_id = str(repo_id_or_path)
 
     def parts(manifest: Manifest) -> list[Part]:
-        return worker_parts(manifest, repo_id, role, stage, tp, tp_rank, partition)
+        return worker_parts(manifest, repo_id, role, stage, tp, tp_rank, partition, experts)
 
     return _fetch(repo_id, parts, revision, None, None, None, progress, False)
 

@@ -3,15 +3,19 @@ rank of them) it names, those of another pipeline split, and each part's files."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from shardprep import hub_client
 from shardprep.constants import ENV_PP_PARTITION, pp_partition_from_env
 from shardprep.errors import ConfigError, PlanError, TopologyMismatchError
-from shardprep.format.manifest import Manifest
+from shardprep.format.manifest import Manifest, ModelEntry
 from shardprep.hub.cache_state import Part, Wanted
-from shardprep.plan.regions import stages_for, tp_ranks_for
-from shardprep.plan.topology import default_partition, parse_partition
+from shardprep.plan.regions import expert_ranks_for, stages_for, tp_ranks_for
+from shardprep.plan.topology import ExpertSplit, default_partition, parse_partition
+
+RunningSplit = Callable[[ModelEntry], tuple[ExpertSplit, int] | None]
+"""Given the manifest's entry of a model with experts, vLLM's expert split on this worker
+and its MoE rank (None where vLLM built no expert layer)."""
 
 
 def check_request(
@@ -72,12 +76,14 @@ def split_parts(
     pp: int | None = None,
     tp: int | None = None,
     partition: Sequence[int] | None = None,
+    expert_ranks: Collection[int] | None = None,
 ) -> list[Part]:
     """The artifact's parts that rank `rank` (None: every rank) of stage `stage` reads when
     vLLM runs at tp x pp: `partition` (layers per stage), else that of `pp`
     (VLLM_PP_LAYER_PARTITION, else vLLM's default), else the artifact's own; tp defaults to
-    the artifact's. Whole stages for a model with experts: which ranks hold a rank's experts
-    depends on the expert parallelism vLLM runs with."""
+    the artifact's. For a model with experts, which ranks hold a rank's experts depends on
+    the expert parallelism vLLM runs with: `expert_ranks` (the artifact tp ranks that hold
+    them, `worker_expert_ranks`) are read too; without them, whole stages."""
     topo = manifest.topology
     tp = topo.tp if tp is None else tp
     layers, env = sum(topo.partition), pp_partition_from_env()
@@ -107,7 +113,9 @@ def split_parts(
     except PlanError as exc:
         raise ConfigError(f"{repo_id} at {flag}: {exc}") from None
     if any(m.experts is not None for m in manifest.models):
-        return [Part(p) for p in stages]
+        if expert_ranks is None:
+            return [Part(p) for p in stages]
+        ranks = sorted({*ranks, *expert_ranks})
     return [Part(p, r) for p in stages for r in ranks]
 
 
@@ -119,21 +127,48 @@ def worker_parts(
     tp: int,
     tp_rank: int,
     partition: Sequence[int] | None,
+    experts: RunningSplit | None = None,
 ) -> list[Part]:
     """What the vLLM worker at `stage` of the pipeline split `partition` (vLLM's; None for
-    a draft, which lives on the artifact's last stage), tp rank `tp_rank` of `tp`, reads."""
+    a draft, which lives on the artifact's last stage), tp rank `tp_rank` of `tp`, reads.
+    `experts`: how vLLM spreads the experts of `role` on this worker (`RunningSplit`);
+    without it a model with experts is read from whole stages."""
     topo = manifest.topology
     split = tuple(topo.partition) if partition is None else tuple(partition)
-    if (tp, split) != (topo.tp, tuple(topo.partition)) and tp not in manifest.served_tps:
+    own = (tp, split) == (topo.tp, tuple(topo.partition))
+    if not own and tp not in manifest.served_tps:
         raise TopologyMismatchError(
             f"{repo_id} is tp{topo.tp} x pp{topo.pp} and serves {manifest.served_topologies()}; "
             f"vLLM runs tp{tp} x pp{len(split)} (layers {','.join(map(str, split))}), which it "
             f"cannot serve; start vLLM at a topology it serves, or convert again with --tp {tp} "
             f"--pp {len(split)}"
         )
+    ranks = None if own else worker_expert_ranks(manifest, repo_id, role, experts)
     if role == "draft":  # on the last stage of any split: the artifact's last stage
-        return split_parts(manifest, repo_id, topo.last_stage, tp_rank, tp=tp)
-    return split_parts(manifest, repo_id, stage, tp_rank, tp=tp, partition=split)
+        return split_parts(manifest, repo_id, topo.last_stage, tp_rank, tp=tp, expert_ranks=ranks)
+    return split_parts(
+        manifest, repo_id, stage, tp_rank, tp=tp, partition=split, expert_ranks=ranks
+    )
+
+
+def worker_expert_ranks(
+    manifest: Manifest, repo_id: str, role: str, experts: RunningSplit | None
+) -> tuple[int, ...] | None:
+    """The artifact tp ranks whose files hold the experts of `role` that this worker reads
+    (`expert_ranks_for`): () for a model without experts, None where that is not known."""
+    entry = manifest.model(role)
+    if entry is None or entry.experts is None:
+        return ()
+    running = experts(entry) if experts is not None else None
+    if running is None:
+        return None
+    e, topo = entry.experts, manifest.topology
+    stored = ExpertSplit(e.num_experts, topo.tp, e.dp, e.expert_parallel, e.placement)
+    try:
+        found = expert_ranks_for(stored, *running)
+    except PlanError as exc:
+        raise TopologyMismatchError(f"{repo_id}: {exc}") from None
+    return tuple(sorted({moe_rank % topo.tp for moe_rank in found}))
 
 
 def wanted_files(manifest: Manifest, part: Part) -> list[Wanted]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,10 +37,11 @@ from shardprep.loader.checks import (
 from shardprep.loader.contract import check_contract
 from shardprep.loader.fill import Destinations, fill_parameters
 from shardprep.loader.reader import read_rank
-from shardprep.loader.regroup import check_served, load_regrouped
+from shardprep.loader.regroup import check_served, load_regrouped, running_split
 
 if TYPE_CHECKING:
     from shardprep.plan.archs.base import DraftFamily
+    from shardprep.plan.topology import ExpertSplit
 
 LOAD_FORMAT = "sharded-fast"
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -114,7 +115,10 @@ class ShardedFastLoader(BaseModelLoader):
         built, vllm_partition = (
             vllm_layers(model, model_config, place) if role == "target" else ((0, 0), None)
         )
-        artifact = resolve_artifact(model_config, role, place, vllm_partition)
+        artifact = resolve_artifact(
+            model_config, role, place, vllm_partition,
+            experts=lambda entry: running_split(model, entry, place),
+        )  # fmt: skip
         manifest = read_manifest(artifact)
         entry = model_entry(manifest, role, artifact)
         check_contract(artifact, manifest, entry, model, model_config)
@@ -195,11 +199,13 @@ def resolve_artifact(
     role: str,
     place: RankPlace,
     partition: tuple[int, ...] | None,
+    experts: Callable[[ModelEntry], tuple[ExpertSplit, int] | None] | None = None,
 ) -> Path:
     """The local artifact: the model path itself, or, for a Hub repo id, the parts this
     worker reads (the artifact's stages and tp ranks that make its rank of vLLM's
-    `partition`, None for a draft) fetched into the stage-sharded cache (once per node,
-    under a lock)."""
+    `partition`, None for a draft, and those that hold the experts it takes by
+    `experts`, vLLM's split of a model's experts on this worker) fetched into the
+    stage-sharded cache (once per node, under a lock)."""
     path = model_path(model_config)
     # A draft has a repo id for a path when it lives in its target (MTP layers).
     if not path.exists() and REPO_ID.fullmatch(str(path)):
@@ -207,7 +213,7 @@ def resolve_artifact(
 
         return ensure_rank(
             str(path), role, stage=place.pp_rank, tp=place.tp_size, tp_rank=place.tp_rank,
-            partition=partition, revision=model_config.revision,
+            partition=partition, experts=experts, revision=model_config.revision,
         )  # fmt: skip
     return find_artifact(path, role)
 

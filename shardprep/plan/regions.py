@@ -198,6 +198,40 @@ def tp_ranks_for(artifact_tp: int, tp: int, rank: int) -> range:
     return range(rank * k, rank * k + k)
 
 
+def expert_ranks_for(stored: ExpertSplit, running: ExpertSplit, moe_rank: int) -> tuple[int, ...]:
+    """The artifact's MoE ranks (dp rank x tp + tp rank of `stored`, its expert split)
+    whose expert stacks hold a part of what MoE rank `moe_rank` of `running` (vLLM's split)
+    holds: one of its experts, in a cut of the expert that overlaps its own. Without expert
+    parallelism on either side a coarser rank is made of the same ranks as `tp_ranks_for`;
+    with it on both (the same placement) of the EP ranks whose experts it takes; across
+    the two, of every rank.
+
+    >>> expert_ranks_for(ExpertSplit(8, 4), ExpertSplit(8, 2), 1)
+    (2, 3)
+    >>> expert_ranks_for(ExpertSplit(8, 4, 1, True), ExpertSplit(8, 2, 1, True), 0)
+    (0, 1)
+    >>> expert_ranks_for(ExpertSplit(8, 4), ExpertSplit(8, 2, 1, True), 0)
+    (0, 1, 2, 3)
+    """
+    if stored.num_experts != running.num_experts:
+        raise PlanError(
+            f"vLLM runs {running.num_experts} experts per layer, the artifact holds "
+            f"{stored.num_experts}"
+        )
+    wanted = set(running.experts(moe_rank))
+    ways, index = running.cut(moe_rank)
+    found = []
+    for rank in range(stored.size):
+        their_ways, their_index = stored.cut(rank)
+        overlaps = (
+            index * their_ways < (their_index + 1) * ways
+            and their_index * ways < (index + 1) * their_ways
+        )
+        if overlaps and wanted.intersection(stored.experts(rank)):
+            found.append(rank)
+    return tuple(found)
+
+
 def worker_stages(
     artifact: Topology, partition: Sequence[int], stage: int, draft: bool = False
 ) -> tuple[int, ...]:

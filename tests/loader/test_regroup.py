@@ -14,6 +14,7 @@ from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_FP8, make_tiny_draft, make_tiny_model
 from shardprep.errors import TopologyMismatchError
 from shardprep.format.manifest import Manifest, read_manifest
+from shardprep.hub.cache_parts import worker_expert_ranks
 from shardprep.loader.reader import read_rank
 from shardprep.loader.regroup import ReadCount, check_served, regroup_rank
 from shardprep.plan.regions import tp_ranks_for, worker_stages
@@ -63,13 +64,15 @@ def _compare(
                 assert got[name].dtype == tensor.dtype, name
                 assert got[name].shape == tensor.shape, name
                 assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
-            # Only the stages of this rank's layers (what a fetch from the Hub brings) and,
-            # without experts, only the tp ranks this rank is made of.
+            # Only the stages of this rank's layers and the tp ranks this rank is made of,
+            # with those that hold its experts: what a worker fetches from the Hub.
             opened = [Path(f).name.split("-") for f in count.files]
             assert {int(name[2]) for name in opened} <= set(stages)
-            if entry.experts is None:
-                ranks = tp_ranks_for(art.tp, topo.tp, tp_rank)
-                assert {int(name[4]) for name in opened} <= set(ranks)
+            ranks = {*tp_ranks_for(art.tp, topo.tp, tp_rank)}
+            held = worker_expert_ranks(manifest, "org/repo", role, lambda _, e=experts: e)
+            assert held is not None
+            ranks |= set(held)
+            assert {int(name[4]) for name in opened} == ranks
             ratios.append(count.read / count.own)
     return ratios
 
@@ -105,8 +108,10 @@ def test_dense_with_a_draft_at_every_served_topology(
         ({"expert_parallel": True, "dp": 2}, {}),  # experts stored per dp rank
         ({"expert_parallel": True}, {"tp": 2, "pp": 1, "expert_parallel": True}),
         ({"tp": 4, "pp": 1, "expert_parallel": True}, {"tp": 2, "pp": 2, "expert_parallel": True}),
+        ({"tp": 4, "pp": 1}, {"tp": 2, "pp": 2}),  # each rank's experts from two ranks
+        ({"tp": 4, "pp": 1}, {"tp": 2, "pp": 1, "expert_parallel": True}),  # from all four
     ],
-    ids=["tp", "ep", "ep-dp2", "ep-to-ep", "ep4-to-ep2"],
+    ids=["tp", "ep", "ep-dp2", "ep-to-ep", "ep4-to-ep2", "tp4-to-tp2", "tp4-to-ep2"],
 )
 def test_moe_experts_at_a_coarser_tp(tmp_path: Path, made: dict, served: dict) -> None:
     target = make_tiny_model(tmp_path / "moe", "Qwen3MoeForCausalLM")

@@ -11,6 +11,7 @@ from shardprep.errors import PlanError
 from shardprep.plan.layout import Cut, Piece, ScaleOf, w2_pieces, w13_pieces
 from shardprep.plan.records import TensorPlan
 from shardprep.plan.regions import (
+    expert_ranks_for,
     locate,
     rank_tensor,
     served_tps,
@@ -221,3 +222,34 @@ def test_worker_stages_put_a_draft_on_the_artifact_last_stage() -> None:
     assert worker_stages(artifact, (3, 3), 0) == (0, 1)
     assert worker_stages(artifact, (3, 3), 1, draft=True) == (2,)
     assert worker_stages(artifact, (6,), 0, draft=True) == (2,)
+
+
+RR = "round_robin"
+
+
+@pytest.mark.parametrize(
+    ("stored", "running", "moe_rank", "ranks"),
+    [
+        (ExpertSplit(8, 4), ExpertSplit(8, 2), 1, (2, 3)),  # cuts of every expert, tp-wise
+        (ExpertSplit(8, 4), ExpertSplit(8, 1), 0, (0, 1, 2, 3)),
+        (ExpertSplit(8, 6), ExpertSplit(8, 3), 2, (4, 5)),
+        (ExpertSplit(10, 4, 1, True), ExpertSplit(10, 2, 1, True), 0, (0, 1)),  # 3, 3, 2, 2
+        (ExpertSplit(10, 4, 1, True), ExpertSplit(10, 2, 1, True), 1, (1, 2, 3)),  # 5 and 5
+        (ExpertSplit(12, 6, 1, True), ExpertSplit(12, 4, 1, True), 1, (1, 2)),
+        (ExpertSplit(8, 4, 1, True, RR), ExpertSplit(8, 2, 1, True, RR), 1, (1, 3)),
+        (ExpertSplit(8, 2, 2, True), ExpertSplit(8, 2, 1, True), 1, (2, 3)),  # dp rank 1's
+        (ExpertSplit(8, 4), ExpertSplit(8, 2, 1, True), 0, (0, 1, 2, 3)),  # EP on one side
+        (ExpertSplit(8, 4, 1, True), ExpertSplit(8, 2), 1, (0, 1, 2, 3)),
+    ],
+)
+def test_expert_ranks_for_a_coarser_rank(
+    stored: ExpertSplit, running: ExpertSplit, moe_rank: int, ranks: tuple[int, ...]
+) -> None:
+    """The artifact MoE ranks a rank's experts come from: tp_ranks_for's without expert
+    parallelism, the EP ranks of its experts with it on both sides, every rank across."""
+    assert expert_ranks_for(stored, running, moe_rank) == ranks
+
+
+def test_expert_ranks_for_other_expert_counts_is_refused() -> None:
+    with pytest.raises(PlanError, match="vLLM runs 16 experts per layer, the artifact holds 8"):
+        expert_ranks_for(ExpertSplit(8, 2), ExpertSplit(16, 1), 0)

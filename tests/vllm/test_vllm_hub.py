@@ -55,14 +55,16 @@ def test_vllm_serves_a_hub_repo_fetching_one_stage_per_worker(
 
 
 def test_vllm_serves_a_hub_repo_at_another_topology(hub: HubServer, tmp_path: Path) -> None:
-    """One vLLM run: a tp2 x pp2 repo served at tp2 x pp1. Worker tp r reads rank r of both
-    artifact stages, and that is all it downloads; every rank, loaded with every collective
-    trapped, holds what a conversion made at tp2 x pp1 holds (the layout canary proves that
-    equal to vLLM's default loader), and the tokens are transformers' greedy ones."""
-    model = make_tiny_model(tmp_path / "model")
+    """One vLLM run: a tp2 x pp2 repo of a MoE (Qwen3-MoE, every layer sparse) served at
+    tp2 x pp1. Worker tp r reads rank r of both artifact stages, its experts included (vLLM
+    cuts each expert tp-wise, as the artifact does), and that is all it downloads; every
+    rank, loaded with every collective trapped, holds what a conversion made at tp2 x pp1
+    holds (the layout canary proves that equal to vLLM's default loader), and the tokens
+    are transformers' greedy ones."""
+    model = make_tiny_model(tmp_path / "model", "Qwen3MoeForCausalLM")
     artifact = tmp_path / "artifact"
     convert(str(model), artifact, Options(tp=2, pp=2, dtype="float32"), progress=False)
-    repo = "shardprep-test/Tiny-TP2-PP2"
+    repo = "shardprep-test/TinyMoE-TP2-PP2"
     publish(artifact, repo, endpoint=hub.endpoint, progress=False)
     env = {
         "HF_ENDPOINT": hub.endpoint,
