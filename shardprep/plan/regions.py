@@ -81,7 +81,7 @@ def stored_blocks(holder: str, tensor: TensorPlan) -> list[Stored]:
     for block in tensor.blocks:
         if block.source is not None:
             found.append(Stored(holder, tensor.name, row, block, tensor.stacked_shape[0]))
-        row += block.rows[1] - block.rows[0]
+        row += block.height
     return found
 
 
@@ -102,7 +102,7 @@ def locate(
     zeros: list[tuple[int, int]] = []
     row = 0
     for block in tensor.blocks:
-        height = block.rows[1] - block.rows[0]
+        height = block.height
         if block.source is None:
             zeros.append((row, row + height))
         else:
@@ -119,10 +119,12 @@ def _tile(name: str, need: Block, row: int, candidates: Sequence[Stored]) -> lis
         have = s.block
         if have.repeat != need.repeat or (have.cols is None) != (need.cols is None):
             continue
+        if (have.matrix or need.matrix) and have != need:
+            continue  # a transposed block is taken only whole, as stored
         if not _inside(have, need) or any(_overlap(have, c) for c in chosen):
             continue
         chosen.append(have)
-        height = have.rows[1] - have.rows[0]
+        height = have.height
         start = row + have.rows[0] - need.rows[0]
         cols = None
         if need.cols is not None and have.cols is not None and have.cols != need.cols:
