@@ -43,6 +43,8 @@ class Write:
     dtype: str
     row_bytes: int  # bytes of one destination row
     repeat: tuple[int, int] = (1, 1)  # source upsampled (rows, columns) before the cut
+    # The part of each dim-0 row's [A, B] matrix, written transposed (`Block.matrix`).
+    matrix: tuple[tuple[int, int], tuple[int, int]] | None = None
 
 
 @dataclass
@@ -95,7 +97,7 @@ def open_outputs(
             row_bytes = numel(tensor.stacked_shape[1:]) * DTYPE_SIZES[tensor.dtype]
             dest_row = 0
             for block in tensor.blocks:
-                rows = block.rows[1] - block.rows[0]
+                rows = block.height
                 if block.source is None:
                     start = offset + dest_row * row_bytes
                     handle.written(start, start + rows * row_bytes)
@@ -110,6 +112,7 @@ def open_outputs(
                             tensor.dtype,
                             row_bytes,
                             block.repeat,
+                            block.matrix,
                         )
                     )
                 dest_row += rows

@@ -253,7 +253,8 @@ def _copy_whole_rows(mover: Mover, fd: int, info: TensorInfo, targets: list[Writ
     """Move a tensor whose every block is whole rows of the same dtype file to file, in
     the kernel. False (nothing done) when a block needs the bytes here."""
     if not targets or any(
-        t.cols is not None or t.dtype != info.dtype or t.repeat != (1, 1) for t in targets
+        t.cols is not None or t.dtype != info.dtype or t.repeat != (1, 1) or t.matrix
+        for t in targets
     ):
         return False
     for target in targets:
@@ -277,6 +278,9 @@ def _scatter_chunk(
     for target in targets:
         if target.repeat != (1, 1):
             _scatter_upsampled(mover, info, start, chunk, target)
+            continue
+        if target.matrix is not None:
+            _scatter_transposed(mover, info, start, chunk, target)
             continue
         first, last = max(start, target.rows[0]), min(end, target.rows[1])
         if first >= last:
@@ -321,6 +325,27 @@ def _scatter_upsampled(
     if target.dtype != info.dtype:
         data = _cast(data, info.dtype, target.dtype)
     dest_row = target.dest_row + low - target.rows[0]
+    mover.write(target.file, data, target.row_offset + dest_row * target.row_bytes)
+
+
+def _scatter_transposed(
+    mover: Mover, info: TensorInfo, start: int, chunk: memoryview, target: Write
+) -> None:
+    """Each dim-0 row of a 3-D source is an [A, B] matrix (an expert's): the part
+    `target.matrix` names goes transposed, one destination row per matrix column."""
+    assert target.matrix is not None
+    rows = len(chunk) // info.row_bytes
+    first, last = max(start, target.rows[0]), min(start + rows, target.rows[1])
+    if first >= last:
+        return
+    (a0, a1), (b0, b1) = target.matrix
+    size = DTYPE_SIZES[info.dtype]
+    values = np.frombuffer(chunk, f"<u{size}").reshape(rows, info.shape[1], info.shape[2])
+    part = values[first - start : last - start, a0:a1, b0:b1].transpose(0, 2, 1)
+    data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+    if target.dtype != info.dtype:
+        data = _cast(data, info.dtype, target.dtype)
+    dest_row = target.dest_row + (first - target.rows[0]) * (b1 - b0)
     mover.write(target.file, data, target.row_offset + dest_row * target.row_bytes)
 
 

@@ -259,7 +259,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
             checkpoint = checkpoints[file_plan.role]
             row = 0
             for block in tensor.blocks:
-                rows = block.rows[1] - block.rows[0]
+                rows = block.height
                 part = dest[row : row + rows]
                 row += rows
                 if block.source is None:
@@ -320,7 +320,9 @@ def _mark(mask: torch.Tensor, block: Block) -> None:
     """Mark the source rows (and columns) that `block` reads."""
     (up, across), rows, cols = block.repeat, block.rows, block.cols
     first, last = rows[0] // up, -(-rows[1] // up)
-    if cols is None:
+    if block.matrix is not None:  # the dims after the first two are not tracked
+        mask[first:last, block.matrix[0][0] : block.matrix[0][1]] = True
+    elif cols is None:
         mask[first:last] = True
     else:
         mask[first:last, cols[0] // across : -(-cols[1] // across)] = True
@@ -332,6 +334,9 @@ def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
         source = source.repeat_interleave(block.repeat[0], 0)
         source = source.repeat_interleave(block.repeat[1], 1)
     part = source[block.rows[0] : block.rows[1]]
+    if block.matrix is not None:
+        (a0, a1), (b0, b1) = block.matrix
+        return part[:, a0:a1, b0:b1].transpose(1, 2).reshape(-1, a1 - a0)
     return part if block.cols is None else part[:, block.cols[0] : block.cols[1]]
 
 

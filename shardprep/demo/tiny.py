@@ -76,6 +76,7 @@ _MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Mixture-of-experts sizes: 8 experts, 2 per token.
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -108,6 +109,26 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_qk_norm": True,
         "partial_rotary_factor": 0.5,
         "num_nextn_predict_layers": 0,
+        "torch_dtype": "bfloat16",
+    },
+    # gpt-oss's features at tiny sizes: attention sinks, biases everywhere, 4 fused experts
+    # (gate/up interleaved), sliding window on even layers, yarn rotary; bfloat16.
+    "GptOssForCausalLM": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 128,
+        "sliding_window": 8,
+        "attention_bias": True,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
+        "swiglu_limit": 7.0,
         "torch_dtype": "bfloat16",
     },
 }

@@ -7,7 +7,10 @@ here is pure arithmetic on shapes, so a plan can be made and tested without a by
 An expert stack (FusedMoE's `w13_weight` [E_local, 2I/tp, H], `w2_weight`
 [E_local, H, I/tp]) is the same: its pieces carry the global expert id, a MoE rank keeps
 the pieces of the experts it holds, and a row-major [E, R, C] tensor has the bytes of
-the dim-0 concatenation of its [R, C] blocks; only the final shape differs.
+the dim-0 concatenation of its [R, C] blocks; only the final shape differs. A checkpoint
+that stores a layer's experts fused in one tensor (dim 0 the expert) is cut by the
+`EXPERT_*` cuts: a piece names its expert, whose row of the source it reads (gpt-oss's
+[E, H, 2I] `gate_up_proj` is also transposed to vLLM's [2I/tp, H] per expert).
 """
 
 from __future__ import annotations
@@ -29,6 +32,19 @@ class Cut(Enum):
     VOCAB = "vocab"  # dim 0 padded to a multiple of 64, split, padding zero-filled
     PADDED_VOCAB = "padded_vocab"  # dim 0 padded to a multiple of 64, not split
     BLOCK_SCALE = "block_scale"  # fp8 block scales of a weight: its cut, in whole blocks
+    # Cuts of a source whose dim 0 is the expert (the piece's `expert`), per expert:
+    EXPERT_COLS_T = "expert_cols_t"  # [A, B]: columns split evenly, transposed to [B/tp, A]
+    EXPERT_ROWS_T = "expert_rows_t"  # [A, B]: rows split evenly, transposed to [B, A/tp]
+    EXPERT_ROW = "expert_row"  # [B]: split evenly
+    EXPERT_ROW_FIRST = "expert_row_first"  # [B]: whole on rank 0, zeros on the others
+
+
+# The cuts that read one row (dim 0) of their source per expert, and those of them whose
+# expert stack is [experts, B] (a vector per expert) rather than [experts, rows, cols].
+EXPERT_INDEXED = frozenset(
+    {Cut.EXPERT_COLS_T, Cut.EXPERT_ROWS_T, Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST}
+)
+EXPERT_VECTORS = frozenset({Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST})
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,17 @@ class Block:
     # Rows and columns count in the source upsampled this many times along each dim
     # (every row, then every column, repeated): fp8 MoE scales on a refined block grid.
     repeat: tuple[int, int] = (1, 1)
+    # ((rows), (columns)) of the [A, B] matrix that every dim-0 row of a 3-D source is,
+    # written transposed: each dim-0 row gives `columns` destination rows of `rows` values.
+    matrix: tuple[tuple[int, int], tuple[int, int]] | None = None
+
+    @property
+    def height(self) -> int:
+        """The destination rows this block fills."""
+        rows = self.rows[1] - self.rows[0]
+        if self.matrix is None:
+            return rows
+        return rows * (self.matrix[1][1] - self.matrix[1][0])
 
 
 def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
@@ -73,14 +100,23 @@ def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tu
 
     The geometry depends on the cut and the shape only, so it is computed once for all
     the tensors that share them (hundreds of experts per layer); a problem is reported
-    under the tensor's own name."""
+    under the tensor's own name. An `EXPERT_*` cut reads its expert's row of the source."""
     anonymous = Piece("", piece.cut, piece.heads, scale_of=piece.scale_of)
     try:
         geometry = _cached_blocks(anonymous, tuple(shape), tp, rank)
     except PlanError:
-        return _blocks(piece, shape, tp, rank)
+        geometry = _blocks(piece, shape, tp, rank)
+    shift = (piece.expert or 0) if piece.cut in EXPERT_INDEXED else 0
+    if shift and shift >= shape[0]:
+        raise PlanError(f"{piece.source} holds {shape[0]} experts, not expert {shift}")
     return tuple(
-        Block(piece.source if b.source is not None else None, b.rows, b.cols, b.repeat)
+        Block(
+            piece.source if b.source is not None else None,
+            (b.rows[0] + shift, b.rows[1] + shift) if b.source is not None else b.rows,
+            b.cols,
+            b.repeat,
+            b.matrix,
+        )
         for b in geometry
     )
 
@@ -112,7 +148,32 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
         return (Block(piece.source, (first * head_rows, end * head_rows)),)
     if piece.cut is Cut.PADDED_VOCAB:
         return _vocab_blocks(piece.source, rows, 1, 0)
+    if piece.cut in EXPERT_INDEXED:
+        return (_expert_block(piece, shape, tp, rank),)
     return _vocab_blocks(piece.source, rows, tp, rank)
+
+
+def _expert_block(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> Block:
+    """Expert 0's block of an `EXPERT_*` cut (`piece_blocks` moves it to the piece's)."""
+    dims = 3 if piece.cut in (Cut.EXPERT_COLS_T, Cut.EXPERT_ROWS_T) else 2
+    if len(shape) != dims:
+        raise PlanError(
+            f"{piece.source} has shape {list(shape)}; its cut ({piece.cut.value}) needs "
+            f"{dims} dimensions, the first one the experts"
+        )
+    if piece.cut is Cut.EXPERT_ROW_FIRST:
+        return Block(piece.source, (0, 1)) if rank == 0 else Block(None, (0, 1))
+    if piece.cut is Cut.EXPERT_ROW:
+        _check_divisible(piece.source, shape[1], tp, "values per expert")
+        return Block(piece.source, (0, 1), rank_range(shape[1], tp, rank))
+    rows, cols = (0, shape[1]), (0, shape[2])
+    if piece.cut is Cut.EXPERT_COLS_T:
+        _check_divisible(piece.source, shape[2], tp, "columns per expert")
+        cols = rank_range(shape[2], tp, rank)
+    else:
+        _check_divisible(piece.source, shape[1], tp, "rows per expert")
+        rows = rank_range(shape[1], tp, rank)
+    return Block(piece.source, (0, 1), matrix=(rows, cols))
 
 
 def _vocab_blocks(source: str, vocab: int, tp: int, rank: int) -> tuple[Block, ...]:
@@ -153,6 +214,8 @@ def _in_blocks(source: str, span: tuple[int, int], block: int, what: str) -> tup
 
 def block_shape(block: Block, source_shape: tuple[int, ...]) -> tuple[int, ...]:
     rows = block.rows[1] - block.rows[0]
+    if block.matrix is not None:
+        return (block.height, block.matrix[0][1] - block.matrix[0][0])
     if block.cols is not None:
         return (rows, block.cols[1] - block.cols[0])
     return (rows, *source_shape[1:]) if source_shape else ()
@@ -191,8 +254,9 @@ def expert_stack_blocks(
     moe_rank: int,
 ) -> tuple[tuple[Block, ...], tuple[int, ...]]:
     """The blocks of an expert stack on MoE rank `moe_rank` and the stack's shape
-    [experts held, rows per expert, *trailing]. Each held expert is cut `split.cut` ways
-    (whole under expert parallelism); experts not held are left out."""
+    [experts held, rows per expert, *trailing] ([experts held, values] for a vector per
+    expert). Each held expert is cut `split.cut` ways (whole under expert parallelism);
+    experts not held are left out."""
     held = split.experts(moe_rank)
     if not held:
         raise PlanError(
@@ -212,7 +276,7 @@ def expert_stack_blocks(
     absent = [expert for expert, blocks in per_expert.items() if not blocks]
     if absent:
         raise PlanError(f"expert {absent[0]} has no tensor in this stack; the checkpoint lacks it")
-    rows = {sum(b.rows[1] - b.rows[0] for b in blocks) for blocks in per_expert.values()}
+    rows = {sum(b.height for b in blocks) for blocks in per_expert.values()}
     if len(rows) != 1 or len(trailing) != 1:
         names = sorted({p.source for p in pieces if p.expert in per_expert})
         raise PlanError(
@@ -220,4 +284,6 @@ def expert_stack_blocks(
             "every expert of a layer must"
         )
     blocks = tuple(block for expert in held for block in per_expert[expert])
+    if all(piece.cut in EXPERT_VECTORS for piece in pieces):
+        return blocks, (len(held) * rows.pop(), *trailing.pop())
     return blocks, (len(held), rows.pop(), *trailing.pop())

@@ -110,7 +110,7 @@ def make_plan(
         draft_kind = draft_method or archs.detect_draft_method(
             draft.config, sorted(draft.tensors), family.name
         )
-    target_context = {"with_draft": draft is not None, "draft_method": draft_kind, **moe}
+    target_context = {"with_draft": draft is not None, "draft_method": draft_kind, "pp": pp, **moe}
     jobs: list[tuple[str, str, str | None, Family, SourceModel, dict[str, Any]]] = [
         ("target", architecture, None, family, target, target_context)
     ]
@@ -263,7 +263,7 @@ def tensor_plan(
     first_shape = source.tensors[param.pieces[0].source][1]
     if first_shape:
         trailing = block_shape(blocks[0], first_shape)[1:]
-        shape = (sum(b.rows[1] - b.rows[0] for b in blocks), *trailing)
+        shape = (sum(b.height for b in blocks), *trailing)
     else:
         shape = ()
     return TensorPlan(param.name, dtype, shape, tuple(blocks))

@@ -36,8 +36,9 @@ class TensorPlan:
 
     @property
     def stacked_shape(self) -> tuple[int, ...]:
-        """The shape as the dim-0 concatenation of the blocks (same bytes, row-major)."""
-        if self.experts:
+        """The shape as the dim-0 concatenation of the blocks (same bytes, row-major); an
+        expert stack of one vector per expert ([experts, values]) is that already."""
+        if self.experts and len(self.shape) > 2:
             return (self.shape[0] * self.shape[1], *self.shape[2:])
         return self.shape
 

@@ -81,7 +81,7 @@ def stored_blocks(holder: str, tensor: TensorPlan) -> list[Stored]:
     for block in tensor.blocks:
         if block.source is not None:
             found.append(Stored(holder, tensor.name, row, block, tensor.stacked_shape[0]))
-        row += block.rows[1] - block.rows[0]
+        row += block.height
     return found
 
 
@@ -102,7 +102,7 @@ def locate(
     zeros: list[tuple[int, int]] = []
     row = 0
     for block in tensor.blocks:
-        height = block.rows[1] - block.rows[0]
+        height = block.height
         if block.source is None:
             zeros.append((row, row + height))
         else:
@@ -119,14 +119,19 @@ def _tile(name: str, need: Block, row: int, candidates: Sequence[Stored]) -> lis
         have = s.block
         if have.repeat != need.repeat or (have.cols is None) != (need.cols is None):
             continue
+        if (have.matrix is None) != (need.matrix is None):
+            continue
+        if need.matrix is not None and (have.rows != need.rows or need.rows[1] - need.rows[0] > 1):
+            continue  # a transposed block: the same expert's matrix, one expert at a time
         if not _inside(have, need) or any(_overlap(have, c) for c in chosen):
             continue
         chosen.append(have)
-        height = have.rows[1] - have.rows[0]
-        start = row + have.rows[0] - need.rows[0]
+        (have_rows, have_cols), (need_rows, need_cols) = _span(have), _span(need)
+        height = have.height
+        start = row + have_rows[0] - need_rows[0]
         cols = None
-        if need.cols is not None and have.cols is not None and have.cols != need.cols:
-            cols = (have.cols[0] - need.cols[0], have.cols[1] - need.cols[0])
+        if (need.cols is not None or need.matrix is not None) and have_cols != need_cols:
+            cols = (have_cols[0] - need_cols[0], have_cols[1] - need_cols[0])
         reads.append(
             Read(
                 s.holder, s.tensor, s.height, (s.row, s.row + height), (start, start + height), cols
@@ -143,6 +148,10 @@ def _tile(name: str, need: Block, row: int, candidates: Sequence[Stored]) -> lis
 
 
 def _span(block: Block) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rows and columns a block covers, in the destination's terms: a transposed
+    block's destination rows are its matrix columns, and its columns the matrix rows."""
+    if block.matrix is not None:
+        return block.matrix[1], block.matrix[0]
     return block.rows, block.cols or (0, 1)
 
 

@@ -132,6 +132,15 @@ def test_mla_with_fp8_block_scales(tmp_path: Path) -> None:
     assert set(_compare(artifact, reference, "target")) == {1.0}
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2)])
+def test_gpt_oss_fused_experts_transposed_at_a_coarser_tp(tmp_path: Path, tp: int, pp: int) -> None:
+    target = make_tiny_model(tmp_path / "gpt-oss", "GptOssForCausalLM")
+    artifact, reference = tmp_path / "tp2", tmp_path / "served"
+    _convert(target, artifact, 2, 2)
+    _convert(target, reference, tp, pp)
+    assert set(_compare(artifact, reference, "target")) == {1.0}
+
+
 def test_a_tp_that_does_not_divide_is_refused(dense: tuple[Path, Path, Path]) -> None:
     _, _, artifact = dense
     manifest = read_manifest(artifact)

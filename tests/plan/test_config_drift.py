@@ -33,6 +33,7 @@ FAMILIES = {
     "DeepseekV2ForCausalLM": {},
     "DeepseekV3ForCausalLM": {"num_nextn_predict_layers": 1},
     "Glm4MoeForCausalLM": {"num_nextn_predict_layers": 1},
+    "GptOssForCausalLM": {},
 }
 
 

@@ -31,7 +31,7 @@ def _cut(tensor: TensorPlan, sources: dict[str, np.ndarray]) -> np.ndarray:
     for block in tensor.blocks:
         if block.source is None:
             width = tensor.stacked_shape[1:] if len(tensor.stacked_shape) > 1 else ()
-            parts.append(np.zeros((block.rows[1] - block.rows[0], *width), np.float32))
+            parts.append(np.zeros((block.height, *width), np.float32))
             continue
         data = sources[block.source]
         data = (
@@ -41,6 +41,9 @@ def _cut(tensor: TensorPlan, sources: dict[str, np.ndarray]) -> np.ndarray:
         )
         data = data.reshape(1) if data.ndim == 0 else data
         part = data[block.rows[0] : block.rows[1]]
+        if block.matrix is not None:  # each dim-0 row's matrix part, transposed
+            (a0, a1), (b0, b1) = block.matrix
+            part = part[:, a0:a1, b0:b1].transpose(0, 2, 1).reshape(-1, a1 - a0)
         if block.cols is not None:
             part = part[:, block.cols[0] : block.cols[1]]
         parts.append(part)
@@ -152,6 +155,31 @@ def test_expert_stacks(tp: int, new_tp: int, expert_parallel: bool) -> None:
             got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
             assert got.shape == want.shape
             assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize(("tp", "new_tp"), [(2, 1), (4, 2), (4, 1), (8, 2)])
+def test_fused_expert_tensors_transposed_as_gpt_oss_stacks_them(tp: int, new_tp: int) -> None:
+    # gpt-oss's [E, H, 2I] gate_up, [E, I, H] down and their biases; 3 experts, I = 8.
+    experts, hidden, inter = 3, 5, 8
+    sources = {
+        "gate_up": _random(experts, hidden, 2 * inter),
+        "down": _random(experts, inter, hidden),
+        "gate_up_bias": _random(experts, 2 * inter),
+        "down_bias": _random(experts, hidden),
+    }
+    cuts = {
+        "gate_up": Cut.EXPERT_COLS_T,
+        "down": Cut.EXPERT_ROWS_T,
+        "gate_up_bias": Cut.EXPERT_ROW,
+        "down_bias": Cut.EXPERT_ROW_FIRST,
+    }
+    split = (ExpertSplit(experts, tp), ExpertSplit(experts, new_tp))
+    for source, cut in cuts.items():
+        pieces = tuple(Piece(source, cut, expert=e) for e in range(experts))
+        for rank in range(new_tp):
+            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+            assert got.shape == want.shape
+            assert np.array_equal(got, want), (source, rank)
 
 
 def test_a_tp_that_does_not_divide_is_not_whole_blocks() -> None:

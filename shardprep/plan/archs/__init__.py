@@ -27,6 +27,7 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekFamily"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekFamily"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeFamily"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssFamily"),
 }
 # (vLLM's speculative `method`, target family name or ANY_TARGET) -> (module, class)
 _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
