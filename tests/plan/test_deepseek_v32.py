@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
@@ -180,14 +180,11 @@ def test_layers_that_reuse_the_top_k_build_no_indexer_but_mtp_layers_do() -> Non
     assert "reuses the previous layer's top-k" in skipped[f"model.layers.2.{IDX}wk.weight"]
     draft = rank(plan, "draft", 0, 0)
     assert f"model.layers.4.mtp_block.{IDX}wk_weights_proj.weight" in draft
-    pattern = source(num_hidden_layers=4, index_topk_pattern="FSFS")
-    built = {
-        i
-        for i in range(4)
-        if f"model.layers.{i}.{IDX}wq_b.weight"
-        in rank(make_plan(pattern, tp=1, pp=1), "target", 0, 0)
-    }
-    assert built == {0, 2}
+    for pattern in ("FSFS", ["F", "S", "F", "S"]):  # a string or a list, as vLLM reads it
+        plan = make_plan(source(num_hidden_layers=4, index_topk_pattern=pattern), tp=1, pp=1)
+        target = rank(plan, "target", 0, 0)
+        built = {i for i in range(4) if f"model.layers.{i}.{IDX}wq_b.weight" in target}
+        assert built == {0, 2}
 
 
 def test_a_config_without_the_indexer_sizes_is_refused_in_words() -> None:
@@ -247,3 +244,23 @@ def test_the_plan_command_names_the_family_and_its_mtp_draft(
         ("target", V32),
         ("draft", "mtp"),
     ]
+
+
+def test_convert_refuses_a_checkpoint_with_an_fp8_wk_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = make_tiny_model(
+        tmp_path / "m", V32, num_hidden_layers=2, quantization_config=TINY_FP8, hidden_size=256
+    )
+    tensors = load_file(model / "model.safetensors")
+    for layer in range(2):  # wk as published: fp8 with its block scales
+        wk = f"model.layers.{layer}.{IDX}wk.weight"
+        tensors[wk] = tensors[wk].to(torch.float8_e4m3fn)
+        tensors[wk + "_scale_inv"] = torch.full((1, 2), 0.01)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert main(["convert", str(model), "--tp", "2", "-o", str(out)]) == 1
+    error = capsys.readouterr().err
+    assert "the indexer's wk is stored fp8 with block scales" in error
+    assert f"model.layers.0.{IDX}wk.weight, model.layers.1.{IDX}wk.weight)" in error
+    assert len(error.strip().splitlines()) == 1 and not out.exists()

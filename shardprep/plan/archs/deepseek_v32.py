@@ -47,7 +47,7 @@ class V32Dims(Dims):
     index_head_dim: int = 0
     # vLLM's IndexCache rule (`DeepseekV2MLAAttention`): which layers skip the top-k.
     topk_freq: int = 1
-    topk_pattern: str | None = None
+    topk_pattern: tuple[str, ...] | None = None  # one letter per layer, "S": skip
     skip_offset: int = 2
 
     @classmethod
@@ -64,7 +64,7 @@ class V32Dims(Dims):
             index_heads=config_int(config, "index_n_heads"),
             index_head_dim=config_int(config, "index_head_dim"),
             topk_freq=config_int(config, "index_topk_freq", 1),
-            topk_pattern=str(pattern) if pattern is not None else None,
+            topk_pattern=tuple(str(p) for p in pattern) if pattern is not None else None,
             skip_offset=int(config.get("index_skip_topk_offset", 2)),
         )
 
