@@ -69,23 +69,20 @@ def deepseek_v3_tensors(config: dict) -> tuple[dict, dict]:
 
 
 def deepseek_v32_tensors() -> tuple[dict, dict, dict]:
-    """DeepSeek-V3.2's published config.json and tensor table (tests/data/deepseek-v3.2),
-    with the indexer's wk stored bfloat16 (the fp8 wk as published is refused)."""
+    """DeepSeek-V3.2's published config.json and tensor table (tests/data/deepseek-v3.2)."""
     data = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek-v3.2"
     config = json.loads((data / "config.json").read_text())
     table = json.loads((data / "tensors.json").read_text())
     ranges = {"{L}": range(62), "{D}": range(3), "{M}": range(3, 62), "{E}": range(256)}
     shapes, dtypes = {}, {}
     for pattern, (dtype, shape) in table["groups"].items():
-        if pattern.endswith("indexer.wk.weight_scale_inv"):
-            continue
         keys = [k for k in ranges if k in pattern]
         for values in itertools.product(*(ranges[k] for k in keys)):
             name = pattern
             for key, value in zip(keys, values, strict=True):
                 name = name.replace(key, str(value))
             shapes[name] = tuple(shape)
-            dtypes[name] = "BF16" if name.endswith("indexer.wk.weight") else dtype
+            dtypes[name] = dtype
     return config, shapes, dtypes
 
 

@@ -1,8 +1,9 @@
 """DeepSeek-V3.2 (`DeepseekV32ForCausalLM`) and its MTP draft, planned without vLLM: the
 indexer's rules (`wq_b` replicated and quantized, `wk` and `weights_proj` fused and
-replicated, `k_norm` float32, no indexer where vLLM builds none), the published
-config.json and tensor table of deepseek-ai/DeepSeek-V3.2 (tests/data/deepseek-v3.2) at
-the topologies it is served with, and what a tiny checkpoint's conversion writes."""
+replicated, an fp8 `wk` dequantized as vLLM does, `k_norm` float32, no indexer where vLLM
+builds none), the published config.json and tensor table of deepseek-ai/DeepSeek-V3.2
+(tests/data/deepseek-v3.2) at the topologies it is served with, and what a tiny
+checkpoint's conversion writes."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
 from shardprep.demo.tiny import TINY_FP8, make_tiny_model, tiny_config
 from shardprep.errors import PlanError
 from shardprep.format.manifest import read_manifest
@@ -51,14 +53,13 @@ def published() -> SourceModel:
     return SourceModel(json.loads((DATA / "config.json").read_text()), published_tensors())
 
 
-def with_bf16_wk(model: SourceModel) -> SourceModel:
-    """The published checkpoint with the indexer's wk stored as vLLM holds it (bfloat16)."""
-    tensors = {
-        name: (("BF16", shape) if name.endswith(IDX + "wk.weight") else (dtype, shape))
-        for name, (dtype, shape) in model.tensors.items()
-        if not name.endswith(IDX + "wk.weight_scale_inv")
-    }
-    return SourceModel(model.config, tensors)
+def with_dequantized(model: SourceModel) -> SourceModel:
+    """The headers plus the dequantized tensors convert adds (bfloat16, the stored shape)."""
+    family = archs.target_family(model.config)[1]
+    dtypes = {name: dtype for name, (dtype, _) in model.tensors.items()}
+    derived = family.dequantized_sources(model.config, dtypes)
+    added = {name: ("BF16", model.tensors[weight][1]) for name, (weight, _) in derived.items()}
+    return SourceModel(model.config, {**model.tensors, **added})
 
 
 def source(**overrides: Any) -> SourceModel:
@@ -80,34 +81,43 @@ def rank(plan: Plan, role: str, pp: int, tp: int) -> dict[str, TensorPlan]:
     }
 
 
-def test_the_family_implies_the_published_tensors_but_the_quantized_wk(
-    published: SourceModel,
-) -> None:
+def test_the_family_implies_the_published_tensors(published: SourceModel) -> None:
     config = published.config
     family = archs.target_family(config)[1]
     assert archs.internal_draft_method(config) == "mtp"
     draft = archs.draft_family("mtp", family.name)
     implied = quantized.expected_shapes(family, config) | quantized.expected_shapes(draft, config)
     dtypes = quantized.source_dtypes(family, config) | quantized.source_dtypes(draft, config)
-    tensors = with_bf16_wk(published).tensors
-    assert {n: tuple(s) for n, s in implied.items()} == {n: s for n, (_, s) in tensors.items()}
-    # Every quantized weight and scale, the float32 routing bias and k_norm, as published.
-    assert {n: d for n, d in dtypes.items()} == {
-        n: d for n, (d, _) in tensors.items() if d in ("F8_E4M3",) or n in dtypes
+    assert {n: tuple(s) for n, s in implied.items()} == {
+        n: s for n, (_, s) in published.tensors.items()
     }
+    # Every quantized weight and scale (the indexer's wq_b and wk too), the float32 routing
+    # bias and k_norm, as published.
+    assert dtypes == {
+        n: d for n, (d, _) in published.tensors.items() if d in ("F8_E4M3",) or n in dtypes
+    }
+    assert dtypes[f"model.layers.61.{IDX}wk.weight"] == "F8_E4M3"
     assert dtypes[f"model.layers.61.{IDX}k_norm.bias"] == "F32"
     assert dtypes[f"model.layers.0.{IDX}wq_b.weight_scale_inv"] == "F32"
 
 
-def test_the_published_checkpoint_is_refused_for_its_fp8_wk(published: SourceModel) -> None:
+def test_each_fp8_wk_is_dequantized_and_headers_alone_are_refused(
+    published: SourceModel,
+) -> None:
+    family = archs.target_family(published.config)[1]
+    dtypes = {name: dtype for name, (dtype, _) in published.tensors.items()}
+    derived = family.dequantized_sources(published.config, dtypes)
+    assert len(derived) == 62
+    wk = f"model.layers.61.{IDX}wk.weight"
+    assert derived[wk + ".dequantized"] == (wk, wk + "_scale_inv")
     with pytest.raises(PlanError) as info:
         make_plan(published, tp=8, pp=2, draft=published, draft_method="mtp")
     assert str(info.value) == (
         "the indexer's wk is stored fp8 with block scales "
         f"(model.layers.0.{IDX}wk.weight, model.layers.1.{IDX}wk.weight, "
-        f"model.layers.10.{IDX}wk.weight and 59 more): vLLM dequantizes it into the bfloat16 "
-        "wk_weights_proj while loading, a computation shardprep does not do yet; convert a "
-        "checkpoint whose indexer wk is bfloat16"
+        f"model.layers.10.{IDX}wk.weight and 58 more), which vLLM dequantizes while loading; "
+        "plan the checkpoint with `shardprep plan` or `convert`, which dequantize it as vLLM "
+        "does"
     )
 
 
@@ -115,7 +125,7 @@ def test_the_published_checkpoint_is_refused_for_its_fp8_wk(published: SourceMod
 def test_deepseek_v32_plans_at_the_topologies_it_is_served_with(
     published: SourceModel, tp: int, pp: int
 ) -> None:
-    model = with_bf16_wk(published)
+    model = with_dequantized(published)
     plan = make_plan(model, tp=tp, pp=pp, draft=model, draft_method="mtp")
     assert [m.method for m in plan.models] == [None, "mtp"]
     assert [m.family for m in plan.models] == ["deepseek_v32", "deepseek_v32_mtp"]
@@ -131,7 +141,7 @@ def test_deepseek_v32_plans_at_the_topologies_it_is_served_with(
     fused = first[layer + IDX + "wk_weights_proj.weight"]
     assert (fused.dtype, fused.shape) == ("BF16", (128 + 64, 7168))
     assert [b.source for b in fused.blocks] == [
-        f"{layer}{IDX}wk.weight",
+        f"{layer}{IDX}wk.weight.dequantized",
         f"{layer}{IDX}weights_proj.weight",
     ]
     for norm in ("k_norm.weight", "k_norm.bias"):
@@ -161,7 +171,7 @@ def test_deepseek_v32_plans_at_the_topologies_it_is_served_with(
 
 def test_a_tp_that_v32_cannot_use_is_refused_with_every_reason(published: SourceModel) -> None:
     with pytest.raises(PlanError) as info:
-        make_plan(with_bf16_wk(published), tp=3, pp=2)
+        make_plan(with_dequantized(published), tp=3, pp=2)
     message = str(info.value)
     assert "num_attention_heads (128) is not divisible by tp=3" in message
     assert "moe_intermediate_size (2048) is not divisible by tp=3" in message
@@ -196,14 +206,27 @@ def test_a_config_without_the_indexer_sizes_is_refused_in_words() -> None:
         make_plan(SourceModel(config | {"q_lora_rank": None}, model.tensors), tp=2, pp=1)
 
 
-def test_fp8_quantizes_wq_b_and_leaves_the_fused_wk_unquantized() -> None:
+def test_fp8_quantizes_wq_b_and_the_fused_wk_reads_the_dequantized_wk() -> None:
     model = source(num_hidden_layers=2, quantization_config=TINY_FP8, hidden_size=256)
+    wk = f"model.layers.0.{IDX}wk.weight"
     assert model.tensors[f"model.layers.0.{IDX}wq_b.weight"][0] == "F8_E4M3"
-    assert f"model.layers.0.{IDX}wk.weight_scale_inv" not in model.tensors
-    target = rank(make_plan(model, tp=2, pp=1), "target", 0, 0)
+    assert model.tensors[wk] == ("F8_E4M3", (128, 256))
+    assert model.tensors[wk + "_scale_inv"] == ("F32", (1, 2))
+    plan = make_plan(with_dequantized(model), tp=2, pp=1)
+    target = rank(plan, "target", 0, 0)
     assert target[f"model.layers.0.{IDX}wq_b.weight_scale_inv"].shape == (4, 1)
-    assert target[f"model.layers.0.{IDX}wk_weights_proj.weight"].dtype == "BF16"
+    fused = target[f"model.layers.0.{IDX}wk_weights_proj.weight"]
+    assert fused.dtype == "BF16" and fused.blocks[0].source == wk + ".dequantized"
     assert f"model.layers.0.{IDX}wk_weights_proj.weight_scale_inv" not in target
+    skipped = dict(plan.models[0].skipped)
+    assert skipped[wk + "_scale_inv"] == f"the block scales of {wk}, dequantized into it"
+    # A checkpoint that stores wk in bfloat16 (fp8 elsewhere) needs no scales for it.
+    tensors = {n: v for n, v in model.tensors.items() if not n.endswith("wk.weight_scale_inv")}
+    tensors = {
+        n: (("BF16", v[1]) if n.endswith(f"{IDX}wk.weight") else v) for n, v in tensors.items()
+    }
+    fused = rank(make_plan(SourceModel(model.config, tensors), tp=2, pp=1), "target", 0, 0)
+    assert fused[f"model.layers.0.{IDX}wk_weights_proj.weight"].blocks[0].source == wk
 
 
 def test_a_tiny_checkpoint_converts_to_the_indexer_vllm_holds(tmp_path: Path) -> None:
@@ -246,21 +269,33 @@ def test_the_plan_command_names_the_family_and_its_mtp_draft(
     ]
 
 
-def test_convert_refuses_a_checkpoint_with_an_fp8_wk_in_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_convert_dequantizes_an_fp8_wk_as_vllm_does(tmp_path: Path) -> None:
     model = make_tiny_model(
-        tmp_path / "m", V32, num_hidden_layers=2, quantization_config=TINY_FP8, hidden_size=256
+        tmp_path / "m",
+        V32,
+        num_hidden_layers=2,
+        num_nextn_predict_layers=1,
+        quantization_config=TINY_FP8,
+        hidden_size=256,
     )
-    tensors = load_file(model / "model.safetensors")
-    for layer in range(2):  # wk as published: fp8 with its block scales
-        wk = f"model.layers.{layer}.{IDX}wk.weight"
-        tensors[wk] = tensors[wk].to(torch.float8_e4m3fn)
-        tensors[wk + "_scale_inv"] = torch.full((1, 2), 0.01)
-    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
-    out = tmp_path / "out"
-    assert main(["convert", str(model), "--tp", "2", "-o", str(out)]) == 1
-    error = capsys.readouterr().err
-    assert "the indexer's wk is stored fp8 with block scales" in error
-    assert f"model.layers.0.{IDX}wk.weight, model.layers.1.{IDX}wk.weight)" in error
-    assert len(error.strip().splitlines()) == 1 and not out.exists()
+    stored = load_file(model / "model.safetensors")
+    convert(str(model), tmp_path / "a", Options(tp=2, pp=1, dtype="float32"), progress=False)
+    manifest = read_manifest(tmp_path / "a")
+    seen = set()
+    for f in manifest.files:
+        for name, value in load_file(tmp_path / "a" / f.path).items():
+            if not name.endswith("wk_weights_proj.weight"):
+                continue
+            hf = f"model.layers.{name.split('.')[2]}.{IDX}"
+            weight, scale = stored[hf + "wk.weight"], stored[hf + "wk.weight_scale_inv"]
+            assert weight.dtype == torch.float8_e4m3fn and scale.shape == (1, 2)
+            # vLLM: scaled_dequantize to bfloat16, then the copy into a float32 parameter
+            blocks = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+            dequantized = (weight.float() * blocks).bfloat16().float()
+            assert value.dtype == torch.float32
+            assert torch.equal(value[:128], dequantized)
+            assert torch.equal(value[128:], stored[hf + "weights_proj.weight"].float())
+            seen.add((f.role, name))
+    assert len(seen) == 3  # layers 0 and 1 of the target, the MTP layer 2 of the draft
+    report = verify(tmp_path / "a", full=True)  # re-planned and compared with the source
+    assert report.ok and report.round_trip_tensors > 0, report.problems

@@ -9,10 +9,12 @@ reference; the engine cannot compute sparse attention and fails after loading, w
 leaves that state complete (and `process_weights_after_loading` is set aside so that the
 draft is built too).
 
-One tiny fp8 block checkpoint in the published naming (indexer in every layer, its `wq_b`
-fp8, `wk` and `weights_proj` bfloat16, `k_norm` float32), with its MTP layer, at tp2 x pp2:
-every rank file, target and draft, equals vLLM's own per-rank state byte for byte, and
-`sharded-fast`, with every collective refused while each rank loads, leaves the same state.
+One tiny fp8 block checkpoint as DeepSeek-V3.2 is published (an indexer in every layer:
+`wq_b` and `wk` fp8 with block scales, `weights_proj` bfloat16, `k_norm` float32), with its
+MTP layer, at tp2 x pp2: every rank file, target and draft, equals vLLM's own per-rank
+state byte for byte (`wk` dequantized into `wk_weights_proj` as vLLM's `load_weights` does
+it), and `sharded-fast`, with every collective refused while each rank loads, leaves the
+same state.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
+from safetensors.torch import load_file
 from test_vllm_layout import assert_same_state, rank_tensors
 from test_vllm_moe import TRAP, assert_same_dumps
 
@@ -55,6 +58,9 @@ def test_deepseek_v32_fp8_with_mtp_at_tp2_pp2(tmp_path: Path) -> None:
         quantization_config=TINY_FP8,
         hidden_size=256,
     )
+    stored = load_file(model / "model.safetensors")
+    assert stored[f"model.layers.0.{IDX}wk.weight"].dtype == torch.float8_e4m3fn
+    assert f"model.layers.{LAYERS}.{IDX}wk.weight_scale_inv" in stored
     artifact = tmp_path / "artifact"
     convert(str(model), artifact, Options(tp=2, pp=2), progress=False)
     draft = read_manifest(artifact).model("draft")

@@ -10,9 +10,9 @@ with the same parameters), each attention layer with an indexer under
   model's quantization (fp8 blocks in the published checkpoint);
 - `wk` [index_head_dim, hidden] and `weights_proj` [index_n_heads, hidden]: fused, in that
   order, into one replicated `wk_weights_proj` built without quantization. The published
-  fp8 checkpoint stores `wk` fp8 with block scales, which vLLM dequantizes into it while
-  loading (`_try_load_fp8_indexer_wk`): a computation, not a copy, which shardprep does not
-  do yet, so such a checkpoint is refused with that reason;
+  fp8 checkpoint stores `wk` fp8 with block scales, which vLLM dequantizes to bfloat16
+  before fusing it (`_try_load_fp8_indexer_wk`); convert computes the same bytes
+  (`dequantized_sources`, convert/dequantize.py) and the layout reads those;
 - `k_norm` (a LayerNorm, weight and bias): float32 whatever the model's dtype.
 
 With `index_topk_freq` > 1 or an `index_topk_pattern`, layers that reuse the previous
@@ -29,14 +29,18 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError, PlanError, summarize
-from shardprep.plan.archs.base import Config, Layout, Shapes, config_int
+from shardprep.format.dtypes import FLOAT_DTYPES
+from shardprep.plan.archs.base import DEQUANTIZED, Config, Layout, Shapes, config_int
 from shardprep.plan.archs.deepseek import F32, LAYER, DeepseekFamily, Dims
 from shardprep.plan.archs.deepseek_mtp import DeepseekMtpDraft
 from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.quant import scheme_of
+from shardprep.plan.quant.fp8 import FP8, SCALE_DTYPE, scale_name
 from shardprep.plan.topology import Topology
 
 INDEXER = "self_attn.indexer."
 FUSED_WK = INDEXER + "wk_weights_proj.weight"
+WK = INDEXER + "wk.weight"
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class V32Dims(Dims):
     topk_freq: int = 1
     topk_pattern: tuple[str, ...] | None = None  # one letter per layer, "S": skip
     skip_offset: int = 2
+    # fp8 blocks of an fp8 checkpoint, which stores wk quantized as published
+    block: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, config: Config) -> V32Dims:
@@ -66,6 +72,7 @@ class V32Dims(Dims):
             topk_freq=config_int(config, "index_topk_freq", 1),
             topk_pattern=tuple(str(p) for p in pattern) if pattern is not None else None,
             skip_offset=int(config.get("index_skip_topk_offset", 2)),
+            block=_fp8_block(config),
         )
 
     def has_indexer(self, layer: int) -> bool:
@@ -81,13 +88,18 @@ class V32Dims(Dims):
         published: `k_norm` float32, the rest in the model's dtype (or quantized)."""
         assert self.q_lora is not None  # `of` refuses a config without q_lora_rank
         heads, dim = self.index_heads, self.index_head_dim
-        return {
+        found: dict[str, tuple[tuple[int, ...], str | None]] = {
             INDEXER + "wq_b.weight": ((heads * dim, self.q_lora), None),
-            INDEXER + "wk.weight": ((dim, self.hidden), None),
+            WK: ((dim, self.hidden), None),
             INDEXER + "weights_proj.weight": ((heads, self.hidden), None),
             INDEXER + "k_norm.weight": ((dim,), F32),
             INDEXER + "k_norm.bias": ((dim,), F32),
         }
+        if self.block is not None:  # wk fp8 with its block scales, as published
+            rows, cols = -(-dim // self.block[0]), -(-self.hidden // self.block[1])
+            found[WK] = ((dim, self.hidden), FP8)
+            found[scale_name(WK)] = ((rows, cols), SCALE_DTYPE)
+        return found
 
 
 class DeepseekV32Family(DeepseekFamily):
@@ -132,6 +144,22 @@ class DeepseekV32Family(DeepseekFamily):
         for norm in ("k_norm.weight", "k_norm.bias"):
             yield prefix + INDEXER + norm, Piece(source + norm, Cut.REPLICATE), F32
 
+    def dequantized_sources(
+        self, config: Config, dtypes: Mapping[str, str]
+    ) -> dict[str, tuple[str, str]]:
+        """Each built indexer's `wk` that the checkpoint stores quantized, with its block
+        scales: vLLM dequantizes it to bfloat16 before fusing it."""
+        d = self.dims(config)
+        return {
+            name + DEQUANTIZED: (name, scale_name(name))
+            for name, dtype in dtypes.items()
+            if name.endswith(WK)
+            and dtype not in FLOAT_DTYPES
+            and scale_name(name) in dtypes
+            and (match := LAYER.match(name))
+            and d.has_indexer(int(match[1]))
+        }
+
     def internal_draft(self, config: Config) -> str | None:
         """vLLM serves a deepseek_v32 checkpoint's MTP layers as the `mtp` draft."""
         return "mtp" if config.get("num_nextn_predict_layers") else None
@@ -151,20 +179,9 @@ class DeepseekV32Family(DeepseekFamily):
 
 
 def with_unbuilt_indexers(d: V32Dims, layout: Layout, shapes: Shapes) -> Layout:
-    """`layout` with the indexer tensors of layers that build no indexer skipped; a
-    checkpoint whose indexer `wk` is stored quantized is refused."""
-    scaled = sorted(
-        name.removesuffix("_scale_inv")
-        for name in shapes
-        if name.endswith(INDEXER + "wk.weight_scale_inv")
-        and d.has_indexer(int(LAYER.match(name)[1]))  # type: ignore[index]
-    )
-    if scaled:
-        raise PlanError(
-            f"the indexer's wk is stored fp8 with block scales ({summarize(scaled)}): vLLM "
-            "dequantizes it into the bfloat16 wk_weights_proj while loading, a computation "
-            "shardprep does not do yet; convert a checkpoint whose indexer wk is bfloat16"
-        )
+    """`layout` with the indexer tensors of layers that build no indexer skipped, and
+    each quantized `wk` read dequantized (see `read_dequantized`)."""
+    layout = read_dequantized(layout, shapes)
     skipped = dict(layout.skipped)
     for name in shapes:
         match = LAYER.match(name)
@@ -176,7 +193,58 @@ def with_unbuilt_indexers(d: V32Dims, layout: Layout, shapes: Shapes) -> Layout:
     return dataclasses.replace(layout, skipped=skipped)
 
 
+def read_dequantized(layout: Layout, shapes: Shapes) -> Layout:
+    """Each piece of a stored-quantized `wk` read from its dequantized copy, which
+    convert adds to the checkpoint's tensors (`DeepseekV32Family.dequantized_sources`),
+    the stored weight and its scales skipped; a quantized `wk` without that copy (planned
+    from headers alone) is refused. The scales are optional: a checkpoint may store `wk`
+    in bfloat16."""
+    swap = {name.removesuffix(DEQUANTIZED): name for name in shapes if name.endswith(DEQUANTIZED)}
+    params = tuple(
+        dataclasses.replace(
+            param,
+            pieces=tuple(
+                dataclasses.replace(piece, source=swap.get(piece.source, piece.source))
+                for piece in param.pieces
+            ),
+        )
+        for param in layout.params
+    )
+    used = {piece.source for param in params for piece in param.pieces}
+    scaled = sorted(w for w in used if w.endswith(WK) and scale_name(w) in shapes)
+    if scaled:
+        raise PlanError(
+            f"the indexer's wk is stored fp8 with block scales ({summarize(scaled)}), which "
+            "vLLM dequantizes while loading; plan the checkpoint with `shardprep plan` or "
+            "`convert`, which dequantize it as vLLM does"
+        )
+    skipped = {name: why for name, why in layout.skipped.items() if name not in used}
+    for weight, dequantized in swap.items():
+        if dequantized in used:
+            skipped[weight] = (
+                "stored fp8: vLLM dequantizes it with its block scales while loading, and "
+                f"the rank files hold it dequantized ({dequantized})"
+            )
+            skipped[scale_name(weight)] = f"the block scales of {weight}, dequantized into it"
+    stored = {w.removesuffix(DEQUANTIZED) for w in used}
+    optional = {scale_name(w) for w in stored if w.endswith(WK)}
+    return dataclasses.replace(
+        layout,
+        params=params,
+        skipped=skipped,
+        optional_sources=layout.optional_sources | optional,
+    )
+
+
+def _fp8_block(config: Config) -> tuple[int, int] | None:
+    scheme = scheme_of(config)
+    return scheme.block if scheme is not None and not scheme.problem else None
+
+
 class DeepseekV32MtpDraft(DeepseekMtpDraft):
     name = "deepseek_v32_mtp"
     target = DeepseekV32Family
     attribute_maps = DeepseekV32Family.attribute_maps
+
+    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+        return read_dequantized(super().layout(config, shapes, topology, **context), shapes)
