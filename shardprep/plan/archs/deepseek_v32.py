@@ -2,8 +2,9 @@
 lightning indexer of DeepSeek Sparse Attention in every attention layer.
 
 vLLM reads the config through `DeepseekV3Config` and builds the decoder layers as
-DeepSeek-V3's (`deepseek_v2.py` on CPU and XPU, `models/deepseek_v32/` on CUDA and ROCm,
-with the same parameters), each attention layer with an indexer under
+DeepSeek-V3's (`deepseek_v2.py` on CPU and XPU; `models/deepseek_v32/` on CUDA and ROCm,
+whose parameters and `load_weights` rules read the same in vLLM's source, while only the
+CPU build's state is proven by the tests), each attention layer with an indexer under
 `self_attn.indexer.` that is never split by tensor parallelism:
 
 - `wq_b` [index_n_heads x index_head_dim, q_lora_rank]: a `ReplicatedLinear` with the
