@@ -1,6 +1,6 @@
 """Time and peak memory of `shardprep plan` on a DeepSeek-V3-shaped checkpoint.
 
-    python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
+    python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR] [--model deepseek-v3.2]
 
 The checkpoint has DeepSeek-V3's full shapes (61 layers and an MTP layer, 256 experts,
 fp8 blocks, 163 files) but is made of sparse files: each is a valid safetensors header
@@ -11,6 +11,7 @@ every rank file and validates it all; nothing is written.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import shutil
@@ -44,14 +45,14 @@ def deepseek_v3_config() -> dict:
     )  # fmt: skip
 
 
-def write_sparse_deepseek_v3(folder: Path, files: int = 163) -> int:
-    """Headers only: each file is a valid safetensors header followed by a hole."""
+def deepseek_v3_tensors(config: dict) -> tuple[dict, dict]:
+    """DeepSeek-V3's tensors (name -> shape) and the dtypes that are not bfloat16."""
     from shardprep.plan import archs
+    from shardprep.plan.archs import quantized
 
-    config = deepseek_v3_config()
     family = archs.target_family(config)[1]
-    dtypes = family.source_dtypes(config)
-    shapes = dict(family.expected_shapes(config))
+    dtypes = quantized.source_dtypes(family, config)  # the fp8 weights and their scales
+    shapes = dict(quantized.expected_shapes(family, config))
     # The MTP layer: one more decoder layer and its own heads; the target skips them.
     mtp = {k.replace("layers.60.", "layers.61."): v for k, v in shapes.items() if ".60." in k}
     dtypes |= {k.replace("layers.60.", "layers.61."): v for k, v in dtypes.items() if ".60." in k}
@@ -64,7 +65,35 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163) -> int:
         "model.layers.61.shared_head.head.weight": (vocab, hidden),
         "model.layers.61.embed_tokens.weight": (vocab, hidden),
     }
-    ordered = sorted({**shapes, **mtp}.items(), key=_natural)
+    return {**shapes, **mtp}, dtypes
+
+
+def deepseek_v32_tensors() -> tuple[dict, dict, dict]:
+    """DeepSeek-V3.2's published config.json and tensor table (tests/data/deepseek-v3.2)."""
+    data = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek-v3.2"
+    config = json.loads((data / "config.json").read_text())
+    table = json.loads((data / "tensors.json").read_text())
+    ranges = {"{L}": range(62), "{D}": range(3), "{M}": range(3, 62), "{E}": range(256)}
+    shapes, dtypes = {}, {}
+    for pattern, (dtype, shape) in table["groups"].items():
+        keys = [k for k in ranges if k in pattern]
+        for values in itertools.product(*(ranges[k] for k in keys)):
+            name = pattern
+            for key, value in zip(keys, values, strict=True):
+                name = name.replace(key, str(value))
+            shapes[name] = tuple(shape)
+            dtypes[name] = dtype
+    return config, shapes, dtypes
+
+
+def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deepseek-v3") -> int:
+    """Headers only: each file is a valid safetensors header followed by a hole."""
+    if model == "deepseek-v3.2":
+        config, shapes, dtypes = deepseek_v32_tensors()
+    else:
+        config = deepseek_v3_config()
+        shapes, dtypes = deepseek_v3_tensors(config)
+    ordered = sorted(shapes.items(), key=_natural)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     per_file = math.ceil(len(ordered) / files)
@@ -86,10 +115,10 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163) -> int:
     return total
 
 
-def bench_plan_deepseek_v3(root: Path, tp: int, pp: int) -> None:
-    source = root / "deepseek-v3"
+def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-v3") -> None:
+    source = root / model
     shutil.rmtree(source, ignore_errors=True)
-    total = write_sparse_deepseek_v3(source)
+    total = write_sparse_deepseek_v3(source, model=model)
     on_disk = sum(p.stat().st_blocks * 512 for p in source.iterdir())
     result = subprocess.run(
         [sys.executable, "-c", PLAN_CHILD, str(source), str(tp), str(pp)],
@@ -97,7 +126,8 @@ def bench_plan_deepseek_v3(root: Path, tp: int, pp: int) -> None:
     )  # fmt: skip
     run = json.loads(result.stdout.strip().splitlines()[-1])
     shutil.rmtree(source, ignore_errors=True)
-    print(f"DeepSeek-V3 (fp8, 163 files, {total / 1e9:.0f} GB apparent, "
+    name = {"deepseek-v3": "DeepSeek-V3", "deepseek-v3.2": "DeepSeek-V3.2"}[model]
+    print(f"{name} (fp8, 163 files, {total / 1e9:.0f} GB apparent, "
           f"{on_disk / 1e6:.1f} MB on disk): shardprep plan --tp {tp} --pp {pp}")  # fmt: skip
     print(f"  exit status {run['code']}, {run['seconds']:.2f} s, "
           f"peak RSS {run['max_rss'] / 1e6:.0f} MB")  # fmt: skip
@@ -112,8 +142,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dir", default="bench-plan")
+    parser.add_argument("--model", choices=["deepseek-v3", "deepseek-v3.2"], default="deepseek-v3")
     args = parser.parse_args()
-    bench_plan_deepseek_v3(Path(args.dir), args.tp, args.pp)
+    bench_plan_deepseek_v3(Path(args.dir), args.tp, args.pp, args.model)
 
 
 if __name__ == "__main__":

@@ -51,11 +51,12 @@ class Checkpoint:
     sizes: dict[str, int] | None = None
     remote: Remote | None = None
     # Tensors read from a side file rather than a safetensors file (a draft's mask
-    # embedding): name -> raw bytes, described by `tensors[name]` with offset 0.
+    # embedding), or computed from other tensors (file ""; convert/dequantize.py): name ->
+    # raw bytes, described by `tensors[name]` with offset 0.
     side_tensors: dict[str, bytes] = field(default_factory=dict)
 
     def side_files(self) -> list[str]:
-        return sorted({self.tensors[name].file for name in self.side_tensors})
+        return sorted({f for name in self.side_tensors if (f := self.tensors[name].file)})
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: t.info.shape for name, t in self.tensors.items()}

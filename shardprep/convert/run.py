@@ -28,6 +28,7 @@ from shardprep.convert.checkpoint import (
     load_side_file,
     same_bytes,
 )
+from shardprep.convert.dequantize import with_dequantized
 from shardprep.convert.hub_budget import BudgetedArrivals, begin_fetch, remove_private
 from shardprep.convert.hub_source import Arrivals, fetch, open_source
 from shardprep.convert.journal import Journal, fingerprint
@@ -77,6 +78,7 @@ def load_and_plan(
     """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
     nothing is written."""
     target = open_source(model, options.revision, endpoint=options.endpoint, progress=progress)
+    target = with_dequantized(target)
     checkpoints = {"target": target}
     method = options.draft_method
     notes: list[str] = []

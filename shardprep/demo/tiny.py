@@ -63,6 +63,10 @@ DEEPSEEK: dict[str, dict[str, Any]] = {
         "scoring_func": "sigmoid",
     },
 }  # fmt: skip
+# DeepSeek-V3.2: V3 with the indexer (index_head_dim 128, vLLM's quantization block).
+DEEPSEEK["DeepseekV32ForCausalLM"] = DEEPSEEK["DeepseekV3ForCausalLM"] | {
+    "index_n_heads": 4, "index_head_dim": 128, "index_topk": 16,
+}  # fmt: skip
 TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [128, 128]}  # fmt: skip
 
@@ -75,6 +79,7 @@ _MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
     "Glm4MoeForCausalLM": "glm4_moe",
     "GptOssForCausalLM": "gpt_oss",
 }

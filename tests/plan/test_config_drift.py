@@ -34,7 +34,12 @@ FAMILIES = {
     "DeepseekV3ForCausalLM": {"num_nextn_predict_layers": 1},
     "Glm4MoeForCausalLM": {"num_nextn_predict_layers": 1},
     "GptOssForCausalLM": {},
+    "DeepseekV32ForCausalLM": {"num_nextn_predict_layers": 1},
 }
+
+# Model types vLLM reads with another transformers class than transformers' own
+# (`_CONFIG_REGISTRY` in vllm/transformers_utils/config.py).
+VLLM_CONFIG_CLASSES = {"deepseek_v32": "DeepseekV3Config"}
 
 
 def saved_by_transformers(model: Path, out: Path) -> dict:
@@ -74,7 +79,10 @@ def test_every_family_maps_what_its_transformers_config_class_maps() -> None:
     for architecture in archs.supported()[0]:
         model_type = tiny_config(architecture)["model_type"]
         mapping = archs.target_family_of(architecture).attribute_maps.get(model_type, {})
-        cls = type(transformers.AutoConfig.for_model(model_type))
+        if model_type in VLLM_CONFIG_CLASSES:
+            cls = getattr(transformers, VLLM_CONFIG_CLASSES[model_type])
+        else:
+            cls = type(transformers.AutoConfig.for_model(model_type))
         assert dict(mapping) == cls.attribute_map, architecture
 
 

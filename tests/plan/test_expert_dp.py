@@ -278,7 +278,7 @@ def test_the_demo_names_the_mixture_of_experts_families() -> None:
     data, text = run_demo()
     for family in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM"):
         assert family in data["supported"]["architectures"]
-    assert "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeForCausalLM" in text
+    assert "DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, DeepseekV3ForCausalLM" in text
     assert "(Kimi-K2 is a DeepseekV3ForCausalLM); drafts: dflash, dspark, eagle, eagle3" in text
 
 

@@ -26,6 +26,7 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralFamily"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekFamily"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekFamily"),
+    "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32Family"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeFamily"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssFamily"),
 }
@@ -36,6 +37,7 @@ _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
     ("dflash", ANY_TARGET): ("dflash", "DFlashDraft"),
     ("dspark", ANY_TARGET): ("dflash", "DSparkDraft"),
     ("mtp", "deepseek"): ("deepseek_mtp", "DeepseekMtpDraft"),
+    ("mtp", "deepseek_v32"): ("deepseek_v32", "DeepseekV32MtpDraft"),
     ("mtp", "glm4_moe"): ("glm4_moe", "Glm4MoeMtpDraft"),
 }
 

@@ -20,6 +20,9 @@ from shardprep.plan.layout import Piece
 
 Config = Mapping[str, Any]
 Shapes = Mapping[str, tuple[int, ...]]
+# The suffix of a tensor that convert computes by dequantizing a stored weight, as vLLM's
+# `load_weights` does before copying it (`Family.dequantized_sources`).
+DEQUANTIZED = ".dequantized"
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,15 @@ class Family:
     def internal_draft(self, config: Config) -> str | None:
         """The draft method of a draft the checkpoint carries inside itself (MTP layers)."""
         return None
+
+    def dequantized_sources(
+        self, config: Config, dtypes: Mapping[str, str]
+    ) -> dict[str, tuple[str, str]]:
+        """Weights that vLLM's `load_weights` dequantizes with their block scales before
+        copying them into an unquantized layer, given the checkpoint's tensors and dtypes:
+        {the name a layout reads the result under (weight + DEQUANTIZED): (weight, its
+        scales)}. convert computes them as vLLM does (convert/dequantize.py)."""
+        return {}
 
 
 class DraftFamily(Family):

@@ -205,6 +205,18 @@ class DeepseekFamily(Family):
     }
     quant_schemes = frozenset({"fp8_block"})
 
+    def dims(self, config: Config) -> Dims:
+        """The sizes config.json implies."""
+        return Dims.of(config)
+
+    def layer_sources(self, d: Dims, layer: int) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """{Hugging Face name: (shape, fixed dtype)} of one decoder layer's tensors."""
+        return layer_sources(d, layer)
+
+    def layer_quantized(self, d: Dims, layer: int) -> dict[str, str]:
+        """{source weight: vLLM layer} of one decoder layer's quantized weights."""
+        return layer_quantized(d, layer)
+
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config).items()}
 
@@ -219,17 +231,17 @@ class DeepseekFamily(Family):
         return {name: dtype for name, (_, dtype) in self._sources(config).items() if dtype}
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
-        d = Dims.of(config)
+        d = self.dims(config)
         found: dict[str, str] = {}
         for layer in range(d.layers):
-            found |= layer_quantized(d, layer)
+            found |= self.layer_quantized(d, layer)
         return found
 
     def _sources(self, config: Config) -> dict[str, tuple[tuple[int, ...], str | None]]:
-        d = Dims.of(config)
+        d = self.dims(config)
         found: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for layer in range(d.layers):
-            found |= layer_sources(d, layer)
+            found |= self.layer_sources(d, layer)
         found["model.embed_tokens.weight"] = ((d.vocab, d.hidden), None)
         found["model.norm.weight"] = ((d.hidden,), None)
         found["lm_head.weight"] = ((d.vocab, d.hidden), None)
@@ -237,7 +249,7 @@ class DeepseekFamily(Family):
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         try:
-            d = Dims.of(config)
+            d = self.dims(config)
         except (KeyError, ValueError, TypeError):
             return []  # expected_shapes reports what config.json lacks
         problems = []
@@ -252,7 +264,7 @@ class DeepseekFamily(Family):
         return problems + split_problems(d, tp)
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        d = Dims.of(config)
+        d = self.dims(config)
         last = topology.last_stage
         params: list[Param] = []
         skipped: dict[str, str] = {}

@@ -17,18 +17,11 @@ stage, keeps its own embedding.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, DraftFamily, Layout, Param, Shapes
-from shardprep.plan.archs.deepseek import (
-    LAYER,
-    DeepseekFamily,
-    Dims,
-    fused_params,
-    layer_quantized,
-    layer_sources,
-)
+from shardprep.plan.archs.deepseek import LAYER, DeepseekFamily, fused_params
 from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.topology import Topology
 
@@ -48,6 +41,8 @@ class DeepseekMtpDraft(DraftFamily):
     name = "deepseek_mtp"
     quant_schemes = frozenset({"fp8_block"})
     standalone = False  # it comes inside its target, never with --draft
+    # The target family whose decoder layers the MTP layers are.
+    target: ClassVar[type[DeepseekFamily]] = DeepseekFamily
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config, **context).items()}
@@ -58,15 +53,17 @@ class DeepseekMtpDraft(DraftFamily):
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         """The decoder layer of each MTP layer (`eh_proj` is never quantized)."""
-        d, found = Dims.of(config), {}
+        target = self.target()
+        d, found = target.dims(config), {}
         for layer in mtp_layers(config):
-            found |= layer_quantized(d, layer)
+            found |= target.layer_quantized(d, layer)
         return found
 
     def _sources(
         self, config: Config, **context: Any
     ) -> dict[str, tuple[tuple[int, ...], str | None]]:
-        d = Dims.of(config)
+        target = self.target()
+        d = target.dims(config)
         names = context.get("draft_names")
         found: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for layer in mtp_layers(config):
@@ -78,7 +75,7 @@ class DeepseekMtpDraft(DraftFamily):
                     f"of MTP layer {layer} ({prefix}*); convert with --no-mtp to leave the MTP "
                     "draft out, or use a checkpoint that includes its MTP layers"
                 )
-            found |= layer_sources(d, layer)
+            found |= target.layer_sources(d, layer)
             found |= {prefix + name: ((d.hidden,), None) for name in OWN}
             found[prefix + "eh_proj.weight"] = ((d.hidden, 2 * d.hidden), None)
             found[prefix + HEAD] = ((d.vocab, d.hidden), None)
@@ -97,7 +94,8 @@ class DeepseekMtpDraft(DraftFamily):
         return []
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        d = Dims.of(config)
+        target = self.target()
+        d = target.dims(config)
         last, layers = topology.last_stage, mtp_layers(config)
         params: list[Param] = []
         skipped: dict[str, str] = {}
@@ -106,7 +104,7 @@ class DeepseekMtpDraft(DraftFamily):
         distinct = context.get("distinct_copies", frozenset())
         for layer in layers:
             prefix = f"model.layers.{layer}."
-            block = DeepseekFamily().layer_params(d, layer, prefix)
+            block = target.layer_params(d, layer, prefix)
             params += fused_params(_in_block(block, prefix), last)
             for name in OWN:
                 params.append(Param(prefix + name, (Piece(prefix + name, Cut.REPLICATE),), (last,)))

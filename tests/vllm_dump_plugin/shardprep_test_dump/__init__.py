@@ -6,7 +6,8 @@ the rank to ``$SHARDPREP_DUMP_DIR/{role}-pp{P}-tp{T}.safetensors``. With
 ``$SHARDPREP_LOAD_TIMES`` set (benchmarks), it also times every rank's ``load_weights``
 of the default loader, ``sharded_state`` and ``sharded-fast`` (see timing.py). With
 ``$SHARDPREP_STUB_KERNELS=1``, quantized layers whose kernel the CPU build cannot choose
-get a stand-in kernel (see kernels.py).
+get a stand-in kernel (see kernels.py); with ``$SHARDPREP_STUB_SPARSE_ATTENTION=1``,
+sparse attention layers (DeepSeek-V3.2) get the CPU MLA backend (see sparse.py).
 
 Importing this package does not import vLLM; ``register`` does, and is idempotent.
 """
@@ -36,9 +37,10 @@ def register() -> None:
     time the loaders when ``$SHARDPREP_LOAD_TIMES`` is set."""
     from vllm.model_executor import model_loader
 
-    from shardprep_test_dump import kernels, timing
+    from shardprep_test_dump import kernels, sparse, timing
 
     kernels.install()
+    sparse.install()
     timing.install()
 
     registered = model_loader._LOAD_FORMAT_TO_MODEL_LOADER
