@@ -170,6 +170,39 @@ class Remote:
             )
         return bytes(data)
 
+    @contextmanager
+    def body(self, commit: str, path: str, start: int = 0) -> Iterator[tuple[int, Iterator[bytes]]]:
+        """The bytes of a file from `start` on, by one GET (a range request `bytes=START-`
+        when `start` is past 0, as huggingface_hub resumes). Yields the offset the bytes
+        begin at: `start`, or 0 when the server sent the whole file instead."""
+        url = hf_hub_url(self.repo_id, path, revision=commit, endpoint=self.endpoint)
+        headers = build_hf_headers(token=self.token)
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        stream = http_stream_backoff(
+            "GET",
+            url,
+            headers=headers,
+            follow_redirects=True,
+            timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+            retry_on_exceptions=(),  # a cut body is continued by the caller, from where it is
+            retry_on_status_codes=(429,),
+        )
+        action = f"Downloading {path} of {self.repo_id}"
+        with hub_errors(action, self.repo_id, self.endpoint), stream as response:
+            hf_raise_for_status(response)
+            offset = 0
+            if start and response.status_code == 206:
+                found = response.headers.get("Content-Range", "")
+                if not found.startswith(f"bytes {start}-"):
+                    raise HubError(
+                        f"{self.where} answered a request for {self.repo_id}/{path} from byte "
+                        f"{start:,} with other bytes ({printable(found, 80)}); check "
+                        "HF_ENDPOINT, or delete the partial download and run again"
+                    )
+                offset = start
+            yield offset, response.iter_bytes()
+
     def read_header(self, commit: str, path: str, size: int) -> Header:
         """A safetensors file's header, checked by the strict parser, from two range
         requests (its length, then the header itself): no tensor byte is read."""

@@ -11,16 +11,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from shardprep.convert.checkpoint import Checkpoint, local_dir_metadata_path
+from shardprep.convert.hub_download import download_resumable, partial_path
 from shardprep.convert.hub_source import (
     Arrivals,
     copied_files,
     distinct_sources,
     files_for_plan,
     start_fetch,
-    wrong_sha256,
 )
 from shardprep.errors import ConfigError
-from shardprep.format.headers import sha256_file
 from shardprep.plan.records import Plan
 
 
@@ -30,8 +29,10 @@ class BudgetedArrivals(Arrivals):
     before it are deleted (`release`). `watch` is called whenever a download starts or
     ends and before a file is deleted (the moments the folder's size peaks)."""
 
-    def __init__(self, budget: int, watch: Callable[[], None] | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self, budget: int, watch: Callable[[], None] | None = None, *, progress: bool = False
+    ) -> None:
+        super().__init__(progress)
         self.budget = budget
         self.watch = watch or (lambda: None)
         self._room = threading.Condition()
@@ -43,9 +44,9 @@ class BudgetedArrivals(Arrivals):
         for file in files:
             key = (id(checkpoint), file)
             if key not in self._futures:
-                self._futures[key] = self._pool.submit(self._arrive, checkpoint, file)
+                self._futures[key] = self._pool.submit(self._arrive_private, checkpoint, file)
 
-    def _arrive(self, checkpoint: Checkpoint, file: str) -> None:
+    def _arrive_private(self, checkpoint: Checkpoint, file: str) -> None:
         size = checkpoint.size(file)
         with self._room:
             self._room.wait_for(lambda: self._closed or self._held + size <= self.budget)
@@ -55,16 +56,18 @@ class BudgetedArrivals(Arrivals):
         self.watch()
         remote, commit = checkpoint.remote, checkpoint.revision
         assert remote is not None and commit is not None
-        path = remote.download(commit, file, checkpoint.root)
-        # With the record huggingface_hub keeps beside a file it downloaded.
-        record = local_dir_metadata_path(checkpoint.root, file)
-        self._paths[(id(checkpoint), file)] = ([path, record], size)
-        self.watch()
+        path = checkpoint.root / file
+        self._paths[(id(checkpoint), file)] = ([path, partial_path(path)], size)
         expected = (checkpoint.known_sha256 or {}).get(file)
-        found = sha256_file(path) if expected else None
-        if found != expected:
-            path.unlink(missing_ok=True)
-            raise wrong_sha256(remote, commit, file, found, expected, path, "deleted")
+        if expected is None:  # a weight file stored in git: no sha256 to resume against
+            remote.download(commit, file, checkpoint.root)
+            self._paths[(id(checkpoint), file)][0].append(
+                local_dir_metadata_path(checkpoint.root, file)
+            )
+            self.count(size)
+        else:  # checked against the Hub's sha256 as it arrives; a mismatch is deleted
+            download_resumable(remote, commit, file, size, expected, path, self.count)
+        self.watch()
 
     def release(self, checkpoint: Checkpoint, file: str) -> None:
         """`file` of `checkpoint` is converted: delete it, making room for the next."""
@@ -91,6 +94,8 @@ def start_budgeted_fetch(
     folder: Path,
     budget: int,
     watch: Callable[[], None] | None = None,
+    *,
+    progress: bool = False,
 ) -> tuple[BudgetedArrivals, dict[str, Checkpoint]]:
     """Like `start_fetch`, but each Hub source's weight files go into its own subfolder
     of `folder` (not the Hugging Face cache) within `budget`; the checkpoints returned
@@ -109,7 +114,18 @@ def start_budgeted_fetch(
                     f"{checkpoint.repo_id} ({checkpoint.size(file)} bytes); give a budget of "
                     "at least its size, or leave --source-budget out"
                 )
-    arrivals = BudgetedArrivals(budget, watch)
+    arrivals = BudgetedArrivals(budget, watch, progress=progress)
+    small = [(cp, copied_files(cp)) for _, cp in distinct.values()]
+    arrivals.expect_bytes(
+        sum(cp.size(f) for key, (_, cp) in distinct.items() for f in wanted[key])
+        + sum(
+            cp.size(f)
+            for cp, files in small
+            if cp.remote
+            for f in files
+            if not (cp.root / f).exists()
+        )
+    )
     private: dict[int, Checkpoint] = {}
     for n, (key, (_, checkpoint)) in enumerate(distinct.items()):
         if checkpoint.remote is None:
@@ -135,13 +151,15 @@ def begin_fetch(
     private: Path,
     budget: int | None,
     watch: Callable[[], None] | None = None,
+    *,
+    progress: bool = False,
 ) -> tuple[Arrivals, dict[str, Checkpoint]]:
     """`start_fetch`, or with a budget `start_budgeted_fetch` into `private` (emptied
-    first of what a killed run left)."""
+    first of what a killed run left). `progress`: a bar of the bytes downloaded."""
     if budget is None:
-        return start_fetch(plan, checkpoints), checkpoints
+        return start_fetch(plan, checkpoints, progress=progress), checkpoints
     remove_private(private)
-    return start_budgeted_fetch(plan, checkpoints, private, budget, watch)
+    return start_budgeted_fetch(plan, checkpoints, private, budget, watch, progress=progress)
 
 
 def remove_private(folder: Path) -> None:

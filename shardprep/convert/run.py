@@ -76,12 +76,12 @@ def load_and_plan(
 ) -> tuple[Plan, dict[str, Checkpoint]]:
     """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
     nothing is written."""
-    target = open_source(model, options.revision, endpoint=options.endpoint, progress=progress)
+    target = open_source(model, options.revision, endpoint=options.endpoint)
     checkpoints = {"target": target}
     method = options.draft_method
     notes: list[str] = []
     if options.draft:
-        draft = open_source(options.draft, endpoint=options.endpoint, progress=progress)
+        draft = open_source(options.draft, endpoint=options.endpoint)
         target_family = archs.target_family(target.config)[1].name
         method = method or archs.detect_draft_method(
             draft.config, sorted(draft.tensors), target_family
@@ -207,7 +207,7 @@ def convert_folder(
             before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
             private = out / SOURCE_DOWNLOAD_DIR
             arrivals, checkpoints = begin_fetch(
-                plan, checkpoints, private, options.source_budget, source_watch
+                plan, checkpoints, private, options.source_budget, source_watch, progress=progress
             )
             try:
                 manifest = execute(

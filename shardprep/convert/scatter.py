@@ -72,7 +72,9 @@ def write_rank_files(
                     ready(checkpoint, file)
                 known = known_sha256(checkpoint, file) if full else None
                 hash_it = full and (known is None or rehash_source)
-                digest = _scatter_file(reader, mover, checkpoint, roles, file, writes, hash_it, bar)
+                digest = _scatter_file(
+                    reader, mover, checkpoint, roles, file, writes, hash_it, bar, full
+                )
                 if digest and known and digest != known.sha256:
                     raise CorruptFileError(
                         f"{checkpoint.root / file} hashes to {digest}, not to {known.claim} "
@@ -217,9 +219,11 @@ def _scatter_file(
     writes: dict[tuple[str, str], list[Write]],
     hash_it: bool,
     bar: tqdm,
+    whole: bool,
 ) -> str | None:
     """Read one source file in order (all of it, hashed, when `hash_it`; else only the
-    tensors this plan needs) and move every tensor's blocks to their rank files."""
+    tensors this plan needs) and move every tensor's blocks to their rank files. `bar`
+    counts the whole file when `whole` (a full convert), else the tensors written only."""
     tensors = sorted(
         (t for t in checkpoint.tensors.values() if t.file == file), key=lambda t: t.info.offset
     )
@@ -231,14 +235,14 @@ def _scatter_file(
         header_size = tensors[0].info.offset if tensors else path.stat().st_size
         if digest is not None:
             reader.hash_bytes(digest, os.pread(fd, header_size, 0))
-        bar.update(header_size)
+        bar.update(header_size if whole else 0)
         for tensor in tensors:
             info, targets = tensor.info, _targets(writes, roles, tensor.name)
             if digest is None and _copy_whole_rows(mover, fd, info, targets):
                 bar.update(info.nbytes)
                 continue
             if not targets and digest is None:
-                bar.update(info.nbytes)
+                bar.update(info.nbytes if whole else 0)
                 continue
             for start, chunk in reader.chunks(fd, info, digest):
                 _scatter_chunk(mover, info, start, chunk, targets)

@@ -18,6 +18,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -159,14 +160,86 @@ def test_a_cut_download_resumes_with_identical_bytes(
     size = (model / SECOND).stat().st_size
     hub.cut_next_download(REPO, SECOND, size // 2)
     convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
-    # The client asked again (from the last whole chunk it had kept: here, the start).
-    bodies = [r for r in hub.download_ranges(REPO, SECOND) if r is None or r.endswith("-")]
-    assert len(bodies) == 2, hub.download_ranges(REPO, SECOND)
+    # The client asked again, for the rest only: every byte of the body was sent once.
+    assert _bodies(hub, SECOND) == [None, f"bytes={size // 2}-"], hub.download_ranges(REPO, SECOND)
+    assert hub.bytes_served(REPO, SECOND) <= HEADER_LIMIT + size
     cached = try_to_load_from_cache(REPO, SECOND, revision=repo)
     assert isinstance(cached, str) and Path(cached).read_bytes() == (model / SECOND).read_bytes()
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
     assert _shards(tmp_path / "out", 1) == _shards(full, 1)
+
+
+def _bodies(hub: HubServer, file: str) -> list[str | None]:
+    """The Range header of each GET of `file` for its body (not a header read)."""
+    return [r for r in hub.download_ranges(REPO, file) if r is None or r.endswith("-")]
+
+
+def _cli_convert(
+    hub: HubServer, out: Path, *flags: str, home: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint}
+    if home is not None:
+        env["HF_HOME"] = str(home)
+    command = [sys.executable, "-m", "shardprep.cli", "convert", REPO, "--tp", "2", "--pp", "2"]
+    return [*command, "--stage", "1", "-o", str(out), *flags], env
+
+
+def test_a_killed_convert_resumes_the_file_it_was_downloading(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path, hf_client_env: Path
+) -> None:
+    size = (model / SECOND).stat().st_size
+    cut = size // 2
+    stall = hub.stall_next_download(REPO, SECOND, cut)
+    out = tmp_path / "out"
+    command, env = _cli_convert(hub, out, "--quiet")
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    storage = hf_client_env / "hub" / f"models--{REPO.replace('/', '--')}"
+    partial = storage / "blobs" / f"{_sha256(model / SECOND)}.incomplete"
+    deadline = time.monotonic() + 120
+    try:
+        while not (partial.is_file() and partial.stat().st_size == cut):
+            assert process.poll() is None, process.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the download never reached the stall"
+            time.sleep(0.02)
+    finally:
+        process.kill()  # SIGKILL: no handler runs, nothing is cleaned up
+        process.communicate()
+        stall.set()
+    assert partial.stat().st_size == cut  # what the killed run received is kept
+    resumed = convert(REPO, out, _options(hub, stage=1), progress=False)
+    # The rerun hashed the half it found and asked for the other half only.
+    assert _bodies(hub, SECOND) == [None, f"bytes={cut}-"], hub.download_ranges(REPO, SECOND)
+    assert hub.bytes_served(REPO, SECOND) <= 2 * HEADER_LIMIT + size
+    assert not partial.exists()
+    cached = try_to_load_from_cache(REPO, SECOND, revision=repo)
+    assert isinstance(cached, str) and Path(cached).read_bytes() == (model / SECOND).read_bytes()
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
+    assert _shards(out, 1) == _shards(full, 1) and _shards(full, 1)
+    recorded = {f.path: f.sha256 for f in resumed.model("target").source.files}
+    assert recorded[SECOND] == _sha256(model / SECOND)
+
+
+def test_progress_shows_both_streams_unless_quiet_or_json(
+    hub: HubServer, repo: str, tmp_path: Path
+) -> None:
+    shown = {}
+    for flags in ((), ("--quiet",), ("--json",)):
+        name = "-".join(f.strip("-") for f in flags) or "plain"
+        command, env = _cli_convert(hub, tmp_path / name, *flags, home=tmp_path / f"home-{name}")
+        result = subprocess.run(command, env=env, capture_output=True, timeout=300, check=False)
+        assert result.returncode == 0, result.stderr.decode()
+        shown[name] = (result.stdout.decode(), result.stderr.decode())
+    # Not a terminal: plain lines, one bar for the bytes downloaded and one for those converted.
+    lines = shown["plain"][1].splitlines()
+    downloaded = [line for line in lines if line.startswith("download:")]
+    converted = [line for line in lines if line.startswith("convert:")]
+    assert downloaded and "100%" in downloaded[-1], lines
+    assert converted and "100%" in converted[-1], lines
+    assert all(line.startswith(("download:", "convert:")) for line in lines), lines
+    assert shown["quiet"][1] == "" and shown["json"][1] == "", shown
+    assert json.loads(shown["json"][0])["written_files"], shown["json"][0]
 
 
 def test_offline_reads_the_cache_or_says_what_it_lacks(
