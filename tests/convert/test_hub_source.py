@@ -11,6 +11,7 @@ the second and third only.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from huggingface_hub import HfApi, try_to_load_from_cache
 from safetensors.torch import load_file, save_file
 
 from shardprep.constants import MANIFEST_NAME, MAX_HEADER_BYTES, SOURCE_DOWNLOAD_DIR
+from shardprep.convert.hub_source import files_for_plan
 from shardprep.convert.run import Options, convert, load_and_plan
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 from shardprep.errors import ConfigError, CorruptFileError, HubError
@@ -53,9 +56,14 @@ def _file_of(name: str) -> str:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = make_tiny_model(tmp_path_factory.mktemp("by-stage") / "model", torch_dtype="bfloat16")
+    return _split_by_stage(folder)
+
+
+def _split_by_stage(folder: Path, file_of: Callable[[str], str] = _file_of) -> Path:
+    """The model's one safetensors file rewritten as FIRST, SECOND and THIRD (`file_of`)."""
     tensors = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
-    weight_map = {name: _file_of(name) for name in sorted(tensors)}
+    weight_map = {name: file_of(name) for name in sorted(tensors)}
     for file in WEIGHTS:
         part = {n: t for n, t in tensors.items() if weight_map[n] == file}
         save_file(part, folder / file, metadata={"format": "pt"})
@@ -170,9 +178,14 @@ def test_a_cut_download_resumes_with_identical_bytes(
     assert _shards(tmp_path / "out", 1) == _shards(full, 1)
 
 
-def _bodies(hub: HubServer, file: str) -> list[str | None]:
+def _bodies(hub: HubServer, file: str, repo: str = REPO) -> list[str | None]:
     """The Range header of each GET of `file` for its body (not a header read)."""
-    return [r for r in hub.download_ranges(REPO, file) if r is None or r.endswith("-")]
+    return [r for r in hub.download_ranges(repo, file) if r is None or r.endswith("-")]
+
+
+def _fetched(hub: HubServer, repo: str, weights: Iterable[str]) -> set[str]:
+    """The weight files of `repo` whose body was asked for (not only their header)."""
+    return {f for f in weights if _bodies(hub, f, repo)}
 
 
 def _cli_convert(
@@ -270,11 +283,23 @@ def test_a_draft_repo_is_fetched_only_for_the_last_stage(
     api.create_repo(DRAFT)
     api.upload_folder(repo_id=DRAFT, folder_path=draft)
     weights = sorted(p.name for p in draft.glob("*.safetensors"))
-    convert(REPO, tmp_path / "stage0", _options(hub, stage=0, draft=DRAFT), progress=False)
+    options = _options(hub, stage=0, draft=DRAFT)
+    plan, checkpoints = load_and_plan(REPO, options, progress=False)
+    assert files_for_plan(plan, checkpoints["draft"], ["draft"]) == []
+    convert(REPO, tmp_path / "stage0", options, progress=False)
     assert weights and all(hub.bytes_served(DRAFT, f) <= HEADER_LIMIT for f in weights)
     assert hub.bytes_served(REPO, THIRD) <= HEADER_LIMIT
-    stage1 = convert(REPO, tmp_path / "stage1", _options(hub, stage=1, draft=DRAFT), progress=False)
+    assert _fetched(hub, REPO, WEIGHTS) == {FIRST} and _fetched(hub, DRAFT, weights) == set()
+    options = _options(hub, stage=1, draft=DRAFT)
+    plan, checkpoints = load_and_plan(REPO, options, progress=False)
+    stage1 = convert(REPO, tmp_path / "stage1", options, progress=False)
     assert all(hub.bytes_served(DRAFT, f) > HEADER_LIMIT for f in weights)
+    # Exactly the files the plan reads, each downloaded once.
+    assert _fetched(hub, DRAFT, weights) == set(
+        files_for_plan(plan, checkpoints["draft"], ["draft"])
+    )
+    assert _fetched(hub, REPO, WEIGHTS) == {FIRST, SECOND, THIRD}
+    assert all(len(_bodies(hub, f, DRAFT)) == 1 for f in weights)
     local = tmp_path / "local"
     convert(str(model), local, Options(tp=2, pp=2, stage=1, draft=str(draft)), progress=False)
     drafted = sorted((local / "draft" / "shards").iterdir())
@@ -368,3 +393,42 @@ def test_a_file_over_the_source_budget_is_one_line(
     )
     stderr = result.stderr.decode().strip()
     assert result.returncode != 0 and largest in stderr and "Traceback" not in stderr, stderr
+
+
+def test_an_expert_parallel_stage_downloads_only_its_files(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--dp 2 with expert parallelism at pp=2, each stage into a fresh cache: a stage
+    downloads the files of the tensors its plan reads (every expert of its layers, spread
+    over the EP ranks), each once, and nothing else. vLLM's Qwen3-MoE builds the embedding,
+    the final norm and lm_head on every stage: they are in FIRST, which both stages read;
+    layers 0-1 are in SECOND, layers 2-3 in THIRD."""
+    from huggingface_hub import constants
+
+    def file_of(name: str) -> str:
+        if not name.startswith("model.layers."):
+            return FIRST
+        return SECOND if int(name.split(".")[2]) < 2 else THIRD
+
+    repo = "shardprep-test/moe-by-stage"
+    moe = make_tiny_model(tmp_path / "moe", "Qwen3MoeForCausalLM", torch_dtype="bfloat16")
+    _split_by_stage(moe, file_of)
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo(repo)
+    api.upload_folder(repo_id=repo, folder_path=moe)
+    ep = {"tp": 1, "pp": 2, "dp": 2, "expert_parallel": True, "endpoint": hub.endpoint}
+    wanted = {0: {FIRST, SECOND}, 1: {FIRST, THIRD}}
+    for stage in (0, 1):
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / f"cache{stage}"))
+        before = {f: len(_bodies(hub, f, repo)) for f in WEIGHTS}
+        options = Options(stage=stage, **ep)  # type: ignore[arg-type]
+        plan, checkpoints = load_and_plan(repo, options, progress=False)
+        assert set(files_for_plan(plan, checkpoints["target"], ["target"])) == wanted[stage]
+        out = tmp_path / f"stage{stage}"
+        convert(repo, out, options, progress=False)
+        fetched = {f: len(_bodies(hub, f, repo)) - before[f] for f in WEIGHTS}
+        assert fetched == {f: int(f in wanted[stage]) for f in WEIGHTS}, fetched
+        local = tmp_path / f"local{stage}"
+        convert(str(moe), local, dataclasses.replace(options, endpoint=None), progress=False)
+        shards = _shards(out, stage)
+        assert shards == _shards(local, stage) and len(shards) == 3, sorted(shards)
