@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import threading
-from collections.abc import Iterable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, as_completed, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -215,11 +215,20 @@ class Arrivals:
                     _arrive, checkpoint, quiet, commit, file, self.count
                 )
 
-    def wait(self, checkpoint: Checkpoint, file: str) -> None:
-        """Until `file` of `checkpoint` is here (at once for a local source)."""
-        future = self._futures.get((id(checkpoint), file))
-        if future is not None:
+    def arrived(self, checkpoint: Checkpoint, files: list[str]) -> Iterator[str]:
+        """`files` of `checkpoint`, each once it is here, in the order they arrive: first
+        those not being downloaded (a local source's, in order), then the downloads as
+        each ends. A failed download is raised when it is reached."""
+        pending = {}
+        for file in files:
+            future = self._futures.get((id(checkpoint), file))
+            if future is None:
+                yield file
+            else:
+                pending[future] = file
+        for future in as_completed(pending):
             future.result()
+            yield pending[future]
 
     def finish(self) -> None:
         """Until every download asked for is done; the first failure is raised."""
@@ -242,7 +251,8 @@ def start_fetch(
     plan: Plan, checkpoints: dict[str, Checkpoint], *, progress: bool = False
 ) -> Arrivals:
     """Start downloading what the plan reads of each Hub source, and the files copied
-    beside the rank files (first: they are small), in the order the converter reads."""
+    beside the rank files (first: they are small), in the order the converter lays them
+    out (it converts each as it arrives, and hashes each rank file in order)."""
     distinct = distinct_sources(checkpoints)
     batches = [(cp, copied_files(cp)) for _, cp in distinct.values()]
     batches += [(cp, files_for_plan(plan, cp, roles)) for roles, cp in distinct.values()]

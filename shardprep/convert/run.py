@@ -272,7 +272,7 @@ def execute(
         journal,
         progress=progress,
         rehash_source=rehash_source,
-        ready=arrivals.wait if arrivals else None,
+        arrived=arrivals.arrived if arrivals else None,
         done=arrivals.release if isinstance(arrivals, BudgetedArrivals) else None,
     )
     if arrivals is not None:

@@ -432,3 +432,34 @@ def test_an_expert_parallel_stage_downloads_only_its_files(
         convert(str(moe), local, dataclasses.replace(options, endpoint=None), progress=False)
         shards = _shards(out, stage)
         assert shards == _shards(local, stage) and len(shards) == 3, sorted(shards)
+
+
+def test_each_file_is_converted_as_it_arrives_whatever_its_place(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    """FIRST's download stalls halfway; the files after it arrive and are converted (and,
+    within a budget, deleted) meanwhile. Then the server hangs up on FIRST: the client asks
+    for its second half only, and the rank files equal a local convert's."""
+    size = (model / FIRST).stat().st_size
+    stall = hub.stall_next_download(REPO, FIRST, size // 2)
+    out = tmp_path / "out"
+    seen: set[str] = set()
+    overtaken: list[set[str]] = []
+
+    def watch() -> None:
+        """Called as downloads start and end and before a converted file is deleted."""
+        here = {p.name for p in (out / SOURCE_DOWNLOAD_DIR).rglob("*.safetensors*")}
+        if FIRST not in here and seen - here:  # a file after FIRST converted and deleted
+            overtaken.append(here)
+            stall.set()
+        seen.update(here & {SECOND, THIRD})
+
+    budget = sum((model / f).stat().st_size for f in WEIGHTS)
+    options = _options(hub, source_budget=budget)
+    convert(REPO, out, options, progress=False, source_watch=watch)
+    assert overtaken and FIRST + ".incomplete" in overtaken[0], overtaken
+    assert _bodies(hub, FIRST) == [None, f"bytes={size // 2}-"], hub.download_ranges(REPO, FIRST)
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2), progress=False)
+    for stage in (0, 1):
+        assert _shards(out, stage) == _shards(full, stage) and _shards(full, stage)
