@@ -2,7 +2,8 @@
 (tests/support/hub_server.py) with its bandwidth capped.
 
     python scripts/bench_hub_source.py [--size 2GB] [--files 8] [--bandwidth 200MB]
-                                       [--tp 2] [--pp 2 --stage 1] [--dir DIR] [--json]
+                                       [--tp 2] [--pp 2 --stage 1] [--source-budget SIZE]
+                                       [--timeline] [--dir DIR] [--json]
 
 Builds a synthetic Llama-shaped bf16 checkpoint of about SIZE in FILES layer-contiguous
 files, publishes it on a local test Hub that sends file bodies at BANDWIDTH bytes per
@@ -12,12 +13,18 @@ second (all connections together), then, each in a fresh Hugging Face cache:
   parallel downloader, no shardprep): the floor;
 - `download, then convert`: the same download, then `convert` of the repo id (which finds
   the files in the cache);
-- `convert while downloading`: `convert` of the repo id alone, which downloads the files in
-  the order it reads them and converts each once it has arrived (and checked its sha256).
+- `convert while downloading`: `convert` of the repo id alone, which downloads the files
+  (two at a time, in the order it lays them out, each hashed as it arrives) and converts
+  each once it has arrived;
+- the same with `--source-budget` (default: the two largest files read), with the peak
+  bytes of source files on disk (sampled whenever a download starts or ends and before a
+  converted file is deleted).
 
-Wall times are given as a ratio to `download` (the goal is at most 1.1 for the last). The
-`plan` row is `shardprep plan` of the repo id: its time and the bytes the Hub sent (headers
-by range request only). Numbers on a shared machine are noisy: quote ratios.
+Wall times are given as a ratio to `download` (the goal is at most 1.1 for converting while
+downloading). The `plan` row is `shardprep plan` of the repo id: its time and the bytes the
+Hub sent (headers by range request only). `--timeline` shows, for each convert, when each
+file arrived and when its conversion ended, and when every rank file was written and
+hashed. Numbers on a shared machine are noisy: quote ratios.
 """
 
 from __future__ import annotations
@@ -194,7 +201,8 @@ def _measure(
     peaks = [0]
 
     def watch() -> None:
-        peaks.append(sum(p.lstat().st_size for p in private.rglob("*") if p.is_file()))
+        files = [p for p in private.rglob("*") if p.is_file() and not p.is_symlink()]
+        peaks.append(sum(p.lstat().st_size for p in files))  # links to the cache not counted
 
     budgeted = dataclasses.replace(options, source_budget=budget)
     with Timeline() as timeline:
