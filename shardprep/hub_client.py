@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +41,8 @@ from shardprep.progress import Progress as tqdm
 # The stored name of a compressed file is its logical path plus this suffix.
 CODEC_SUFFIXES = {"zstd": ".zst"}
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+RANGE_RETRIES = 3  # a range read whose connection drops is asked again this many times
+RETRY_PAUSE_S = 0.5
 
 
 def stored_path(entry: mf.FileEntry) -> str:
@@ -143,15 +146,32 @@ class Remote:
         }
 
     def read_range(self, commit: str, path: str, start: int, length: int) -> bytes:
-        """Bytes [start, start + length) of a file, by one HTTP range request; a server
-        that ignores the range is refused before more than `length` bytes are read."""
+        """Bytes [start, start + length) of a file, by one HTTP range request (asked again,
+        up to RANGE_RETRIES times, when the connection drops); a server that ignores the
+        range is refused before more than `length` bytes are read."""
+        dropped = 0
+        while True:
+            try:
+                return self._read_range(commit, path, start, length)
+            except HubError as exc:
+                dropped += 1
+                if dropped > RANGE_RETRIES or not is_connection_error(exc.__cause__ or exc):
+                    raise
+                time.sleep(RETRY_PAUSE_S)
+
+    def _read_range(self, commit: str, path: str, start: int, length: int) -> bytes:
         url = hf_hub_url(self.repo_id, path, revision=commit, endpoint=self.endpoint)
         headers = build_hf_headers(token=self.token)
         headers["Range"] = f"bytes={start}-{start + length - 1}"
         data = bytearray()
         action = f"Reading {path} of {self.repo_id}"
         stream = http_stream_backoff(
-            "GET", url, headers=headers, follow_redirects=True, retry_on_status_codes=(429,)
+            "GET",
+            url,
+            headers=headers,
+            follow_redirects=True,
+            retry_on_exceptions=(),  # a body cut in the middle is asked again above
+            retry_on_status_codes=(429,),
         )
         with hub_errors(action, self.repo_id, self.endpoint), stream as response:
             hf_raise_for_status(response)

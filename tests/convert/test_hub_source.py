@@ -463,3 +463,13 @@ def test_each_file_is_converted_as_it_arrives_whatever_its_place(
     convert(str(model), full, Options(tp=2, pp=2), progress=False)
     for stage in (0, 1):
         assert _shards(out, stage) == _shards(full, stage) and _shards(full, stage)
+
+
+def test_a_header_read_cut_short_is_asked_again(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    hub.cut_next_download(REPO, SECOND, 4)  # the first range read, of its 8-byte length
+    plan, _ = load_and_plan(REPO, _options(hub), progress=False)
+    ranges = hub.download_ranges(REPO, SECOND)
+    assert ranges[:2] == ["bytes=0-7", "bytes=0-7"] and len(ranges) == 3, ranges
+    assert plan == load_and_plan(str(model), Options(tp=2, pp=2), progress=False)[0]
