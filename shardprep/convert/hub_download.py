@@ -50,13 +50,16 @@ def download_resumable(
     sha256: str,
     final: Path,
     count: Counter | None = None,
+    *,
+    partial: Path | None = None,
 ) -> None:
-    """`file` of `commit` into `final`, continuing what `final.incomplete` holds.
-    `count(n)` is told of each n bytes that are here (those kept from before included)."""
+    """`file` of `commit` into `final`, continuing what `partial` (default:
+    `final.incomplete`) holds. `count(n)` is told of each n bytes that are here (those
+    kept from before included)."""
     from shardprep.hub_client import is_connection_error
 
     count = count or (lambda n: None)
-    partial = partial_path(final)
+    partial = partial or partial_path(final)
     partial.parent.mkdir(parents=True, exist_ok=True)
     digest, have = _kept(partial, size)
     count(have)

@@ -28,7 +28,12 @@ from shardprep.convert.checkpoint import (
     load_side_file,
     same_bytes,
 )
-from shardprep.convert.hub_budget import BudgetedArrivals, begin_fetch, remove_private
+from shardprep.convert.hub_budget import (
+    BudgetedArrivals,
+    begin_fetch,
+    prune_private,
+    remove_private,
+)
 from shardprep.convert.hub_source import Arrivals, fetch, open_source
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.record import manifest_of
@@ -227,8 +232,9 @@ def convert_folder(
             finally:
                 if isinstance(arrivals, BudgetedArrivals):
                     arrivals.close()
-                    remove_private(private)
+                    prune_private(private)  # the partial downloads, for a rerun
             arrivals.close()
+            remove_private(private)
     except ShardprepError:
         raise
     except OSError as exc:

@@ -234,6 +234,44 @@ def test_a_killed_convert_resumes_the_file_it_was_downloading(
     assert recorded[SECOND] == _sha256(model / SECOND)
 
 
+def test_a_killed_budgeted_convert_resumes_its_partial_download(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    """With --source-budget, what a killed run received is kept in the private folder
+    (`partial/<sha256>.incomplete`), counted in the budget, and resumed by the rerun."""
+    size = (model / SECOND).stat().st_size
+    cut = size // 2
+    budget = 2 * size  # the kept half plus the largest file fit: it is resumed
+    stall = hub.stall_next_download(REPO, SECOND, cut)
+    out = tmp_path / "out"
+    command, env = _cli_convert(hub, out, "--quiet", "--source-budget", f"{budget}B")
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    partial = out / SOURCE_DOWNLOAD_DIR / "partial" / f"{_sha256(model / SECOND)}.incomplete"
+    deadline = time.monotonic() + 120
+    try:
+        while not (partial.is_file() and partial.stat().st_size == cut):
+            assert process.poll() is None, process.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the download never reached the stall"
+            time.sleep(0.02)
+    finally:
+        process.kill()
+        process.communicate()
+        stall.set()
+    peaks: list[int] = []
+
+    def watch() -> None:
+        peaks.append(_folder_bytes(out / SOURCE_DOWNLOAD_DIR))
+
+    options = _options(hub, stage=1, source_budget=budget)
+    convert(REPO, out, options, progress=False, source_watch=watch)
+    assert _bodies(hub, SECOND) == [None, f"bytes={cut}-"], hub.download_ranges(REPO, SECOND)
+    assert peaks and max(peaks) <= budget, peaks
+    assert not (out / SOURCE_DOWNLOAD_DIR).exists()
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
+    assert _shards(out, 1) == _shards(full, 1) and _shards(full, 1)
+
+
 def test_progress_shows_both_streams_unless_quiet_or_json(
     hub: HubServer, repo: str, tmp_path: Path
 ) -> None:
@@ -448,7 +486,7 @@ def test_each_file_is_converted_as_it_arrives_whatever_its_place(
 
     def watch() -> None:
         """Called as downloads start and end and before a converted file is deleted."""
-        here = {p.name for p in (out / SOURCE_DOWNLOAD_DIR).rglob("*.safetensors*")}
+        here = {p.name for p in (out / SOURCE_DOWNLOAD_DIR).rglob("*") if p.is_file()}
         if FIRST not in here and seen - here:  # a file after FIRST converted and deleted
             overtaken.append(here)
             stall.set()
@@ -457,7 +495,7 @@ def test_each_file_is_converted_as_it_arrives_whatever_its_place(
     budget = sum((model / f).stat().st_size for f in WEIGHTS)
     options = _options(hub, source_budget=budget)
     convert(REPO, out, options, progress=False, source_watch=watch)
-    assert overtaken and FIRST + ".incomplete" in overtaken[0], overtaken
+    assert overtaken and f"{_sha256(model / FIRST)}.incomplete" in overtaken[0], overtaken
     assert _bodies(hub, FIRST) == [None, f"bytes={size // 2}-"], hub.download_ranges(REPO, FIRST)
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2), progress=False)
