@@ -70,7 +70,9 @@ def _options(args: argparse.Namespace) -> Any:
 def cmd_convert(args: argparse.Namespace) -> None:
     from shardprep.convert.run import convert_folder
 
-    done = convert_folder(args.model, Path(args.output), _options(args), progress=not args.quiet)
+    # Progress (the download and convert bars) on stderr, unless --quiet or --json.
+    progress = not (args.quiet or args.json)
+    done = convert_folder(args.model, Path(args.output), _options(args), progress=progress)
     summary = report.artifact_summary(done.manifest)
     summary["kept_files"], summary["written_files"] = done.kept, done.written
     summary["notes"] = list(done.notes)

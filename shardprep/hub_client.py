@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +41,8 @@ from shardprep.progress import Progress as tqdm
 # The stored name of a compressed file is its logical path plus this suffix.
 CODEC_SUFFIXES = {"zstd": ".zst"}
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+RANGE_RETRIES = 3  # a range read whose connection drops is asked again this many times
+RETRY_PAUSE_S = 0.5
 
 
 def stored_path(entry: mf.FileEntry) -> str:
@@ -143,15 +146,32 @@ class Remote:
         }
 
     def read_range(self, commit: str, path: str, start: int, length: int) -> bytes:
-        """Bytes [start, start + length) of a file, by one HTTP range request; a server
-        that ignores the range is refused before more than `length` bytes are read."""
+        """Bytes [start, start + length) of a file, by one HTTP range request (asked again,
+        up to RANGE_RETRIES times, when the connection drops); a server that ignores the
+        range is refused before more than `length` bytes are read."""
+        dropped = 0
+        while True:
+            try:
+                return self._read_range(commit, path, start, length)
+            except HubError as exc:
+                dropped += 1
+                if dropped > RANGE_RETRIES or not is_connection_error(exc.__cause__ or exc):
+                    raise
+                time.sleep(RETRY_PAUSE_S)
+
+    def _read_range(self, commit: str, path: str, start: int, length: int) -> bytes:
         url = hf_hub_url(self.repo_id, path, revision=commit, endpoint=self.endpoint)
         headers = build_hf_headers(token=self.token)
         headers["Range"] = f"bytes={start}-{start + length - 1}"
         data = bytearray()
         action = f"Reading {path} of {self.repo_id}"
         stream = http_stream_backoff(
-            "GET", url, headers=headers, follow_redirects=True, retry_on_status_codes=(429,)
+            "GET",
+            url,
+            headers=headers,
+            follow_redirects=True,
+            retry_on_exceptions=(),  # a body cut in the middle is asked again above
+            retry_on_status_codes=(429,),
         )
         with hub_errors(action, self.repo_id, self.endpoint), stream as response:
             hf_raise_for_status(response)
@@ -169,6 +189,39 @@ class Remote:
                 "range: check HF_ENDPOINT, or download the model and pass its folder"
             )
         return bytes(data)
+
+    @contextmanager
+    def body(self, commit: str, path: str, start: int = 0) -> Iterator[tuple[int, Iterator[bytes]]]:
+        """The bytes of a file from `start` on, by one GET (a range request `bytes=START-`
+        when `start` is past 0, as huggingface_hub resumes). Yields the offset the bytes
+        begin at: `start`, or 0 when the server sent the whole file instead."""
+        url = hf_hub_url(self.repo_id, path, revision=commit, endpoint=self.endpoint)
+        headers = build_hf_headers(token=self.token)
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        stream = http_stream_backoff(
+            "GET",
+            url,
+            headers=headers,
+            follow_redirects=True,
+            timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+            retry_on_exceptions=(),  # a cut body is continued by the caller, from where it is
+            retry_on_status_codes=(429,),
+        )
+        action = f"Downloading {path} of {self.repo_id}"
+        with hub_errors(action, self.repo_id, self.endpoint), stream as response:
+            hf_raise_for_status(response)
+            offset = 0
+            if start and response.status_code == 206:
+                found = response.headers.get("Content-Range", "")
+                if not found.startswith(f"bytes {start}-"):
+                    raise HubError(
+                        f"{self.where} answered a request for {self.repo_id}/{path} from byte "
+                        f"{start:,} with other bytes ({printable(found, 80)}); check "
+                        "HF_ENDPOINT, or delete the partial download and run again"
+                    )
+                offset = start
+            yield offset, response.iter_bytes()
 
     def read_header(self, commit: str, path: str, size: int) -> Header:
         """A safetensors file's header, checked by the strict parser, from two range

@@ -14,9 +14,11 @@ is read as a model folder, or the one error line says what it lacks.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
-from collections.abc import Iterable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, as_completed, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,10 +33,11 @@ from shardprep.convert.checkpoint import (
     open_checkpoint,
     read_index,
 )
-from shardprep.errors import ConfigError, CorruptFileError, summarize
-from shardprep.format.headers import sha256_file
+from shardprep.convert.hub_download import Counter, download_into_cache
+from shardprep.errors import ConfigError, summarize
 from shardprep.plan import archs
 from shardprep.plan.records import Plan
+from shardprep.progress import Progress as tqdm
 
 if TYPE_CHECKING:  # huggingface_hub takes a while to import; a local folder never needs it
     from shardprep import hub_client
@@ -46,7 +49,7 @@ DOWNLOAD_WORKERS = 2
 
 
 def open_source(
-    model: str, revision: str | None = None, *, endpoint: str | None = None, progress: bool = True
+    model: str, revision: str | None = None, *, endpoint: str | None = None
 ) -> Checkpoint:
     """A model folder as it is, or a Hub repo id planned from its metadata."""
     if Path(model).expanduser().is_dir():
@@ -58,7 +61,8 @@ def open_source(
     hub_client.check_repo_id(model)
     if hub_client.is_offline():
         return _offline(model, revision)
-    remote = hub_client.Remote(model, endpoint, progress=progress)
+    # The metadata read here is small: no bar (a convert shows one for what it downloads).
+    remote = hub_client.Remote(model, endpoint, progress=False)
     return open_hub_checkpoint(remote, revision or "main")
 
 
@@ -166,26 +170,65 @@ def files_for_plan(plan: Plan, checkpoint: Checkpoint, roles: Iterable[str]) -> 
 class Arrivals:
     """Downloads of a Hub source's files in flight, several at a time, in the order they
     were asked for: the converter waits for each file just before it reads it, so that
-    converting overlaps downloading. Closing cancels what has not started."""
+    converting overlaps downloading. With `progress`, one bar counts the bytes that have
+    arrived (`expect` sets its total), beside the converter's. Closing cancels what has not
+    started."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: bool = False) -> None:
         self._pool = ThreadPoolExecutor(DOWNLOAD_WORKERS, thread_name_prefix="source")
         self._futures: dict[tuple[int, str], Future[None]] = {}
+        self._progress = progress
+        self._bar: tqdm | None = None
+        self._counting = threading.Lock()
+
+    def expect(self, batches: Iterable[tuple[Checkpoint, Iterable[str]]]) -> None:
+        """Show the bytes of these files still to download (of Hub sources only)."""
+        self.expect_bytes(
+            sum(
+                checkpoint.size(file)
+                for checkpoint, files in batches
+                if checkpoint.remote is not None
+                for file in set(files)
+                if not (checkpoint.root / file).exists()
+            )
+        )
+
+    def expect_bytes(self, total: int) -> None:
+        if total and self._progress and self._bar is None:
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="download")
+
+    def count(self, n: int) -> None:
+        """`n` more bytes have arrived (from any download thread)."""
+        if self._bar is not None:
+            with self._counting:
+                self._bar.update(n)
 
     def submit(self, checkpoint: Checkpoint, files: Iterable[str]) -> None:
         remote, commit = checkpoint.remote, checkpoint.revision
         if remote is None or commit is None:
             return
+        quiet = dataclasses.replace(remote, progress=False)  # this bar, not one per file
         for file in files:
             key = (id(checkpoint), file)
             if key not in self._futures:
-                self._futures[key] = self._pool.submit(_arrive, checkpoint, remote, commit, file)
+                self._futures[key] = self._pool.submit(
+                    _arrive, checkpoint, quiet, commit, file, self.count
+                )
 
-    def wait(self, checkpoint: Checkpoint, file: str) -> None:
-        """Until `file` of `checkpoint` is here (at once for a local source)."""
-        future = self._futures.get((id(checkpoint), file))
-        if future is not None:
+    def arrived(self, checkpoint: Checkpoint, files: list[str]) -> Iterator[str]:
+        """`files` of `checkpoint`, each once it is here, in the order they arrive: first
+        those not being downloaded (a local source's, in order), then the downloads as
+        each ends. A failed download is raised when it is reached."""
+        pending = {}
+        for file in files:
+            future = self._futures.get((id(checkpoint), file))
+            if future is None:
+                yield file
+            else:
+                pending[future] = file
+        for future in as_completed(pending):
             future.result()
+            yield pending[future]
 
     def finish(self) -> None:
         """Until every download asked for is done; the first failure is raised."""
@@ -199,17 +242,24 @@ class Arrivals:
 
     def close(self, *, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=True)
+        if self._bar is not None:
+            with self._counting:
+                self._bar.close()
 
 
-def start_fetch(plan: Plan, checkpoints: dict[str, Checkpoint]) -> Arrivals:
+def start_fetch(
+    plan: Plan, checkpoints: dict[str, Checkpoint], *, progress: bool = False
+) -> Arrivals:
     """Start downloading what the plan reads of each Hub source, and the files copied
-    beside the rank files (first: they are small), in the order the converter reads."""
+    beside the rank files (first: they are small), in the order the converter lays them
+    out (it converts each as it arrives, and hashes each rank file in order)."""
     distinct = distinct_sources(checkpoints)
-    arrivals = Arrivals()
-    for _, checkpoint in distinct.values():
-        arrivals.submit(checkpoint, copied_files(checkpoint))
-    for roles, checkpoint in distinct.values():
-        arrivals.submit(checkpoint, files_for_plan(plan, checkpoint, roles))
+    batches = [(cp, copied_files(cp)) for _, cp in distinct.values()]
+    batches += [(cp, files_for_plan(plan, cp, roles)) for roles, cp in distinct.values()]
+    arrivals = Arrivals(progress)
+    arrivals.expect(batches)
+    for checkpoint, files in batches:
+        arrivals.submit(checkpoint, files)
     return arrivals
 
 
@@ -239,38 +289,17 @@ def fetch(checkpoint: Checkpoint, files: Iterable[str]) -> None:
         arrivals.close()
 
 
-def _arrive(checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file: str) -> None:
-    """Download one file (huggingface_hub finds it in the cache, or resumes a cut
-    transfer). A file that arrives, rather than being found, is hashed and must have the
-    sha256 the Hub states; one that does not is removed from the cache and refused."""
-    fresh = not (checkpoint.root / file).exists()
-    path = remote.download_to_cache(commit, file)
+def _arrive(
+    checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file: str, count: Counter
+) -> None:
+    """Download one file into the Hugging Face cache, unless it is there already. A weight
+    file (the Hub states its sha256) resumes what a killed run left of it and must arrive
+    with that sha256 (`hub_download.py`); a small file stored in git is fetched whole."""
+    if (checkpoint.root / file).exists():
+        return
     expected = (checkpoint.known_sha256 or {}).get(file)
-    if not fresh or expected is None:
+    if expected is None:
+        remote.download_to_cache(commit, file)
+        count(checkpoint.size(file))
         return
-    found = sha256_file(path)
-    if found == expected:
-        return
-    blob = path.resolve()
-    path.unlink(missing_ok=True)
-    blob.unlink(missing_ok=True)
-    raise wrong_sha256(
-        remote, commit, file, found, expected, path, "removed from the Hugging Face cache"
-    )
-
-
-def wrong_sha256(
-    remote: hub_client.Remote,
-    commit: str,
-    file: str,
-    found: str | None,
-    expected: str,
-    path: Path,
-    done: str,
-) -> CorruptFileError:
-    return CorruptFileError(
-        f"{remote.repo_id}@{commit[:12]}: {file} arrived with sha256 {found}, not the "
-        f"{expected} the Hub states; it was {done} and nothing was converted: run again, "
-        "and if it fails again the repo's copy is damaged",
-        path=str(path),
-    )
+    download_into_cache(checkpoint, remote, commit, file, expected, count)

@@ -29,7 +29,12 @@ from shardprep.convert.checkpoint import (
     same_bytes,
 )
 from shardprep.convert.dequantize import with_dequantized
-from shardprep.convert.hub_budget import BudgetedArrivals, begin_fetch, remove_private
+from shardprep.convert.hub_budget import (
+    BudgetedArrivals,
+    begin_fetch,
+    prune_private,
+    remove_private,
+)
 from shardprep.convert.hub_source import Arrivals, fetch, open_source
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.record import manifest_of
@@ -77,13 +82,13 @@ def load_and_plan(
 ) -> tuple[Plan, dict[str, Checkpoint]]:
     """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
     nothing is written."""
-    target = open_source(model, options.revision, endpoint=options.endpoint, progress=progress)
+    target = open_source(model, options.revision, endpoint=options.endpoint)
     target = with_dequantized(target)
     checkpoints = {"target": target}
     method = options.draft_method
     notes: list[str] = []
     if options.draft:
-        draft = open_source(options.draft, endpoint=options.endpoint, progress=progress)
+        draft = open_source(options.draft, endpoint=options.endpoint)
         target_family = archs.target_family(target.config)[1].name
         method = method or archs.detect_draft_method(
             draft.config, sorted(draft.tensors), target_family
@@ -209,7 +214,7 @@ def convert_folder(
             before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
             private = out / SOURCE_DOWNLOAD_DIR
             arrivals, checkpoints = begin_fetch(
-                plan, checkpoints, private, options.source_budget, source_watch
+                plan, checkpoints, private, options.source_budget, source_watch, progress=progress
             )
             try:
                 manifest = execute(
@@ -229,8 +234,9 @@ def convert_folder(
             finally:
                 if isinstance(arrivals, BudgetedArrivals):
                     arrivals.close()
-                    remove_private(private)
+                    prune_private(private)  # the partial downloads, for a rerun
             arrivals.close()
+            remove_private(private)
     except ShardprepError:
         raise
     except OSError as exc:
@@ -274,7 +280,7 @@ def execute(
         journal,
         progress=progress,
         rehash_source=rehash_source,
-        ready=arrivals.wait if arrivals else None,
+        arrived=arrivals.arrived if arrivals else None,
         done=arrivals.release if isinstance(arrivals, BudgetedArrivals) else None,
     )
     if arrivals is not None:

@@ -18,7 +18,7 @@ import hashlib
 import mmap
 import os
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -47,11 +47,12 @@ def write_rank_files(
     *,
     progress: bool,
     rehash_source: bool = False,
-    ready: Callable[[Checkpoint, str], None] | None = None,
+    arrived: Callable[[Checkpoint, list[str]], Iterable[str]] | None = None,
     done: Callable[[Checkpoint, str], None] | None = None,
 ) -> dict[tuple[str, str], str]:
     """Write every file of `todo`; returns the sha256 of each source file read whole.
-    `ready(checkpoint, file)` returns once a source file is here to be read;
+    `arrived(checkpoint, files)` yields the source files to read as each is here to be
+    read (the order does not change a byte of the output: every block has its place);
     `done(checkpoint, file)` is called once every tensor of it is written."""
     files, writes = open_outputs(todo, out)
     full = plan.stages == tuple(range(plan.topology.pp))
@@ -65,14 +66,14 @@ def write_rank_files(
         mover.catch_up()
         reader = SourceReader(hashers[0])
         for roles, checkpoint in sources:
-            for file in checkpoint.files:
-                if not full and not _feeds(checkpoint, roles, file, writes):
-                    continue  # a file of another stage: not read (a Hub source's not fetched)
-                if ready is not None:
-                    ready(checkpoint, file)
+            # A file of another stage is not read (a Hub source's not fetched).
+            needed = [f for f in checkpoint.files if full or _feeds(checkpoint, roles, f, writes)]
+            for file in arrived(checkpoint, needed) if arrived is not None else needed:
                 known = known_sha256(checkpoint, file) if full else None
                 hash_it = full and (known is None or rehash_source)
-                digest = _scatter_file(reader, mover, checkpoint, roles, file, writes, hash_it, bar)
+                digest = _scatter_file(
+                    reader, mover, checkpoint, roles, file, writes, hash_it, bar, full
+                )
                 if digest and known and digest != known.sha256:
                     raise CorruptFileError(
                         f"{checkpoint.root / file} hashes to {digest}, not to {known.claim} "
@@ -217,9 +218,11 @@ def _scatter_file(
     writes: dict[tuple[str, str], list[Write]],
     hash_it: bool,
     bar: tqdm,
+    whole: bool,
 ) -> str | None:
     """Read one source file in order (all of it, hashed, when `hash_it`; else only the
-    tensors this plan needs) and move every tensor's blocks to their rank files."""
+    tensors this plan needs) and move every tensor's blocks to their rank files. `bar`
+    counts the whole file when `whole` (a full convert), else the tensors written only."""
     tensors = sorted(
         (t for t in checkpoint.tensors.values() if t.file == file), key=lambda t: t.info.offset
     )
@@ -231,14 +234,14 @@ def _scatter_file(
         header_size = tensors[0].info.offset if tensors else path.stat().st_size
         if digest is not None:
             reader.hash_bytes(digest, os.pread(fd, header_size, 0))
-        bar.update(header_size)
+        bar.update(header_size if whole else 0)
         for tensor in tensors:
             info, targets = tensor.info, _targets(writes, roles, tensor.name)
             if digest is None and _copy_whole_rows(mover, fd, info, targets):
                 bar.update(info.nbytes)
                 continue
             if not targets and digest is None:
-                bar.update(info.nbytes)
+                bar.update(info.nbytes if whole else 0)
                 continue
             for start, chunk in reader.chunks(fd, info, digest):
                 _scatter_chunk(mover, info, start, chunk, targets)

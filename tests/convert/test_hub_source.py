@@ -11,6 +11,7 @@ the second and third only.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,6 +19,8 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from huggingface_hub import HfApi, try_to_load_from_cache
 from safetensors.torch import load_file, save_file
 
 from shardprep.constants import MANIFEST_NAME, MAX_HEADER_BYTES, SOURCE_DOWNLOAD_DIR
+from shardprep.convert.hub_source import files_for_plan
 from shardprep.convert.run import Options, convert, load_and_plan
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 from shardprep.errors import ConfigError, CorruptFileError, HubError
@@ -52,9 +56,14 @@ def _file_of(name: str) -> str:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = make_tiny_model(tmp_path_factory.mktemp("by-stage") / "model", torch_dtype="bfloat16")
+    return _split_by_stage(folder)
+
+
+def _split_by_stage(folder: Path, file_of: Callable[[str], str] = _file_of) -> Path:
+    """The model's one safetensors file rewritten as FIRST, SECOND and THIRD (`file_of`)."""
     tensors = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
-    weight_map = {name: _file_of(name) for name in sorted(tensors)}
+    weight_map = {name: file_of(name) for name in sorted(tensors)}
     for file in WEIGHTS:
         part = {n: t for n, t in tensors.items() if weight_map[n] == file}
         save_file(part, folder / file, metadata={"format": "pt"})
@@ -159,14 +168,129 @@ def test_a_cut_download_resumes_with_identical_bytes(
     size = (model / SECOND).stat().st_size
     hub.cut_next_download(REPO, SECOND, size // 2)
     convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
-    # The client asked again (from the last whole chunk it had kept: here, the start).
-    bodies = [r for r in hub.download_ranges(REPO, SECOND) if r is None or r.endswith("-")]
-    assert len(bodies) == 2, hub.download_ranges(REPO, SECOND)
+    # The client asked again, for the rest only: every byte of the body was sent once.
+    assert _bodies(hub, SECOND) == [None, f"bytes={size // 2}-"], hub.download_ranges(REPO, SECOND)
+    assert hub.bytes_served(REPO, SECOND) <= HEADER_LIMIT + size
     cached = try_to_load_from_cache(REPO, SECOND, revision=repo)
     assert isinstance(cached, str) and Path(cached).read_bytes() == (model / SECOND).read_bytes()
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
     assert _shards(tmp_path / "out", 1) == _shards(full, 1)
+
+
+def _bodies(hub: HubServer, file: str, repo: str = REPO) -> list[str | None]:
+    """The Range header of each GET of `file` for its body (not a header read)."""
+    return [r for r in hub.download_ranges(repo, file) if r is None or r.endswith("-")]
+
+
+def _fetched(hub: HubServer, repo: str, weights: Iterable[str]) -> set[str]:
+    """The weight files of `repo` whose body was asked for (not only their header)."""
+    return {f for f in weights if _bodies(hub, f, repo)}
+
+
+def _cli_convert(
+    hub: HubServer, out: Path, *flags: str, home: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint}
+    if home is not None:
+        env["HF_HOME"] = str(home)
+    command = [sys.executable, "-m", "shardprep.cli", "convert", REPO, "--tp", "2", "--pp", "2"]
+    return [*command, "--stage", "1", "-o", str(out), *flags], env
+
+
+def test_a_killed_convert_resumes_the_file_it_was_downloading(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path, hf_client_env: Path
+) -> None:
+    size = (model / SECOND).stat().st_size
+    cut = size // 2
+    stall = hub.stall_next_download(REPO, SECOND, cut)
+    out = tmp_path / "out"
+    command, env = _cli_convert(hub, out, "--quiet")
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    storage = hf_client_env / "hub" / f"models--{REPO.replace('/', '--')}"
+    partial = storage / "blobs" / f"{_sha256(model / SECOND)}.incomplete"
+    deadline = time.monotonic() + 120
+    try:
+        while not (partial.is_file() and partial.stat().st_size == cut):
+            assert process.poll() is None, process.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the download never reached the stall"
+            time.sleep(0.02)
+    finally:
+        process.kill()  # SIGKILL: no handler runs, nothing is cleaned up
+        process.communicate()
+        stall.set()
+    assert partial.stat().st_size == cut  # what the killed run received is kept
+    resumed = convert(REPO, out, _options(hub, stage=1), progress=False)
+    # The rerun hashed the half it found and asked for the other half only.
+    assert _bodies(hub, SECOND) == [None, f"bytes={cut}-"], hub.download_ranges(REPO, SECOND)
+    assert hub.bytes_served(REPO, SECOND) <= 2 * HEADER_LIMIT + size
+    assert not partial.exists()
+    cached = try_to_load_from_cache(REPO, SECOND, revision=repo)
+    assert isinstance(cached, str) and Path(cached).read_bytes() == (model / SECOND).read_bytes()
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
+    assert _shards(out, 1) == _shards(full, 1) and _shards(full, 1)
+    recorded = {f.path: f.sha256 for f in resumed.model("target").source.files}
+    assert recorded[SECOND] == _sha256(model / SECOND)
+
+
+def test_a_killed_budgeted_convert_resumes_its_partial_download(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    """With --source-budget, what a killed run received is kept in the private folder
+    (`partial/<sha256>.incomplete`), counted in the budget, and resumed by the rerun."""
+    size = (model / SECOND).stat().st_size
+    cut = size // 2
+    budget = 2 * size  # the kept half plus the largest file fit: it is resumed
+    stall = hub.stall_next_download(REPO, SECOND, cut)
+    out = tmp_path / "out"
+    command, env = _cli_convert(hub, out, "--quiet", "--source-budget", f"{budget}B")
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    partial = out / SOURCE_DOWNLOAD_DIR / "partial" / f"{_sha256(model / SECOND)}.incomplete"
+    deadline = time.monotonic() + 120
+    try:
+        while not (partial.is_file() and partial.stat().st_size == cut):
+            assert process.poll() is None, process.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the download never reached the stall"
+            time.sleep(0.02)
+    finally:
+        process.kill()
+        process.communicate()
+        stall.set()
+    peaks: list[int] = []
+
+    def watch() -> None:
+        peaks.append(_folder_bytes(out / SOURCE_DOWNLOAD_DIR))
+
+    options = _options(hub, stage=1, source_budget=budget)
+    convert(REPO, out, options, progress=False, source_watch=watch)
+    assert _bodies(hub, SECOND) == [None, f"bytes={cut}-"], hub.download_ranges(REPO, SECOND)
+    assert peaks and max(peaks) <= budget, peaks
+    assert not (out / SOURCE_DOWNLOAD_DIR).exists()
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
+    assert _shards(out, 1) == _shards(full, 1) and _shards(full, 1)
+
+
+def test_progress_shows_both_streams_unless_quiet_or_json(
+    hub: HubServer, repo: str, tmp_path: Path
+) -> None:
+    shown = {}
+    for flags in ((), ("--quiet",), ("--json",)):
+        name = "-".join(f.strip("-") for f in flags) or "plain"
+        command, env = _cli_convert(hub, tmp_path / name, *flags, home=tmp_path / f"home-{name}")
+        result = subprocess.run(command, env=env, capture_output=True, timeout=300, check=False)
+        assert result.returncode == 0, result.stderr.decode()
+        shown[name] = (result.stdout.decode(), result.stderr.decode())
+    # Not a terminal: plain lines, one bar for the bytes downloaded and one for those converted.
+    lines = shown["plain"][1].splitlines()
+    downloaded = [line for line in lines if line.startswith("download:")]
+    converted = [line for line in lines if line.startswith("convert:")]
+    assert downloaded and "100%" in downloaded[-1], lines
+    assert converted and "100%" in converted[-1], lines
+    assert all(line.startswith(("download:", "convert:")) for line in lines), lines
+    assert shown["quiet"][1] == "" and shown["json"][1] == "", shown
+    assert json.loads(shown["json"][0])["written_files"], shown["json"][0]
 
 
 def test_offline_reads_the_cache_or_says_what_it_lacks(
@@ -197,11 +321,23 @@ def test_a_draft_repo_is_fetched_only_for_the_last_stage(
     api.create_repo(DRAFT)
     api.upload_folder(repo_id=DRAFT, folder_path=draft)
     weights = sorted(p.name for p in draft.glob("*.safetensors"))
-    convert(REPO, tmp_path / "stage0", _options(hub, stage=0, draft=DRAFT), progress=False)
+    options = _options(hub, stage=0, draft=DRAFT)
+    plan, checkpoints = load_and_plan(REPO, options, progress=False)
+    assert files_for_plan(plan, checkpoints["draft"], ["draft"]) == []
+    convert(REPO, tmp_path / "stage0", options, progress=False)
     assert weights and all(hub.bytes_served(DRAFT, f) <= HEADER_LIMIT for f in weights)
     assert hub.bytes_served(REPO, THIRD) <= HEADER_LIMIT
-    stage1 = convert(REPO, tmp_path / "stage1", _options(hub, stage=1, draft=DRAFT), progress=False)
+    assert _fetched(hub, REPO, WEIGHTS) == {FIRST} and _fetched(hub, DRAFT, weights) == set()
+    options = _options(hub, stage=1, draft=DRAFT)
+    plan, checkpoints = load_and_plan(REPO, options, progress=False)
+    stage1 = convert(REPO, tmp_path / "stage1", options, progress=False)
     assert all(hub.bytes_served(DRAFT, f) > HEADER_LIMIT for f in weights)
+    # Exactly the files the plan reads, each downloaded once.
+    assert _fetched(hub, DRAFT, weights) == set(
+        files_for_plan(plan, checkpoints["draft"], ["draft"])
+    )
+    assert _fetched(hub, REPO, WEIGHTS) == {FIRST, SECOND, THIRD}
+    assert all(len(_bodies(hub, f, DRAFT)) == 1 for f in weights)
     local = tmp_path / "local"
     convert(str(model), local, Options(tp=2, pp=2, stage=1, draft=str(draft)), progress=False)
     drafted = sorted((local / "draft" / "shards").iterdir())
@@ -295,3 +431,83 @@ def test_a_file_over_the_source_budget_is_one_line(
     )
     stderr = result.stderr.decode().strip()
     assert result.returncode != 0 and largest in stderr and "Traceback" not in stderr, stderr
+
+
+def test_an_expert_parallel_stage_downloads_only_its_files(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--dp 2 with expert parallelism at pp=2, each stage into a fresh cache: a stage
+    downloads the files of the tensors its plan reads (every expert of its layers, spread
+    over the EP ranks), each once, and nothing else. vLLM's Qwen3-MoE builds the embedding,
+    the final norm and lm_head on every stage: they are in FIRST, which both stages read;
+    layers 0-1 are in SECOND, layers 2-3 in THIRD."""
+    from huggingface_hub import constants
+
+    def file_of(name: str) -> str:
+        if not name.startswith("model.layers."):
+            return FIRST
+        return SECOND if int(name.split(".")[2]) < 2 else THIRD
+
+    repo = "shardprep-test/moe-by-stage"
+    moe = make_tiny_model(tmp_path / "moe", "Qwen3MoeForCausalLM", torch_dtype="bfloat16")
+    _split_by_stage(moe, file_of)
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo(repo)
+    api.upload_folder(repo_id=repo, folder_path=moe)
+    ep = {"tp": 1, "pp": 2, "dp": 2, "expert_parallel": True, "endpoint": hub.endpoint}
+    wanted = {0: {FIRST, SECOND}, 1: {FIRST, THIRD}}
+    for stage in (0, 1):
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / f"cache{stage}"))
+        before = {f: len(_bodies(hub, f, repo)) for f in WEIGHTS}
+        options = Options(stage=stage, **ep)  # type: ignore[arg-type]
+        plan, checkpoints = load_and_plan(repo, options, progress=False)
+        assert set(files_for_plan(plan, checkpoints["target"], ["target"])) == wanted[stage]
+        out = tmp_path / f"stage{stage}"
+        convert(repo, out, options, progress=False)
+        fetched = {f: len(_bodies(hub, f, repo)) - before[f] for f in WEIGHTS}
+        assert fetched == {f: int(f in wanted[stage]) for f in WEIGHTS}, fetched
+        local = tmp_path / f"local{stage}"
+        convert(str(moe), local, dataclasses.replace(options, endpoint=None), progress=False)
+        shards = _shards(out, stage)
+        assert shards == _shards(local, stage) and len(shards) == 3, sorted(shards)
+
+
+def test_each_file_is_converted_as_it_arrives_whatever_its_place(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    """FIRST's download stalls halfway; the files after it arrive and are converted (and,
+    within a budget, deleted) meanwhile. Then the server hangs up on FIRST: the client asks
+    for its second half only, and the rank files equal a local convert's."""
+    size = (model / FIRST).stat().st_size
+    stall = hub.stall_next_download(REPO, FIRST, size // 2)
+    out = tmp_path / "out"
+    seen: set[str] = set()
+    overtaken: list[set[str]] = []
+
+    def watch() -> None:
+        """Called as downloads start and end and before a converted file is deleted."""
+        here = {p.name for p in (out / SOURCE_DOWNLOAD_DIR).rglob("*") if p.is_file()}
+        if FIRST not in here and seen - here:  # a file after FIRST converted and deleted
+            overtaken.append(here)
+            stall.set()
+        seen.update(here & {SECOND, THIRD})
+
+    budget = sum((model / f).stat().st_size for f in WEIGHTS)
+    options = _options(hub, source_budget=budget)
+    convert(REPO, out, options, progress=False, source_watch=watch)
+    assert overtaken and f"{_sha256(model / FIRST)}.incomplete" in overtaken[0], overtaken
+    assert _bodies(hub, FIRST) == [None, f"bytes={size // 2}-"], hub.download_ranges(REPO, FIRST)
+    full = tmp_path / "full"
+    convert(str(model), full, Options(tp=2, pp=2), progress=False)
+    for stage in (0, 1):
+        assert _shards(out, stage) == _shards(full, stage) and _shards(full, stage)
+
+
+def test_a_header_read_cut_short_is_asked_again(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    hub.cut_next_download(REPO, SECOND, 4)  # the first range read, of its 8-byte length
+    plan, _ = load_and_plan(REPO, _options(hub), progress=False)
+    ranges = hub.download_ranges(REPO, SECOND)
+    assert ranges[:2] == ["bytes=0-7", "bytes=0-7"] and len(ranges) == 3, ranges
+    assert plan == load_and_plan(str(model), Options(tp=2, pp=2), progress=False)[0]

@@ -14,8 +14,8 @@ Storage (under `storage_dir`, so a new server on the same folder sees the same r
 of a revision to its blob; `refs/<branch>` holds the branch head. Commit ids are 40-hex sha1s.
 Model repos only; repo ids are "org/name"; revisions are branch names or full commit ids.
 
-Test hooks: `corrupt_blob`, `cut_next_download`, `downloads`, `download_ranges`, `bytes_served`,
-`requests`, `downloads_by_origin`.
+Test hooks: `corrupt_blob`, `cut_next_download`, `stall_next_download`, `downloads`,
+`download_ranges`, `bytes_served`, `requests`, `downloads_by_origin`.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ LFS_PATTERNS = (
 LFS_MIN_SIZE = 10 * 1024 * 1024
 GITATTRIBUTES = "".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in LFS_PATTERNS)
 IO_CHUNK = 1024 * 1024
+STALL_LIMIT_S = 120.0  # the longest a stalled download waits for its release
 
 _COMMIT_ID = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -343,6 +344,7 @@ class _FileSlice:
     length: int
     cut_after: int | None = None
     count_as: tuple[str, str] | None = None  # (repo, path) whose served bytes this adds to
+    stall: threading.Event | None = None  # after `cut_after` bytes, wait for it, then hang up
 
 
 @dataclass
@@ -463,6 +465,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self.server.hub._count_served(part.count_as, len(chunk))
         if part.cut_after is not None:
             self.wfile.flush()
+            if part.stall is not None:
+                part.stall.wait(STALL_LIMIT_S)
             self.close_connection = True  # the advertised Content-Length is never reached
 
 
@@ -493,8 +497,9 @@ class HubServer:
         self._requests: list[tuple[str, str]] = []
         self._origins: list[tuple[str, str, str | None]] = []
         self._ranges: dict[tuple[str, str], list[str | None]] = defaultdict(list)
-        self._cuts: dict[tuple[str, str], int] = {}
+        self._cuts: dict[tuple[str, str], tuple[int, threading.Event | None]] = {}
         self._served: dict[tuple[str, str], int] = defaultdict(int)
+        self._stalls: list[threading.Event] = []
         self._http: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -511,6 +516,8 @@ class HubServer:
     def stop(self) -> None:
         if self._http is None:
             return
+        for stall in self._stalls:
+            stall.set()
         self._http.shutdown()
         self._http.drop_connections()
         self._http.server_close()
@@ -583,7 +590,17 @@ class HubServer:
         """The next GET of this file asking for more than `after_bytes` bytes sends
         `after_bytes` bytes of its body, then hangs up."""
         with self._lock:
-            self._cuts[(repo_id, path)] = after_bytes
+            self._cuts[(repo_id, path)] = (after_bytes, None)
+
+    def stall_next_download(self, repo_id: str, path: str, after_bytes: int) -> threading.Event:
+        """Like `cut_next_download`, but after `after_bytes` bytes the connection stays open,
+        sending nothing, until the event returned is set (or STALL_LIMIT_S pass); then the
+        server hangs up. A client killed meanwhile has received exactly those bytes."""
+        stall = threading.Event()
+        with self._lock:
+            self._cuts[(repo_id, path)] = (after_bytes, stall)
+            self._stalls.append(stall)
+        return stall
 
     def corrupt_blob(self, repo_id: str, path: str, revision: str = "main") -> None:
         """Flip one byte (the middle one) of the stored content of this file, in place.
@@ -830,26 +847,27 @@ class HubServer:
             None if self._ignore_ranges else _byte_range(request.headers.get("Range"), entry.size)
         )
         length = entry.size if byte_range is None else byte_range[1] - byte_range[0] + 1
-        cut_after = self._note_download(repo_id, path, request.headers.get("Range"), length)
+        cut_after, stall = self._note_download(repo_id, path, request.headers.get("Range"), length)
         key = (repo_id, path)
         if byte_range is None:
-            body = _FileSlice(blob, 0, entry.size, cut_after, key)
+            body = _FileSlice(blob, 0, entry.size, cut_after, key, stall)
             return _Response(headers=headers, file=body)
         start, end = byte_range
         headers["Content-Range"] = f"bytes {start}-{end}/{entry.size}"
-        body = _FileSlice(blob, start, end - start + 1, cut_after, key)
+        body = _FileSlice(blob, start, end - start + 1, cut_after, key, stall)
         return _Response(206, headers=headers, file=body)
 
     def _note_download(
         self, repo_id: str, path: str, range_header: str | None, length: int
-    ) -> int | None:
-        """Count this GET; return the byte count to cut it after, if a cut was armed for a
-        GET longer than that (a short range read, e.g. of a header, leaves it armed)."""
+    ) -> tuple[int | None, threading.Event | None]:
+        """Count this GET; return the byte count to cut it after (and the event a stall
+        waits for), if a cut was armed for a GET longer than that (a short range read, e.g.
+        of a header, leaves it armed)."""
         with self._lock:
             self._ranges[(repo_id, path)].append(range_header)
             cut = self._cuts.get((repo_id, path))
-            if cut is None or length <= cut:
-                return None
+            if cut is None or length <= cut[0]:
+                return None, None
             return self._cuts.pop((repo_id, path))
 
 
