@@ -203,7 +203,7 @@ class DeepseekFamily(Family):
             "num_mtp_layers": "num_nextn_predict_layers",
         },
     }
-    quant_schemes = frozenset({"fp8_block"})
+    quant_schemes = frozenset({"fp8_block", "int4_pack"})
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config).items()}

@@ -46,7 +46,7 @@ def mtp_layers(config: Config) -> range:
 
 class DeepseekMtpDraft(DraftFamily):
     name = "deepseek_mtp"
-    quant_schemes = frozenset({"fp8_block"})
+    quant_schemes = frozenset({"fp8_block", "int4_pack"})
     standalone = False  # it comes inside its target, never with --draft
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
