@@ -1,11 +1,15 @@
-"""Time and peak memory of `shardprep plan` on a DeepSeek-V3-shaped checkpoint.
+"""Time and peak memory of `shardprep plan` on DeepSeek-V3-shaped checkpoints.
 
-    python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
+    python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR] [--model deepseek-v3|kimi-k2-thinking]
 
-The checkpoint has DeepSeek-V3's full shapes (61 layers and an MTP layer, 256 experts,
-fp8 blocks, 163 files) but is made of sparse files: each is a valid safetensors header
-followed by a hole, so it costs headers only on disk. `plan` reads every header, lays out
-every rank file and validates it all; nothing is written.
+Each checkpoint has a published model's full shapes but is made of sparse files: each is a
+valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
+every header, lays out every rank file and validates it all; nothing is written.
+
+- DeepSeek-V3: 61 layers and an MTP layer, 256 experts, fp8 blocks, 163 files;
+- Kimi-K2-Thinking: 61 layers, 384 experts of int4 in groups of 32 (compressed-tensors
+  `pack-quantized`: `weight_packed`, `weight_scale`, `weight_shape` per projection),
+  everything else bf16, 62 files.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardprep.demo.tiny import TINY_FP8, tiny_config
+from shardprep.demo.tiny import TINY_FP8, TINY_INT4, tiny_config
 from shardprep.format.headers import TensorSpec, encode_header
 
 PLAN_CHILD = """
@@ -44,26 +48,44 @@ def deepseek_v3_config() -> dict:
     )  # fmt: skip
 
 
-def write_sparse_deepseek_v3(folder: Path, files: int = 163) -> int:
+def kimi_k2_thinking_config() -> dict:
+    """Kimi-K2-Thinking's config.json: DeepSeek-V3's architecture with 384 experts, 64
+    heads, int4 routed experts in groups of 32 and no MTP layer."""
+    return tiny_config(
+        "DeepseekV3ForCausalLM", hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+        n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840,
+        num_nextn_predict_layers=0, quantization_config=TINY_INT4,
+    )  # fmt: skip
+
+
+def write_sparse_deepseek_v3(folder: Path, files: int = 163, config: dict | None = None) -> int:
     """Headers only: each file is a valid safetensors header followed by a hole."""
     from shardprep.plan import archs
+    from shardprep.plan.archs import quantized
 
-    config = deepseek_v3_config()
+    config = config or deepseek_v3_config()
     family = archs.target_family(config)[1]
-    dtypes = family.source_dtypes(config)
-    shapes = dict(family.expected_shapes(config))
-    # The MTP layer: one more decoder layer and its own heads; the target skips them.
-    mtp = {k.replace("layers.60.", "layers.61."): v for k, v in shapes.items() if ".60." in k}
-    dtypes |= {k.replace("layers.60.", "layers.61."): v for k, v in dtypes.items() if ".60." in k}
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    mtp |= {
-        "model.layers.61.enorm.weight": (hidden,),
-        "model.layers.61.hnorm.weight": (hidden,),
-        "model.layers.61.eh_proj.weight": (hidden, 2 * hidden),
-        "model.layers.61.shared_head.norm.weight": (hidden,),
-        "model.layers.61.shared_head.head.weight": (vocab, hidden),
-        "model.layers.61.embed_tokens.weight": (vocab, hidden),
-    }
+    dtypes = quantized.source_dtypes(family, config)
+    shapes = dict(quantized.expected_shapes(family, config))
+    mtp: dict[str, tuple[int, ...]] = {}
+    if config.get("num_nextn_predict_layers"):
+        # The MTP layer: one more decoder layer and its own heads; the target skips them.
+        mtp = {k.replace("layers.60.", "layers.61."): v for k, v in shapes.items() if ".60." in k}
+        dtypes |= {
+            k.replace("layers.60.", "layers.61."): v for k, v in dtypes.items() if ".60." in k
+        }
+        hidden, vocab = config["hidden_size"], config["vocab_size"]
+        mtp |= {
+            "model.layers.61.enorm.weight": (hidden,),
+            "model.layers.61.hnorm.weight": (hidden,),
+            "model.layers.61.eh_proj.weight": (hidden, 2 * hidden),
+            "model.layers.61.shared_head.norm.weight": (hidden,),
+            "model.layers.61.shared_head.head.weight": (vocab, hidden),
+            "model.layers.61.embed_tokens.weight": (vocab, hidden),
+        }
     ordered = sorted({**shapes, **mtp}.items(), key=_natural)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -90,6 +112,17 @@ def bench_plan_deepseek_v3(root: Path, tp: int, pp: int) -> None:
     source = root / "deepseek-v3"
     shutil.rmtree(source, ignore_errors=True)
     total = write_sparse_deepseek_v3(source)
+    _plan(source, total, tp, pp, "DeepSeek-V3 (fp8, 163 files")
+
+
+def bench_plan_kimi_k2_thinking(root: Path, tp: int, pp: int) -> None:
+    source = root / "kimi-k2-thinking"
+    shutil.rmtree(source, ignore_errors=True)
+    total = write_sparse_deepseek_v3(source, 62, kimi_k2_thinking_config())
+    _plan(source, total, tp, pp, "Kimi-K2-Thinking (int4 experts, 62 files")
+
+
+def _plan(source: Path, total: int, tp: int, pp: int, what: str) -> None:
     on_disk = sum(p.stat().st_blocks * 512 for p in source.iterdir())
     result = subprocess.run(
         [sys.executable, "-c", PLAN_CHILD, str(source), str(tp), str(pp)],
@@ -97,7 +130,7 @@ def bench_plan_deepseek_v3(root: Path, tp: int, pp: int) -> None:
     )  # fmt: skip
     run = json.loads(result.stdout.strip().splitlines()[-1])
     shutil.rmtree(source, ignore_errors=True)
-    print(f"DeepSeek-V3 (fp8, 163 files, {total / 1e9:.0f} GB apparent, "
+    print(f"{what}, {total / 1e9:.0f} GB apparent, "
           f"{on_disk / 1e6:.1f} MB on disk): shardprep plan --tp {tp} --pp {pp}")  # fmt: skip
     print(f"  exit status {run['code']}, {run['seconds']:.2f} s, "
           f"peak RSS {run['max_rss'] / 1e6:.0f} MB")  # fmt: skip
@@ -112,8 +145,17 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dir", default="bench-plan")
+    parser.add_argument(
+        "--model", choices=["deepseek-v3", "kimi-k2-thinking"], action="append",
+        help="the checkpoint to plan (repeatable; default: both)",
+    )  # fmt: skip
     args = parser.parse_args()
-    bench_plan_deepseek_v3(Path(args.dir), args.tp, args.pp)
+    for model in args.model or ["deepseek-v3", "kimi-k2-thinking"]:
+        bench = {
+            "deepseek-v3": bench_plan_deepseek_v3,
+            "kimi-k2-thinking": bench_plan_kimi_k2_thinking,
+        }
+        bench[model](Path(args.dir), args.tp, args.pp)
 
 
 if __name__ == "__main__":

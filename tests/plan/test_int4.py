@@ -186,7 +186,9 @@ def test_quantized_linear_layers_are_refused_in_one_line() -> None:
     )
 
 
-def test_cli_plan_shows_the_refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_plan_shows_the_quantization_and_the_refusal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = make_tiny_model(
         tmp_path / "model",
         V3,
@@ -199,6 +201,10 @@ def test_cli_plan_shows_the_refusal(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "vLLM refuses int4 groups of 32 at tp=4" in err
     assert "Choose a tp that works: 1, 2" in err
     assert main(["plan", "--tp", "2", str(model)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "  quantization: compressed-tensors (int4_pack)" in out
+    left_out = [line for line in out if "up_proj.weight_shape" in line]
+    assert len(left_out) == 1 and left_out[0].startswith("  left out: 8 tensors, e.g. ")
 
 
 def test_converted_experts_are_the_source_bytes(tmp_path: Path) -> None:

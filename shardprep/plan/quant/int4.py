@@ -109,8 +109,8 @@ class PackQuant:
         shape_dtype = MODEL_DTYPE if pieces[0].expert is not None else "I64"
         unplaced = {
             p.source + "_shape": (
-                f"equal to {first[p.expert].source}_shape in a consistent checkpoint; vLLM "
-                "keeps one [N, K] of each expert or layer"
+                "the shape of a later part of a fused parameter: vLLM keeps one [N, K] of each "
+                "expert or layer, equal to the first part's in a consistent checkpoint"
             )
             for p in pieces
             if p is not first[p.expert]
