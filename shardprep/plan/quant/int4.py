@@ -13,6 +13,7 @@ grouped K columns) and keeps one full, unsharded [N, K] per expert in `w13_weigh
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ class PackQuant:
         for part in parts:
             expert = EXPERT_PART.match(part.removeprefix(layer)) if part.startswith(layer) else None
             names.append(f"{layer}.0.{part[len(layer) + expert.end() :]}" if expert else part)
-        return any(_matches(name, pattern) for name in names for pattern in self.ignored)
+        return any(_ignored(name, self.ignored) for name in names)
 
     def places(self, kind: str) -> bool:
         """Whether shardprep lays out a quantized layer of this kind: the experts only."""
@@ -139,6 +140,13 @@ class PackQuant:
                 f"divisible by group_size ({self.group})."
             ]
         return []
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether `name` is in the ignore list `patterns` (once per name: a checkpoint's
+    experts all ask about their layer's expert 0)."""
+    return any(_matches(name, pattern) for pattern in patterns)
 
 
 def _matches(name: str, pattern: str) -> bool:
