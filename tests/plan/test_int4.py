@@ -239,3 +239,15 @@ def test_converted_experts_are_the_source_bytes(tmp_path: Path) -> None:
     manifest = json.loads((out / "shardprep.json").read_text())
     jsonschema.validate(manifest, SCHEMA)
     assert manifest["vllm_layout"]["revisions"]["int4_pack"] == 1
+
+
+def test_a_family_without_the_scheme_refuses_it_in_one_line() -> None:
+    config = tiny_config("Qwen3MoeForCausalLM", num_hidden_layers=2, quantization_config=TINY_INT4)
+    tensors = {f"t{i}": ("BF16", (4,)) for i in range(4)}  # refused before any is looked at
+    model = SourceModel(config, tensors)
+    with pytest.raises(PlanError) as caught:
+        make_plan(model, tp=2, pp=1)
+    assert str(caught.value) == (
+        "cannot convert: target: compressed-tensors checkpoints (int4_pack) of the qwen3_moe "
+        "family are not supported yet; convert an unquantized checkpoint"
+    )
