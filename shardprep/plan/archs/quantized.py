@@ -104,12 +104,14 @@ def layout(
     return dataclasses.replace(base, params=tuple(params), skipped=skipped)
 
 
-def quantized_layers(family: Family, config: Config, layout: Layout, shapes: Shapes) -> list:
+def quantized_layers(
+    family: Family, config: Config, layout: Layout, shapes: Shapes, **context: Any
+) -> list:
     """The distinct quantized layers of a layout (layers alike but for their index, once)."""
     scheme = _scheme(config)
     if scheme is None:
         return []
-    sizes = _logical(family, config, shapes)
+    sizes = _logical(family, config, shapes, **context)
     weights = quantized(family, config, sizes)
     found: dict[str, Quantized] = {}
     for param in layout.params:
@@ -152,7 +154,7 @@ def quantization_problems(
     scheme = _scheme(config)
     if scheme is None:
         return []
-    layers = quantized_layers(family, config, layout, shapes)
+    layers = quantized_layers(family, config, layout, shapes, **context)
     unplaced = [layer.name for layer in layers if not scheme.places(layer.kind)]
     if unplaced:
         more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
