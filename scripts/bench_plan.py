@@ -1,11 +1,16 @@
-"""Time and peak memory of `shardprep plan` on a DeepSeek-V3-shaped checkpoint.
+"""Time and peak memory of `shardprep plan` on DeepSeek-V3-shaped checkpoints.
 
-    python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR] [--model deepseek-v3.2]
+    python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
+        [--model deepseek-v3|deepseek-v3.2|kimi-k2-thinking ...]
 
-The checkpoint has DeepSeek-V3's full shapes (61 layers and an MTP layer, 256 experts,
-fp8 blocks, 163 files) but is made of sparse files: each is a valid safetensors header
-followed by a hole, so it costs headers only on disk. `plan` reads every header, lays out
-every rank file and validates it all; nothing is written.
+Each checkpoint has a published model's full shapes but is made of sparse files: each is a
+valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
+every header, lays out every rank file and validates it all; nothing is written.
+
+- DeepSeek-V3: 61 layers and an MTP layer, 256 experts, fp8 blocks, 163 files;
+- Kimi-K2-Thinking: 61 layers, 384 experts of int4 in groups of 32 (compressed-tensors
+  `pack-quantized`: `weight_packed`, `weight_scale`, `weight_shape` per projection),
+  everything else bf16, 62 files.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardprep.demo.tiny import TINY_FP8, tiny_config
+from shardprep.demo.tiny import TINY_FP8, TINY_INT4, tiny_config
 from shardprep.format.headers import TensorSpec, encode_header
 
 PLAN_CHILD = """
@@ -54,6 +59,8 @@ def deepseek_v3_tensors(config: dict) -> tuple[dict, dict]:
     dtypes = quantized.source_dtypes(family, config)  # the fp8 weights and their scales
     shapes = dict(quantized.expected_shapes(family, config))
     # The MTP layer: one more decoder layer and its own heads; the target skips them.
+    if not config.get("num_nextn_predict_layers"):
+        return shapes, dtypes
     mtp = {k.replace("layers.60.", "layers.61."): v for k, v in shapes.items() if ".60." in k}
     dtypes |= {k.replace("layers.60.", "layers.61."): v for k, v in dtypes.items() if ".60." in k}
     hidden, vocab = config["hidden_size"], config["vocab_size"]
@@ -66,6 +73,19 @@ def deepseek_v3_tensors(config: dict) -> tuple[dict, dict]:
         "model.layers.61.embed_tokens.weight": (vocab, hidden),
     }
     return {**shapes, **mtp}, dtypes
+
+
+def kimi_k2_thinking_config() -> dict:
+    """Kimi-K2-Thinking's config.json: DeepSeek-V3's architecture with 384 experts, 64
+    heads, int4 routed experts in groups of 32 and no MTP layer."""
+    return tiny_config(
+        "DeepseekV3ForCausalLM", hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+        n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840,
+        num_nextn_predict_layers=0, quantization_config=TINY_INT4,
+    )  # fmt: skip
 
 
 def deepseek_v32_tensors() -> tuple[dict, dict, dict]:
@@ -91,7 +111,7 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
     if model == "deepseek-v3.2":
         config, shapes, dtypes = deepseek_v32_tensors()
     else:
-        config = deepseek_v3_config()
+        config = kimi_k2_thinking_config() if model == "kimi-k2-thinking" else deepseek_v3_config()
         shapes, dtypes = deepseek_v3_tensors(config)
     ordered = sorted(shapes.items(), key=_natural)
     folder.mkdir(parents=True, exist_ok=True)
@@ -115,10 +135,18 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
     return total
 
 
+DESCRIPTIONS = {
+    "deepseek-v3": "DeepSeek-V3 (fp8, 163 files",
+    "deepseek-v3.2": "DeepSeek-V3.2 (fp8, 163 files",
+    "kimi-k2-thinking": "Kimi-K2-Thinking (int4 experts, 62 files",
+}
+
+
 def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-v3") -> None:
     source = root / model
     shutil.rmtree(source, ignore_errors=True)
-    total = write_sparse_deepseek_v3(source, model=model)
+    files = 62 if model == "kimi-k2-thinking" else 163
+    total = write_sparse_deepseek_v3(source, files, model)
     on_disk = sum(p.stat().st_blocks * 512 for p in source.iterdir())
     result = subprocess.run(
         [sys.executable, "-c", PLAN_CHILD, str(source), str(tp), str(pp)],
@@ -126,8 +154,7 @@ def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-
     )  # fmt: skip
     run = json.loads(result.stdout.strip().splitlines()[-1])
     shutil.rmtree(source, ignore_errors=True)
-    name = {"deepseek-v3": "DeepSeek-V3", "deepseek-v3.2": "DeepSeek-V3.2"}[model]
-    print(f"{name} (fp8, 163 files, {total / 1e9:.0f} GB apparent, "
+    print(f"{DESCRIPTIONS[model]}, {total / 1e9:.0f} GB apparent, "
           f"{on_disk / 1e6:.1f} MB on disk): shardprep plan --tp {tp} --pp {pp}")  # fmt: skip
     print(f"  exit status {run['code']}, {run['seconds']:.2f} s, "
           f"peak RSS {run['max_rss'] / 1e6:.0f} MB")  # fmt: skip
@@ -142,9 +169,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dir", default="bench-plan")
-    parser.add_argument("--model", choices=["deepseek-v3", "deepseek-v3.2"], default="deepseek-v3")
+    parser.add_argument(
+        "--model", choices=sorted(DESCRIPTIONS), action="append",
+        help="the checkpoint to plan (repeatable; default: deepseek-v3 and kimi-k2-thinking)",
+    )  # fmt: skip
     args = parser.parse_args()
-    bench_plan_deepseek_v3(Path(args.dir), args.tp, args.pp, args.model)
+    for model in args.model or ["deepseek-v3", "kimi-k2-thinking"]:
+        bench_plan_deepseek_v3(Path(args.dir), args.tp, args.pp, model)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
                 "dtype": m.dtype,
                 "skipped": dict(m.skipped),
                 "experts": _plan_experts(m.experts),
+                "quantization": m.quantization and f"{m.quantization} ({m.scheme})",
             }
             for m in plan.models
         ],
@@ -171,6 +172,8 @@ def describe_models(summary: dict[str, Any]) -> str:
         source = model.get("source")
         origin = f" from {source}" if source else ""
         lines.append(f"{model['role']}: {model['architecture']} {model['dtype']}{origin}")
+        if model.get("quantization"):
+            lines.append(f"  quantization: {model['quantization']}")
         if model.get("experts"):
             lines += expert_lines(model["experts"], topo["tp"])
         lines += skipped_lines(model.get("skipped") or {})

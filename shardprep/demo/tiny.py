@@ -69,6 +69,19 @@ DEEPSEEK["DeepseekV32ForCausalLM"] = DEEPSEEK["DeepseekV3ForCausalLM"] | {
 }  # fmt: skip
 TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [128, 128]}  # fmt: skip
+# Kimi-K2-Thinking's quantization: int4 routed experts in groups of 32, the rest ignored.
+TINY_INT4 = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "quantization_status": "compressed", "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": 32, "dynamic": False, "actorder": None,
+                    "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
+    }},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}  # fmt: skip
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -157,15 +170,17 @@ def make_tiny_model(
         families.append(archs.draft_family(internal, family.name))
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
+    plain: dict[str, tuple[int, ...]] = {}  # the weights' own shapes, before any quantization
     for part in families:
         shapes |= quantized.expected_shapes(part, config)
         dtypes |= quantized.source_dtypes(part, config)
+        plain |= part.expected_shapes(config)
     tensors = _random_tensors(shapes, config["torch_dtype"], seed)
     for part in families[1:]:  # a draft's copies of target tensors are copies, as published
         for copy, original in part.shared_copies(config).items():
             tensors[copy] = tensors[original].clone()
     if dtypes:
-        tensors.update(_quantized(tensors, dtypes, seed))
+        tensors.update(_quantized(tensors, dtypes, plain, seed))
     _write_model(folder, config, tensors, files)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -279,10 +294,14 @@ def _random_tensors(
 
 
 def _quantized(
-    tensors: dict[str, torch.Tensor], dtypes: dict[str, str], seed: int
+    tensors: dict[str, torch.Tensor],
+    dtypes: dict[str, str],
+    plain: dict[str, tuple[int, ...]],
+    seed: int,
 ) -> dict[str, torch.Tensor]:
-    """fp8 weights of unit scale (clamped), small positive float32 block scales, and other
-    tensors that the checkpoint keeps in float32."""
+    """fp8 weights of unit scale (clamped), small positive float32 block scales, random
+    packed int4 values with each weight's true [N, K] beside them, and other tensors
+    that the checkpoint keeps in float32."""
     generator = torch.Generator().manual_seed(seed + 1)
     changed = {}
     for name, dtype in sorted(dtypes.items()):
@@ -290,6 +309,11 @@ def _quantized(
         if dtype == "F8_E4M3":
             values = torch.randn(shape, generator=generator).clamp(-4, 4)
             changed[name] = values.to(torch.float8_e4m3fn)
+        elif name.endswith(".weight_shape"):
+            changed[name] = torch.tensor(plain[name.removesuffix("_shape")], dtype=torch.int32)
+        elif dtype == "I32":
+            values = torch.randint(-(2**31), 2**31 - 1, tuple(shape), generator=generator)
+            changed[name] = values.to(torch.int32)
         elif name.endswith("weight_scale_inv"):
             changed[name] = 0.01 + 0.02 * torch.rand(shape, generator=generator)
         else:

@@ -37,7 +37,9 @@ class ParamSpec:
 
 
 # The ways a piece of a parameter is cut from its source (`shardprep.plan.layout.Cut`).
-CUTS = ("replicate", "rows", "cols", "kv_heads", "vocab", "padded_vocab", "block_scale")
+CUTS = (
+    "replicate", "rows", "cols", "kv_heads", "vocab", "padded_vocab", "block_scale", "packed",
+)  # fmt: skip
 # ... of a source whose dim 0 is the experts (gpt-oss's fused expert tensors).
 CUTS += ("expert_cols_t", "expert_rows_t", "expert_row", "expert_row_first")
 

@@ -193,8 +193,10 @@ def _piece(value: Any, field: str) -> None:
     extra = value[2] if len(value) == 3 else {}
     if (value[1] == "kv_heads") != ("heads" in extra):
         raise _Bad(field, f"{field}: a kv_heads piece, and only one, names its heads")
-    if (value[1] == "block_scale") != ("scale_of" in extra):
-        raise _Bad(field, f"{field}: a block_scale piece, and only one, names what it scales")
+    if (value[1] in ("block_scale", "packed")) != ("scale_of" in extra):
+        raise _Bad(
+            field, f"{field}: a block_scale or packed piece, and only one, names what it holds"
+        )
 
 
 _MODEL = _object(

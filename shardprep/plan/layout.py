@@ -23,6 +23,10 @@ from enum import Enum
 from shardprep.errors import PlanError
 from shardprep.plan.topology import ExpertSplit, kv_heads_of_rank, pad_vocab, rank_range
 
+# The dtype of a parameter held in the model's dtype whatever its source's (a Param's
+# `dtype`): FusedMoE's int4 `w13_weight_shape`, bf16 [E, 2] from int32 [2] tensors.
+MODEL_DTYPE = "model"
+
 
 class Cut(Enum):
     REPLICATE = "replicate"  # every rank holds the whole tensor
@@ -37,6 +41,9 @@ class Cut(Enum):
     EXPERT_ROWS_T = "expert_rows_t"  # [A, B]: rows split evenly, transposed to [B, A/tp]
     EXPERT_ROW = "expert_row"  # [B]: split evenly
     EXPERT_ROW_FIRST = "expert_row_first"  # [B]: whole on rank 0, zeros on the others
+    # A weight stored `block[1]` columns to an element (int4 values 8 to an int32, group
+    # scales one per group): its cut, in whole elements along the columns.
+    PACKED = "packed"
 
 
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose
@@ -49,9 +56,10 @@ EXPERT_VECTORS = frozenset({Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST})
 
 @dataclass(frozen=True)
 class ScaleOf:
-    """What a block-scale tensor (`weight_scale_inv`) scales: a 2-D weight of `shape`, cut
-    by `cut` (ROWS, COLS, KV_HEADS of `heads` or REPLICATE), quantized in blocks of
-    `block` = (rows, cols)."""
+    """What a block-scale tensor (`weight_scale_inv`) scales, or what a packed tensor
+    (`weight_packed`, a group-scale `weight_scale`) stores: a 2-D weight of `shape`, cut by
+    `cut` (ROWS, COLS, KV_HEADS of `heads` or REPLICATE), one element per block of
+    `block` = (rows, cols) of it."""
 
     shape: tuple[int, int]
     cut: Cut
@@ -68,7 +76,7 @@ class Piece:
     cut: Cut
     heads: int = 0  # number of KV heads, for Cut.KV_HEADS
     expert: int | None = None  # global expert id, for a piece of an expert stack
-    scale_of: ScaleOf | None = None  # for Cut.BLOCK_SCALE
+    scale_of: ScaleOf | None = None  # for Cut.BLOCK_SCALE and Cut.PACKED
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +149,9 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
     if piece.cut is Cut.BLOCK_SCALE:
         assert piece.scale_of is not None
         return (_scale_block(piece.source, piece.scale_of, tp, rank),)
+    if piece.cut is Cut.PACKED:
+        assert piece.scale_of is not None
+        return (_packed_block(piece.source, piece.scale_of, tp, rank),)
     if piece.cut is Cut.KV_HEADS:
         _check_divisible(piece.source, rows, piece.heads, "rows per KV head")
         head_rows = rows // piece.heads
@@ -203,11 +214,25 @@ def _scale_block(source: str, of: ScaleOf, tp: int, rank: int) -> Block:
     return Block(source, rows, _in_blocks(source, cut.cols, grid[1], "columns"), repeat)
 
 
-def _in_blocks(source: str, span: tuple[int, int], block: int, what: str) -> tuple[int, int]:
+def _packed_block(source: str, of: ScaleOf, tp: int, rank: int) -> Block:
+    """The elements of a packed tensor that hold the rank's part of the weight: its rows,
+    and the columns of its column range, `of.block[1]` to an element (vLLM's
+    `PackedvLLMParameter` and group scales narrow them so). A rank whose columns start
+    inside an element has none of its own: refused, as vLLM refuses that tp."""
+    (cut,) = piece_blocks(Piece(source, of.cut, of.heads), of.shape, tp, rank)
+    per = of.block[1]
+    if cut.cols is None:  # every column: whole rows of the stored tensor
+        return Block(source, cut.rows)
+    return Block(source, cut.rows, _in_blocks(source, cut.cols, per, "columns", "packed element"))
+
+
+def _in_blocks(
+    source: str, span: tuple[int, int], block: int, what: str, unit: str = "block"
+) -> tuple[int, int]:
     if span[0] % block:
         raise PlanError(
-            f"{source}: a rank's {what} start at {span[0]}, inside a block of {block}; "
-            "choose a tp whose per-rank size is a whole number of blocks"
+            f"{source}: a rank's {what} start at {span[0]}, inside a {unit} of {block}; "
+            f"choose a tp whose per-rank size is a whole number of {unit}s"
         )
     return span[0] // block, -(-span[1] // block)
 

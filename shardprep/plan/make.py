@@ -23,6 +23,7 @@ from shardprep.plan import archs
 from shardprep.plan.archs.base import Family, Layout, Param, config_int
 from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
 from shardprep.plan.layout import (
+    MODEL_DTYPE,
     Block,
     block_shape,
     expert_stack_blocks,
@@ -247,6 +248,8 @@ def tensor_plan(
     """One parameter of tp rank `rank`; an expert stack holds the experts of `moe_rank`."""
     source_dtype = source.tensors[param.pieces[0].source][0]
     dtype = param.dtype or (model_dtype if source_dtype in FLOAT_DTYPES else source_dtype)
+    if dtype == MODEL_DTYPE:
+        dtype = model_dtype
     if is_expert_stack(param.pieces):
         shapes = {p.source: source.tensors[p.source][1] for p in param.pieces}
         try:

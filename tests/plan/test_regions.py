@@ -281,3 +281,27 @@ def test_expert_ranks_for_a_coarser_rank(
 def test_expert_ranks_for_other_expert_counts_is_refused() -> None:
     with pytest.raises(PlanError, match="vLLM runs 16 experts per layer, the artifact holds 8"):
         expert_ranks_for(ExpertSplit(8, 2), ExpertSplit(16, 1), 0)
+
+
+@pytest.mark.parametrize(("tp", "new_tp"), [(2, 1), (4, 2), (4, 1)])
+def test_packed_int4_expert_stacks(tp: int, new_tp: int) -> None:
+    """int4 experts (compressed-tensors): 256 columns of down_proj packed 8 to an int32 (32)
+    and scaled per group of 32 (8), gate and up rows whole; every cut at tp' from tp."""
+    experts, inter, hidden = 3, 256, 64
+    sources, w13, w2 = {}, [], []
+    for e in range(experts):
+        for part, shape in (("g", (inter, hidden)), ("u", (inter, hidden)), ("d", (hidden, inter))):
+            for kind, per in (("p", 8), ("s", 32)):
+                name = f"{part}{e}{kind}"
+                sources[name] = _random(shape[0], shape[1] // per)
+                of = ScaleOf(shape, Cut.COLS if part == "d" else Cut.ROWS, (1, per))
+                piece = Piece(name, Cut.PACKED, expert=e, scale_of=of)
+                (w2 if part == "d" else w13).append((kind, piece))
+    split = (ExpertSplit(experts, tp), ExpertSplit(experts, new_tp))
+    for stack in (w13, w2):
+        for kind in ("p", "s"):
+            pieces = tuple(piece for k, piece in stack if k == kind)
+            for rank in range(new_tp):
+                got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+                assert got.shape == want.shape
+                assert np.array_equal(got, want)

@@ -32,7 +32,9 @@ class Param:
     name: str
     pieces: tuple[Piece, ...]
     stages: tuple[int, ...]
-    dtype: str | None = None  # a fixed dtype (fp8 weights, float32 scales); None: the model's
+    # A fixed dtype (fp8 weights, float32 scales); None: the model's for a floating-point
+    # source, the source's otherwise; MODEL_DTYPE: the model's, cast from any source.
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)

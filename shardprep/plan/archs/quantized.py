@@ -3,7 +3,8 @@
 A family says which of its source weights vLLM builds as layers that take the model's
 quantization, and the vLLM layer each belongs to (`Family.quantized_weights`: linear
 layers and expert projections); the scheme (plan/quant) says what each weight becomes in
-the checkpoint (an fp8 weight and its block scales) and how every part is cut. Nothing
+the checkpoint (an fp8 weight and its block scales; int4 values packed in int32 with
+group scales and the weight's shape) and how every part is cut. Nothing
 here knows a family, and no family repeats a scheme's rules: the callers (plan checks,
 the tiny models) ask this module instead of the family.
 """
@@ -13,23 +14,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
-from shardprep.plan.layout import Cut, Piece, ScaleOf
+from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.quant import Scheme, scheme_of
-from shardprep.plan.quant.fp8 import (
-    FP8,
-    SCALE_DTYPE,
-    LinearShape,
-    block_problems,
-    moe_block_problems,
-    refined_block,
-    scale_name,
-)
-from shardprep.plan.topology import kv_heads_of_rank
+from shardprep.plan.quant.layer import Quantized
 
 LAYER_INDEX = re.compile(r"\.\d+\.")
 LARGEST_TP = 64  # the tps a refusal suggests instead are looked for up to here
@@ -73,9 +64,16 @@ def _sources(family: Family, config: Config, **context: Any) -> dict[str, tuple[
     if scheme is not None:
         plain = {name: shape for name, (shape, _) in shapes.items()}
         for weight in quantized(family, config, plain):
-            if weight in plain:
+            if weight in plain:  # what the scheme stores in its place
+                del shapes[weight]
                 shapes |= scheme.stored(weight, plain[weight])
     return shapes
+
+
+def _logical(family: Family, config: Config, shapes: Shapes, **context: Any) -> dict:
+    """The checkpoint's shapes and those of the unquantized weights config.json implies
+    (a scheme that stores a weight under other names leaves it out of the checkpoint)."""
+    return {**family.expected_shapes(config, **context), **shapes}
 
 
 def layout(
@@ -84,78 +82,50 @@ def layout(
     """The family's layout, each quantized weight's parameter followed by its scales'."""
     base = family.layout(config, shapes, topology, **context)
     scheme = _scheme(config)
-    weights = quantized(family, config, shapes)
-    if scheme is None or not weights:
+    if scheme is None:
+        return base
+    sizes = _logical(family, config, shapes, **context)
+    weights = quantized(family, config, sizes)
+    if not weights:
         return base
     moe_ways = 1 if context.get("expert_parallel") else topology.tp * int(context.get("dp", 1))
     params: list[Param] = []
+    unplaced: dict[str, str] = {}
     for param in base.params:
         if not any(piece.source in weights for piece in param.pieces):
             params.append(param)
             continue
-        scales = tuple(_scale_piece(p, shapes, scheme, topology.tp, moe_ways) for p in param.pieces)
-        params.append(dataclasses.replace(param, dtype=FP8))
-        params.append(Param(scale_name(param.name), scales, param.stages, SCALE_DTYPE))
+        parts, left = scheme.params(param.name, param.pieces, sizes, topology.tp, moe_ways)
+        params += [Param(name, pieces, param.stages, dtype) for name, pieces, dtype in parts]
+        unplaced |= left
     consumed = {piece.source for param in params for piece in param.pieces}
     skipped = {name: why for name, why in base.skipped.items() if name not in consumed}
+    skipped |= {name: why for name, why in unplaced.items() if name in shapes}
     return dataclasses.replace(base, params=tuple(params), skipped=skipped)
 
 
-def _scale_piece(piece: Piece, shapes: Shapes, scheme: Scheme, tp: int, moe_ways: int) -> Piece:
-    shape = tuple(shapes[piece.source])
-    grid = None
-    if piece.expert is not None:  # FusedMoE may refine the blocks of its stacks
-        inter = shape[0] if piece.cut is Cut.ROWS else shape[1]
-        hidden = shape[1] if piece.cut is Cut.ROWS else shape[0]
-        grid = refined_block(scheme, inter // moe_ways, hidden, moe_ways)
-    of = ScaleOf(shape, piece.cut, scheme.block, grid, piece.heads)  # type: ignore[arg-type]
-    return Piece(scale_name(piece.source), Cut.BLOCK_SCALE, expert=piece.expert, scale_of=of)
-
-
-@dataclass(frozen=True)
-class Quantized:
-    """One quantized layer as vLLM's block checks see it, whatever the tp."""
-
-    name: str  # the layer, its layer index written `*`
-    kind: str  # "column", "row", "replicated" or "experts"
-    input: int
-    outputs: tuple[tuple[int, int], ...]  # (rows, KV heads or 0) of each part
-
-    def at(self, scheme: Scheme, tp: int, moe_ways: int) -> list[str]:
-        if self.kind == "experts":
-            inter, hidden = self.outputs[0][0], self.input
-            problems = moe_block_problems(scheme, inter // moe_ways, hidden, moe_ways)
-            return [f"{self.name}: {p}" for p in problems]
-        total = sum(rows for rows, _ in self.outputs)
-        if self.kind == "row":
-            shape = LinearShape.row(self.name, self.input, total, tp)
-        elif self.kind == "replicated":
-            shape = LinearShape.replicated(self.name, self.input, tuple(r for r, _ in self.outputs))
-        else:
-            sizes = tuple(_rows_per_rank(rows, heads, tp) for rows, heads in self.outputs)
-            shape = LinearShape(self.name, self.input, total, tp, sizes)
-        return block_problems([shape], scheme)
-
-
-def _rows_per_rank(rows: int, heads: int, tp: int) -> int:
-    if not heads:
-        return rows // tp
-    first, end = kv_heads_of_rank(heads, tp, 0)
-    return rows // heads * (end - first)
-
-
-def quantized_layers(family: Family, config: Config, layout: Layout, shapes: Shapes) -> list:
+def quantized_layers(
+    family: Family, config: Config, layout: Layout, shapes: Shapes, **context: Any
+) -> list:
     """The distinct quantized layers of a layout (layers alike but for their index, once)."""
-    weights = quantized(family, config, shapes)
+    scheme = _scheme(config)
+    if scheme is None:
+        return []
+    sizes = _logical(family, config, shapes, **context)
+    weights = quantized(family, config, sizes)
     found: dict[str, Quantized] = {}
     for param in layout.params:
-        pieces = [p for p in param.pieces if p.source in weights]
-        if not pieces or param.dtype != FP8:
+        pieces = [
+            _weight_piece(p, scheme.logical(p.source))
+            for p in param.pieces
+            if scheme.logical(p.source) in weights
+        ]
+        if not pieces:
             continue
         layer = LAYER_INDEX.sub(".*.", weights[pieces[0].source])
         if layer in found:
             continue
-        first = tuple(shapes[pieces[0].source])
+        first = tuple(sizes[pieces[0].source])
         if pieces[0].expert is not None:
             inter = first[0] if pieces[0].cut is Cut.ROWS else first[1]
             hidden = first[1] if pieces[0].cut is Cut.ROWS else first[0]
@@ -163,9 +133,17 @@ def quantized_layers(family: Family, config: Config, layout: Layout, shapes: Sha
             continue
         kind = {Cut.COLS: "row", Cut.REPLICATE: "replicated"}.get(pieces[0].cut, "column")
         input_size = first[1]
-        outputs = tuple((shapes[p.source][0], p.heads) for p in pieces)
+        outputs = tuple((sizes[p.source][0], p.heads) for p in pieces)
         found[layer] = Quantized(layer, kind, input_size, outputs)
     return list(found.values())
+
+
+def _weight_piece(piece: Piece, weight: str) -> Piece:
+    """The piece of the unquantized weight `weight` that a stored piece holds."""
+    if piece.cut is Cut.PACKED and piece.scale_of is not None:
+        of = piece.scale_of
+        return Piece(weight, of.cut, of.heads, piece.expert)
+    return dataclasses.replace(piece, source=weight)
 
 
 def quantization_problems(
@@ -176,12 +154,20 @@ def quantization_problems(
     scheme = _scheme(config)
     if scheme is None:
         return []
-    layers = quantized_layers(family, config, layout, shapes)
+    layers = quantized_layers(family, config, layout, shapes, **context)
+    unplaced = [layer.name for layer in layers if not scheme.places(layer.kind)]
+    if unplaced:
+        more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
+        return [
+            f"{scheme.method} {scheme.describe} of linear layers is not supported yet: the "
+            f"ignore list of quantization_config leaves {unplaced[0]}{more} quantized; "
+            "shardprep converts such checkpoints when only their routed experts are quantized"
+        ]
     dp = int(context.get("dp", 1))
     ep = bool(context.get("expert_parallel"))
 
     def refusals(t: int) -> list[str]:
-        return [p for layer in layers for p in layer.at(scheme, t, 1 if ep else t * dp)]
+        return [p for layer in layers for p in scheme.refusals(layer, t, 1 if ep else t * dp)]
 
     found = refusals(tp)
     if not found:
@@ -189,7 +175,7 @@ def quantization_problems(
     works = ", ".join(str(t) for t in _fine_tps(family, config, refusals, context)) or "none"
     more = f" (and {len(found) - 1} more layers)" if len(found) > 1 else ""
     return [
-        f"vLLM refuses fp8 blocks {list(scheme.block)} at tp={tp}: {found[0]}{more} "
+        f"vLLM refuses {scheme.describe} at tp={tp}: {found[0]}{more} "
         f"Choose a tp that works: {works}"
     ]
 

@@ -10,8 +10,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardprep.plan.quant.fp8 import BlockQuant, block_quant
+from shardprep.plan.quant.int4 import PackQuant, pack_quant
 
-Scheme = BlockQuant
+# Each scheme says what a quantized weight is stored as (`stored`, `logical`), which layers
+# vLLM leaves unquantized (`skips`), the parameters vLLM builds of a quantized parameter
+# and how each is cut (`params`), which layers shardprep lays out (`places`) and what vLLM
+# refuses at a tp (`refusals`).
+Scheme = BlockQuant | PackQuant
 # What vLLM's quantization configs give every attention layer (`BaseKVCacheMethod`): KV-cache
 # scales, left at -1 unless the checkpoint has them (which shardprep's plans never do).
 KV_CACHE_SCALES = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.prob_scale")
@@ -25,4 +30,7 @@ def never_loaded(parameter: str) -> bool:
 def scheme_of(config: Mapping[str, Any]) -> Scheme | None:
     """The scheme config.json's `quantization_config` declares; None when unquantized. A
     scheme shardprep cannot lay out comes back with its `problem` set."""
+    quant = config.get("quantization_config")
+    if quant and quant.get("quant_method") == PackQuant.method:
+        return pack_quant(quant)
     return block_quant(config)

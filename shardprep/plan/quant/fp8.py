@@ -9,6 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from shardprep.plan.layout import Cut, Piece, ScaleOf
+from shardprep.plan.quant.layer import Quantized
+from shardprep.plan.topology import kv_heads_of_rank
+
 Config = Mapping[str, Any]
 FP8 = "F8_E4M3"  # the weights' safetensors dtype
 SCALE_DTYPE = "F32"
@@ -36,6 +40,46 @@ class BlockQuant:
         """Whether vLLM leaves a layer unquantized; `layers`: its names (vLLM's fused
         name, then the checkpoint's names of its parts)."""
         return any(layer in self.ignored for layer in layers)
+
+    @property
+    def describe(self) -> str:
+        return f"fp8 blocks {list(self.block)}"
+
+    def logical(self, source: str) -> str:
+        """The weight a stored tensor holds: an fp8 weight is stored under its own name."""
+        return source
+
+    def places(self, kind: str) -> bool:
+        return True
+
+    def params(
+        self,
+        name: str,
+        pieces: tuple[Piece, ...],
+        shapes: Mapping[str, tuple[int, ...]],
+        tp: int,
+        moe_ways: int,
+    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+        """The fp8 weight parameter `name` and its block scales, as (name, pieces, dtype)."""
+        scales = tuple(_scale_piece(p, shapes, self, moe_ways) for p in pieces)
+        return [(name, pieces, FP8), (scale_name(name), scales, SCALE_DTYPE)], {}
+
+    def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
+        """vLLM's block checks of one layer at `tp`, in its words."""
+        if layer.kind == "experts":
+            inter, hidden = layer.outputs[0][0], layer.input
+            problems = moe_block_problems(self, inter // moe_ways, hidden, moe_ways)
+            return [f"{layer.name}: {p}" for p in problems]
+        total = sum(rows for rows, _ in layer.outputs)
+        if layer.kind == "row":
+            shape = LinearShape.row(layer.name, layer.input, total, tp)
+        elif layer.kind == "replicated":
+            parts = tuple(r for r, _ in layer.outputs)
+            shape = LinearShape.replicated(layer.name, layer.input, parts)
+        else:
+            sizes = tuple(_rows_per_rank(rows, heads, tp) for rows, heads in layer.outputs)
+            shape = LinearShape(layer.name, layer.input, total, tp, sizes)
+        return block_problems([shape], self)
 
 
 def scale_name(weight: str) -> str:
@@ -161,3 +205,23 @@ def moe_block_problems(
             f"weight quantization block_k = {block_k}."
         ]
     return []
+
+
+def _rows_per_rank(rows: int, heads: int, tp: int) -> int:
+    if not heads:
+        return rows // tp
+    first, end = kv_heads_of_rank(heads, tp, 0)
+    return rows // heads * (end - first)
+
+
+def _scale_piece(
+    piece: Piece, shapes: Mapping[str, tuple[int, ...]], scheme: BlockQuant, moe_ways: int
+) -> Piece:
+    shape = tuple(shapes[piece.source])
+    grid = None
+    if piece.expert is not None:  # FusedMoE may refine the blocks of its stacks
+        inter = shape[0] if piece.cut is Cut.ROWS else shape[1]
+        hidden = shape[1] if piece.cut is Cut.ROWS else shape[0]
+        grid = refined_block(scheme, inter // moe_ways, hidden, moe_ways)
+    of = ScaleOf(shape, piece.cut, scheme.block, grid, piece.heads)  # type: ignore[arg-type]
+    return Piece(scale_name(piece.source), Cut.BLOCK_SCALE, expert=piece.expert, scale_of=of)

@@ -92,4 +92,19 @@ def install() -> bool:
     fp8.init_fp8_linear_kernel = or_stand_in(
         fp8.init_fp8_linear_kernel, lambda **config: DequantizingFp8Linear(**config)
     )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as wna16,
+    )
+
+    wna16.select_wna16_moe_backend = or_stand_in(wna16.select_wna16_moe_backend, cpu_int4_experts)
     return True
+
+
+def cpu_int4_experts(*args: Any, **kwargs: Any) -> tuple[Any, type]:
+    """The WNA16 MoE backend of the CPU build, which needs AMX to compute: its experts
+    class only has to exist for vLLM to build the layer (nothing runs it before
+    `process_weights_after_loading`, which a state-only run sets aside)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+
+    return WNA16MoEBackend.CPU, CPUExpertsInt4
