@@ -36,9 +36,11 @@ class TensorPlan:
 
     @property
     def stacked_shape(self) -> tuple[int, ...]:
-        """The shape as the dim-0 concatenation of the blocks (same bytes, row-major); an
-        expert stack of one vector per expert ([experts, values]) is that already."""
-        if self.experts and len(self.shape) > 2:
+        """The shape as the dim-0 concatenation of the blocks (same bytes, row-major): an
+        expert stack [experts, rows per expert, ...] is [experts x rows, ...] unless each
+        block is one expert's row already (gpt-oss's vectors per expert, [experts, values])."""
+        stacked = self.experts and len(self.shape) > 1
+        if stacked and sum(block.height for block in self.blocks) != self.shape[0]:
             return (self.shape[0] * self.shape[1], *self.shape[2:])
         return self.shape
 
