@@ -161,7 +161,7 @@ def _measure(
     fresh_cache(work, "cache-plan")
     before = sent()
     plan_box: list = []
-    plan_s = timed(lambda: plan_box.append(load_and_plan(REPO, options, progress=False)))
+    plan_s = timed(lambda: plan_box.append(load_and_plan(REPO, options)))
     plan, checkpoints = plan_box[0]
     plan_sent = sent() - before
     wanted = files_for_plan(plan, checkpoints["target"], ["target"])

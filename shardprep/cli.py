@@ -95,7 +95,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     from shardprep.convert.run import load_and_plan
 
-    plan, _ = load_and_plan(args.model, _options(args), progress=not args.quiet)
+    plan, _ = load_and_plan(args.model, _options(args))
     summary = report.plan_summary(plan)
     text = report.describe_models(summary) + "\n" + report.table(report.plan_rows(plan))
     _emit(args, summary, text)

@@ -77,9 +77,7 @@ def source_model(checkpoint: Checkpoint) -> SourceModel:
     return SourceModel(checkpoint.config, tensors)
 
 
-def load_and_plan(
-    model: str, options: Options, *, progress: bool = True
-) -> tuple[Plan, dict[str, Checkpoint]]:
+def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpoint]]:
     """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
     nothing is written."""
     target = open_source(model, options.revision, endpoint=options.endpoint)
@@ -203,7 +201,7 @@ def convert_folder(
     """Plan, then execute while holding the output folder's lock. Any failure leaves no
     temporary file behind and is one ShardprepError; a rerun resumes. `source_watch` is
     called whenever the private source folder of a budgeted convert may peak."""
-    plan, checkpoints = load_and_plan(model, options, progress=progress)
+    plan, checkpoints = load_and_plan(model, options)
     given = {"target": model, "draft": options.draft or model}
     sources = {role: _source_name(given[role], cp) for role, cp in checkpoints.items()}
     out = Path(out)

@@ -243,9 +243,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         raise ShardprepError(f"{out} has no target model in its manifest")
     request = manifest.request or legacy_request(manifest, target)
     options = Options(**dataclasses.asdict(request))
-    plan, checkpoints = load_and_plan(
-        target.source.repo_id or target.source.model, options, progress=progress
-    )
+    plan, checkpoints = load_and_plan(target.source.repo_id or target.source.model, options)
     checked = set(report.checked)
     located = _locate(out, manifest, checked)
     covered: dict[tuple[str, str], torch.Tensor] = {}

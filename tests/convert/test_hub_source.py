@@ -95,13 +95,13 @@ def _sha256(path: Path) -> str:
 def test_plan_reads_headers_by_range_only(
     hub: HubServer, repo: str, model: Path, tmp_path: Path
 ) -> None:
-    plan, checkpoints = load_and_plan(REPO, _options(hub), progress=False)
+    plan, checkpoints = load_and_plan(REPO, _options(hub))
     for file in WEIGHTS:
         served = hub.bytes_served(REPO, file)
         assert 8 < served <= HEADER_LIMIT, (file, served)
         assert hub.download_ranges(REPO, file) and all(hub.download_ranges(REPO, file)), file
     assert checkpoints["target"].revision == repo  # "main", resolved once to its commit
-    local, _ = load_and_plan(str(model), Options(tp=2, pp=2), progress=False)
+    local, _ = load_and_plan(str(model), Options(tp=2, pp=2))
     assert plan == local
     # The same through the command line, reading the endpoint and token from the environment.
     env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "cli-home")}
@@ -301,16 +301,16 @@ def test_offline_reads_the_cache_or_says_what_it_lacks(
     convert(REPO, tmp_path / "stage1", _options(hub, stage=1), progress=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError) as partial:
-        load_and_plan(REPO, _options(hub), progress=False)
+        load_and_plan(REPO, _options(hub))
     assert "HF_HUB_OFFLINE" in str(partial.value) and FIRST in str(partial.value)
     with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
-        load_and_plan("shardprep-test/never-fetched", _options(hub), progress=False)
+        load_and_plan("shardprep-test/never-fetched", _options(hub))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     convert(REPO, tmp_path / "full", _options(hub), progress=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    offline, checkpoints = load_and_plan(REPO, _options(hub), progress=False)
+    offline, checkpoints = load_and_plan(REPO, _options(hub))
     assert checkpoints["target"].revision == repo
-    assert offline == load_and_plan(str(model), Options(tp=2, pp=2), progress=False)[0]
+    assert offline == load_and_plan(str(model), Options(tp=2, pp=2))[0]
 
 
 def test_a_draft_repo_is_fetched_only_for_the_last_stage(
@@ -322,14 +322,14 @@ def test_a_draft_repo_is_fetched_only_for_the_last_stage(
     api.upload_folder(repo_id=DRAFT, folder_path=draft)
     weights = sorted(p.name for p in draft.glob("*.safetensors"))
     options = _options(hub, stage=0, draft=DRAFT)
-    plan, checkpoints = load_and_plan(REPO, options, progress=False)
+    plan, checkpoints = load_and_plan(REPO, options)
     assert files_for_plan(plan, checkpoints["draft"], ["draft"]) == []
     convert(REPO, tmp_path / "stage0", options, progress=False)
     assert weights and all(hub.bytes_served(DRAFT, f) <= HEADER_LIMIT for f in weights)
     assert hub.bytes_served(REPO, THIRD) <= HEADER_LIMIT
     assert _fetched(hub, REPO, WEIGHTS) == {FIRST} and _fetched(hub, DRAFT, weights) == set()
     options = _options(hub, stage=1, draft=DRAFT)
-    plan, checkpoints = load_and_plan(REPO, options, progress=False)
+    plan, checkpoints = load_and_plan(REPO, options)
     stage1 = convert(REPO, tmp_path / "stage1", options, progress=False)
     assert all(hub.bytes_served(DRAFT, f) > HEADER_LIMIT for f in weights)
     # Exactly the files the plan reads, each downloaded once.
@@ -354,7 +354,7 @@ def test_a_server_without_ranges_is_one_line(model: Path, tmp_path: Path) -> Non
         api.create_repo(REPO)
         api.upload_folder(repo_id=REPO, folder_path=model)
         with pytest.raises(HubError) as refused:
-            load_and_plan(REPO, Options(tp=2, pp=2, endpoint=plain.endpoint), progress=False)
+            load_and_plan(REPO, Options(tp=2, pp=2, endpoint=plain.endpoint))
     message = str(refused.value)
     assert "\n" not in message and "did not answer a range request" in message, message
 
@@ -371,7 +371,7 @@ def test_a_header_too_large_is_refused_before_it_is_read(
     api.create_repo(REPO)
     api.upload_folder(repo_id=REPO, folder_path=hostile)
     with pytest.raises(CorruptFileError, match="over the .* limit"):
-        load_and_plan(REPO, _options(hub), progress=False)
+        load_and_plan(REPO, _options(hub))
     assert hub.download_ranges(REPO, SECOND) == ["bytes=0-7"]
 
 
@@ -460,7 +460,7 @@ def test_an_expert_parallel_stage_downloads_only_its_files(
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / f"cache{stage}"))
         before = {f: len(_bodies(hub, f, repo)) for f in WEIGHTS}
         options = Options(stage=stage, **ep)  # type: ignore[arg-type]
-        plan, checkpoints = load_and_plan(repo, options, progress=False)
+        plan, checkpoints = load_and_plan(repo, options)
         assert set(files_for_plan(plan, checkpoints["target"], ["target"])) == wanted[stage]
         out = tmp_path / f"stage{stage}"
         convert(repo, out, options, progress=False)
@@ -507,7 +507,7 @@ def test_a_header_read_cut_short_is_asked_again(
     hub: HubServer, repo: str, model: Path, tmp_path: Path
 ) -> None:
     hub.cut_next_download(REPO, SECOND, 4)  # the first range read, of its 8-byte length
-    plan, _ = load_and_plan(REPO, _options(hub), progress=False)
+    plan, _ = load_and_plan(REPO, _options(hub))
     ranges = hub.download_ranges(REPO, SECOND)
     assert ranges[:2] == ["bytes=0-7", "bytes=0-7"] and len(ranges) == 3, ranges
-    assert plan == load_and_plan(str(model), Options(tp=2, pp=2), progress=False)[0]
+    assert plan == load_and_plan(str(model), Options(tp=2, pp=2))[0]
