@@ -19,6 +19,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -206,19 +207,9 @@ def test_a_killed_convert_resumes_the_file_it_was_downloading(
     stall = hub.stall_next_download(REPO, SECOND, cut)
     out = tmp_path / "out"
     command, env = _cli_convert(hub, out, "--quiet")
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     storage = hf_client_env / "hub" / f"models--{REPO.replace('/', '--')}"
     partial = storage / "blobs" / f"{_sha256(model / SECOND)}.incomplete"
-    deadline = time.monotonic() + 120
-    try:
-        while not (partial.is_file() and partial.stat().st_size == cut):
-            assert process.poll() is None, process.communicate()[1].decode()
-            assert time.monotonic() < deadline, "the download never reached the stall"
-            time.sleep(0.02)
-    finally:
-        process.kill()  # SIGKILL: no handler runs, nothing is cleaned up
-        process.communicate()
-        stall.set()
+    _kill_when_stalled(command, env, partial, cut, stall)
     assert partial.stat().st_size == cut  # what the killed run received is kept
     resumed = convert(REPO, out, _options(hub, stage=1), progress=False)
     # The rerun hashed the half it found and asked for the other half only.
@@ -245,18 +236,8 @@ def test_a_killed_budgeted_convert_resumes_its_partial_download(
     stall = hub.stall_next_download(REPO, SECOND, cut)
     out = tmp_path / "out"
     command, env = _cli_convert(hub, out, "--quiet", "--source-budget", f"{budget}B")
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     partial = out / SOURCE_DOWNLOAD_DIR / "partial" / f"{_sha256(model / SECOND)}.incomplete"
-    deadline = time.monotonic() + 120
-    try:
-        while not (partial.is_file() and partial.stat().st_size == cut):
-            assert process.poll() is None, process.communicate()[1].decode()
-            assert time.monotonic() < deadline, "the download never reached the stall"
-            time.sleep(0.02)
-    finally:
-        process.kill()
-        process.communicate()
-        stall.set()
+    _kill_when_stalled(command, env, partial, cut, stall)
     peaks: list[int] = []
 
     def watch() -> None:
@@ -511,3 +492,21 @@ def test_a_header_read_cut_short_is_asked_again(
     ranges = hub.download_ranges(REPO, SECOND)
     assert ranges[:2] == ["bytes=0-7", "bytes=0-7"] and len(ranges) == 3, ranges
     assert plan == load_and_plan(str(model), Options(tp=2, pp=2))[0]
+
+
+def _kill_when_stalled(
+    command: list[str], env: dict[str, str], partial: Path, cut: int, stall: threading.Event
+) -> None:
+    """Run the convert `command` until `partial` holds the `cut` bytes the stalled server
+    sent, then SIGKILL it (no handler runs, nothing is cleaned up) and let the server go."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    try:
+        while not (partial.is_file() and partial.stat().st_size == cut):
+            assert process.poll() is None, process.communicate()[1].decode()
+            assert time.monotonic() < deadline, "the download never reached the stall"
+            time.sleep(0.02)
+    finally:
+        process.kill()
+        process.communicate()
+        stall.set()
