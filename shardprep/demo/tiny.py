@@ -93,6 +93,7 @@ _MODEL_TYPES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV32ForCausalLM": "deepseek_v32",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
     "Glm4MoeForCausalLM": "glm4_moe",
     "GptOssForCausalLM": "gpt_oss",
 }
@@ -126,6 +127,48 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_bias": True,
         "use_qk_norm": True,
         "partial_rotary_factor": 0.5,
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": "bfloat16",
+    },
+    # DeepSeek-V4's native config keys at tiny sizes: head_dim 512 and index_head_dim 128
+    # (the only sizes vLLM's compressor implements), one hash-routed layer, layers of
+    # compress ratio 0 (sliding window), 4 (compressor and indexer) and 128; bfloat16.
+    "DeepseekV4ForCausalLM": {
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 64,
+        "o_lora_rank": 64,
+        "o_groups": 2,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "num_hash_layers": 1,
+        "compress_ratios": [0, 4, 128, 4, 0],
+        "index_n_heads": 4,
+        "index_head_dim": 128,
+        "index_topk": 16,
+        "sliding_window": 16,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 2,
+        "hc_eps": 1e-6,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "compress_rope_theta": 160000.0,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 64,
+        },
         "num_nextn_predict_layers": 0,
         "torch_dtype": "bfloat16",
     },
@@ -181,6 +224,11 @@ def make_tiny_model(
             tensors[copy] = tensors[original].clone()
     if dtypes:
         tensors.update(_quantized(tensors, dtypes, plain, seed))
+    generator = torch.Generator().manual_seed(seed + 2)
+    for part in families:  # index tables hold valid indices (a hash router's experts)
+        for name, (low, high) in sorted(part.index_ranges(config).items()):
+            shape = tuple(tensors[name].shape)
+            tensors[name] = torch.randint(low, high, shape, generator=generator).to(torch.int32)
     _write_model(folder, config, tensors, files)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

@@ -27,6 +27,7 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekFamily"),
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekFamily"),
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32Family"),
+    "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4Family"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeFamily"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssFamily"),
 }

@@ -98,6 +98,11 @@ class Family:
         """The draft method of a draft the checkpoint carries inside itself (MTP layers)."""
         return None
 
+    def index_ranges(self, config: Config) -> dict[str, tuple[int, int]]:
+        """Integer tensors that index something (a hash router's expert table): {source
+        name: [low, high)}, the values a tiny model of the family must hold."""
+        return {}
+
     def dequantized_sources(
         self, config: Config, dtypes: Mapping[str, str]
     ) -> dict[str, tuple[str, str]]:
