@@ -1,7 +1,7 @@
 """Time and peak memory of `shardprep plan` on DeepSeek-V3-shaped checkpoints.
 
     python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
-        [--model deepseek-v3|deepseek-v3.2|kimi-k2-thinking ...]
+        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking ...]
 
 Each checkpoint has a published model's full shapes but is made of sparse files: each is a
 valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
@@ -10,7 +10,9 @@ every header, lays out every rank file and validates it all; nothing is written.
 - DeepSeek-V3: 61 layers and an MTP layer, 256 experts, fp8 blocks, 163 files;
 - Kimi-K2-Thinking: 61 layers, 384 experts of int4 in groups of 32 (compressed-tensors
   `pack-quantized`: `weight_packed`, `weight_scale`, `weight_shape` per projection),
-  everything else bf16, 62 files.
+  everything else bf16, 62 files;
+- DeepSeek-V4: DeepSeek-V4-Flash's published config.json (tests/data/deepseek-v4-flash) in
+  bfloat16 (its fp8 + fp4 quantization left out), 43 layers, 256 experts, 48 files.
 """
 
 from __future__ import annotations
@@ -106,10 +108,24 @@ def deepseek_v32_tensors() -> tuple[dict, dict, dict]:
     return config, shapes, dtypes
 
 
+def deepseek_v4_tensors() -> tuple[dict, dict, dict]:
+    """DeepSeek-V4-Flash's published config.json in bfloat16 and the native tensors it
+    implies (the family's own table)."""
+    from shardprep.plan import archs
+
+    data = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek-v4-flash"
+    published = json.loads((data / "config.json").read_text())
+    config = {k: v for k, v in published.items() if k != "quantization_config"}
+    family = archs.target_family(config)[1]
+    return config, family.expected_shapes(config), family.source_dtypes(config)
+
+
 def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deepseek-v3") -> int:
     """Headers only: each file is a valid safetensors header followed by a hole."""
     if model == "deepseek-v3.2":
         config, shapes, dtypes = deepseek_v32_tensors()
+    elif model == "deepseek-v4":
+        config, shapes, dtypes = deepseek_v4_tensors()
     else:
         config = kimi_k2_thinking_config() if model == "kimi-k2-thinking" else deepseek_v3_config()
         shapes, dtypes = deepseek_v3_tensors(config)
@@ -138,6 +154,7 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
 DESCRIPTIONS = {
     "deepseek-v3": "DeepSeek-V3 (fp8, 163 files",
     "deepseek-v3.2": "DeepSeek-V3.2 (fp8, 163 files",
+    "deepseek-v4": "DeepSeek-V4-Flash (bf16, 48 files",
     "kimi-k2-thinking": "Kimi-K2-Thinking (int4 experts, 62 files",
 }
 
@@ -145,7 +162,7 @@ DESCRIPTIONS = {
 def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-v3") -> None:
     source = root / model
     shutil.rmtree(source, ignore_errors=True)
-    files = 62 if model == "kimi-k2-thinking" else 163
+    files = {"kimi-k2-thinking": 62, "deepseek-v4": 48}.get(model, 163)
     total = write_sparse_deepseek_v3(source, files, model)
     on_disk = sum(p.stat().st_blocks * 512 for p in source.iterdir())
     result = subprocess.run(
