@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
 from shardprep.demo.tiny import make_tiny_model, tiny_config
 from shardprep.errors import PlanError
 from shardprep.format.manifest import read_manifest
@@ -219,6 +220,8 @@ def test_a_tiny_checkpoint_converts_to_what_vllm_loads(tmp_path: Path) -> None:
         "attn.indexer.compressor.fused_wkv_wgate.weight",
         "attn.attn_sink",
     }
+    report = verify(tmp_path / "a", full=True)  # re-planned and compared with the source
+    assert report.ok and report.round_trip_tensors == len(stored), report.problems
 
 
 def test_the_plan_command_names_the_family(
