@@ -67,6 +67,8 @@ DEEPSEEK: dict[str, dict[str, Any]] = {
 DEEPSEEK["DeepseekV32ForCausalLM"] = DEEPSEEK["DeepseekV3ForCausalLM"] | {
     "index_n_heads": 4, "index_head_dim": 128, "index_topk": 16,
 }  # fmt: skip
+# gpt-oss's quantization: MXFP4 experts, the rest in the model's dtype.
+TINY_MXFP4 = {"quant_method": "mxfp4"}
 TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [128, 128]}  # fmt: skip
 # Kimi-K2-Thinking's quantization: int4 routed experts in groups of 32, the rest ignored.
@@ -314,6 +316,11 @@ def _quantized(
         elif dtype == "I32":
             values = torch.randint(-(2**31), 2**31 - 1, tuple(shape), generator=generator)
             changed[name] = values.to(torch.int32)
+        elif name.endswith("_blocks"):  # two e2m1 codes to a byte: every byte is one
+            changed[name] = torch.randint(0, 256, tuple(shape), generator=generator).to(torch.uint8)
+        elif name.endswith("_scales"):  # e8m0 exponents around 2^-4 (bias 127)
+            values = torch.randint(119, 127, tuple(shape), generator=generator)
+            changed[name] = values.to(torch.uint8)
         elif name.endswith("weight_scale_inv"):
             changed[name] = 0.01 + 0.02 * torch.rand(shape, generator=generator)
         else:

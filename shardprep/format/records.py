@@ -42,6 +42,9 @@ CUTS = (
 )  # fmt: skip
 # ... of a source whose dim 0 is the experts (gpt-oss's fused expert tensors).
 CUTS += ("expert_cols_t", "expert_rows_t", "expert_row", "expert_row_first")
+# ... and MXFP4 experts in a parameter the MoE backend padded.
+MX_CUTS = ("mx_w13", "mx_w2", "mx_w13_bias", "mx_w2_bias")
+CUTS += MX_CUTS
 
 
 @dataclass(frozen=True)
