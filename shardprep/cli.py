@@ -298,8 +298,8 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mxfp4-pad",
         default=None,
-        metavar="I[,H]",
-        help="MXFP4 experts: the serving MoE backend's alignment of the per-rank "
+        metavar="PAD",
+        help="MXFP4 experts, I or I,H: the serving MoE backend's alignment of the per-rank "
         "intermediate size (and of the hidden size): 32 on CPU, 64 with the Triton kernels "
         "of CUDA GPUs, 128,128 CUTLASS/DeepGEMM, 128,256 Marlin/TRT-LLM (default: 64)",
     )

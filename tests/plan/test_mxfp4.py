@@ -112,7 +112,7 @@ def test_cli_plan_shows_the_scheme_and_refuses_what_vllm_refuses(
     model = tiny(tmp_path / "model")
     assert main(["plan", "--tp", "2", "--mxfp4-pad", "128,256", str(model)]) == 0
     out = capsys.readouterr().out
-    assert "quantization: mxfp4 (mxfp4)" in out
+    assert "quantization: gpt_oss_mxfp4 (mxfp4)" in out
     odd = make_tiny_model(
         tmp_path / "odd", GPT_OSS, quantization_config=TINY_MXFP4, intermediate_size=80,
         num_hidden_layers=2,
@@ -130,3 +130,21 @@ def test_the_option_is_refused_where_nothing_is_mxfp4(tmp_path: Path) -> None:
         "cannot convert: --mxfp4-pad 32 matters only to MXFP4 checkpoints (quant_method "
         "mxfp4); leave it out"
     )
+
+
+def test_the_tiny_models_mxfp4_is_a_real_e2m1_e8m0_encoding() -> None:
+    from shardprep.demo.tiny import mxfp4_decode, mxfp4_encode
+
+    weight = 0.05 * torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
+    blocks, scales = mxfp4_encode(weight)
+    assert blocks.dtype == scales.dtype == torch.uint8
+    assert tuple(blocks.shape) == (3, 8, 2, 16) and tuple(scales.shape) == (3, 8, 2)
+    decoded = mxfp4_decode(blocks, scales)
+    # within half a step of e2m1 at each group's scale (the largest step is 2 of 6)
+    step = torch.exp2(scales.float() - 127).repeat_interleave(32, -1)
+    assert bool(((decoded - weight).abs() <= step + 1e-6).all())
+    assert torch.equal(mxfp4_decode(*mxfp4_encode(decoded)), decoded)  # exact values stay
+    # gpt-oss's layout: code 0x2 (1.0) in the low nibble, 0xA (-1.0) in the high one
+    one_group = torch.tensor([[[0xA2] + [0] * 15]], dtype=torch.uint8)
+    exponent = torch.tensor([[127]], dtype=torch.uint8)
+    assert mxfp4_decode(one_group, exponent)[0, :3].tolist() == [1.0, -1.0, 0.0]

@@ -81,7 +81,8 @@ def choices() -> str:
 @dataclass(frozen=True)
 class Mxfp4Quant:
     name: ClassVar[str] = "mxfp4"  # the scheme, which keys its layout revision
-    method: ClassVar[str] = "mxfp4"  # the checkpoint's quantization method
+    # vLLM's quantization method (`GptOssMxfp4Config`, from the checkpoint's "mxfp4")
+    method: ClassVar[str] = "gpt_oss_mxfp4"
 
     pad: Mxfp4Pad = Mxfp4Pad()
     problem: str = ""
