@@ -20,6 +20,7 @@ from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
 from shardprep.demo.tiny import TINY_MXFP4, make_tiny_model
 from shardprep.errors import ConfigError, PlanError
+from shardprep.format.manifest import read_manifest
 from shardprep.plan.layout import mx_range
 from shardprep.plan.quant.mxfp4 import Mxfp4Pad
 
@@ -91,6 +92,10 @@ def test_padded_expert_stacks_equal_vllms_loading(tmp_path: Path, tp: int, pad: 
     assert target["experts"]["assumptions"]["mxfp4_padding"] == pad
     assert manifest["request"]["mxfp4_pad"] == pad
     assert manifest["vllm_layout"]["revisions"]["mxfp4"] == 1
+    # another tp pads other sizes: the artifact serves its own topology only
+    assert read_manifest(out).served_topologies() == (
+        f"tp{tp} x pp1 only (its MXFP4 experts are padded for tp{tp})"
+    )
 
 
 def test_the_last_ranks_may_hold_fewer_blocks_or_none() -> None:
