@@ -1,7 +1,7 @@
 """Time and peak memory of `shardprep plan` on DeepSeek-V3-shaped checkpoints.
 
     python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
-        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking ...]
+        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|gpt-oss-120b ...]
 
 Each checkpoint has a published model's full shapes but is made of sparse files: each is a
 valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
@@ -12,7 +12,9 @@ every header, lays out every rank file and validates it all; nothing is written.
   `pack-quantized`: `weight_packed`, `weight_scale`, `weight_shape` per projection),
   everything else bf16, 62 files;
 - DeepSeek-V4: DeepSeek-V4-Flash's published config.json (tests/data/deepseek-v4-flash) in
-  bfloat16 (its fp8 + fp4 quantization left out), 43 layers, 256 experts, 48 files.
+  bfloat16 (its fp8 + fp4 quantization left out), 43 layers, 256 experts, 48 files;
+- gpt-oss-120b: 36 layers, 128 experts in MXFP4 (`*_blocks`, `*_scales`), the rest bf16,
+  15 files; planned with the default `--mxfp4-pad` (64).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardprep.demo.tiny import TINY_FP8, TINY_INT4, tiny_config
+from shardprep.demo.tiny import TINY_FP8, TINY_INT4, TINY_MXFP4, tiny_config
 from shardprep.format.headers import TensorSpec, encode_header
 
 PLAN_CHILD = """
@@ -90,6 +92,16 @@ def kimi_k2_thinking_config() -> dict:
     )  # fmt: skip
 
 
+def gpt_oss_120b_config() -> dict:
+    """gpt-oss-120b's config.json: MXFP4 experts (quant_method mxfp4)."""
+    return tiny_config(
+        "GptOssForCausalLM", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128,
+        num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+        quantization_config=TINY_MXFP4,
+    )  # fmt: skip
+
+
 def deepseek_v32_tensors() -> tuple[dict, dict, dict]:
     """DeepSeek-V3.2's published config.json and tensor table (tests/data/deepseek-v3.2)."""
     data = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek-v3.2"
@@ -126,6 +138,9 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
         config, shapes, dtypes = deepseek_v32_tensors()
     elif model == "deepseek-v4":
         config, shapes, dtypes = deepseek_v4_tensors()
+    elif model == "gpt-oss-120b":
+        config = gpt_oss_120b_config()
+        shapes, dtypes = deepseek_v3_tensors(config)
     else:
         config = kimi_k2_thinking_config() if model == "kimi-k2-thinking" else deepseek_v3_config()
         shapes, dtypes = deepseek_v3_tensors(config)
@@ -156,13 +171,15 @@ DESCRIPTIONS = {
     "deepseek-v3.2": "DeepSeek-V3.2 (fp8, 163 files",
     "deepseek-v4": "DeepSeek-V4-Flash (bf16, 48 files",
     "kimi-k2-thinking": "Kimi-K2-Thinking (int4 experts, 62 files",
+    "gpt-oss-120b": "gpt-oss-120b (mxfp4 experts, 15 files",
 }
+FILES = {"kimi-k2-thinking": 62, "gpt-oss-120b": 15, "deepseek-v4": 48}
 
 
 def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-v3") -> None:
     source = root / model
     shutil.rmtree(source, ignore_errors=True)
-    files = {"kimi-k2-thinking": 62, "deepseek-v4": 48}.get(model, 163)
+    files = FILES.get(model, 163)
     total = write_sparse_deepseek_v3(source, files, model)
     on_disk = sum(p.stat().st_blocks * 512 for p in source.iterdir())
     result = subprocess.run(

@@ -64,6 +64,7 @@ def _options(args: argparse.Namespace) -> Any:
         expert_placement=args.expert_placement_strategy,
         dp=args.dp,
         mtp_draft=not args.no_mtp,
+        mxfp4_pad=args.mxfp4_pad,
     )
 
 
@@ -293,6 +294,14 @@ def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
         default="linear",
         help="as vLLM's flag; round_robin applies only where vLLM applies it (grouped routing) "
         "(default: linear)",
+    )
+    parser.add_argument(
+        "--mxfp4-pad",
+        default=None,
+        metavar="PAD",
+        help="MXFP4 experts, I or I,H: the serving MoE backend's alignment of the per-rank "
+        "intermediate size (and of the hidden size): 32 on CPU, 64 with the Triton kernels "
+        "of CUDA GPUs, 128,128 CUTLASS/DeepGEMM, 128,256 Marlin/TRT-LLM (default: 64)",
     )
 
 

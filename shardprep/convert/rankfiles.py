@@ -45,6 +45,8 @@ class Write:
     repeat: tuple[int, int] = (1, 1)  # source upsampled (rows, columns) before the cut
     # The part of each dim-0 row's [A, B] matrix, written transposed (`Block.matrix`).
     matrix: tuple[tuple[int, int], tuple[int, int]] | None = None
+    # The part of each dim-0 row, in a zero-padded matrix (`Block.slab`).
+    slab: tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None = None
 
 
 @dataclass
@@ -113,6 +115,7 @@ def open_outputs(
                             row_bytes,
                             block.repeat,
                             block.matrix,
+                            block.slab,
                         )
                     )
                 dest_row += rows

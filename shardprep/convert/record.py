@@ -7,7 +7,7 @@ from shardprep.constants import FORMAT
 from shardprep.convert.checkpoint import Checkpoint, known_sha256
 from shardprep.format import manifest as mf
 from shardprep.format.headers import encode_header
-from shardprep.format.vllm_layout import current_layout
+from shardprep.format.vllm_layout import MOE_ASSUMPTIONS, current_layout
 from shardprep.plan.layout import Piece
 from shardprep.plan.records import FilePlan, ModelPlan, Plan
 
@@ -107,6 +107,7 @@ def _experts(model: ModelPlan) -> mf.Experts | None:
         placement=split.placement,
         requested_placement=model.experts.requested_placement,
         rank_experts=model.experts.rank_experts,
+        assumptions=dict(MOE_ASSUMPTIONS) | dict(model.experts.assumptions),
     )
 
 

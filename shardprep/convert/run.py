@@ -117,6 +117,7 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
         expert_placement=options.expert_placement,
         dp=options.dp,
         distinct_copies=distinct_copies(checkpoints, method),
+        mxfp4_pad=options.mxfp4_pad,
     )
     plan = dataclasses.replace(plan, notes=tuple(notes))
     return plan, checkpoints

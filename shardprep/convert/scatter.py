@@ -256,7 +256,7 @@ def _copy_whole_rows(mover: Mover, fd: int, info: TensorInfo, targets: list[Writ
     """Move a tensor whose every block is whole rows of the same dtype file to file, in
     the kernel. False (nothing done) when a block needs the bytes here."""
     if not targets or any(
-        t.cols is not None or t.dtype != info.dtype or t.repeat != (1, 1) or t.matrix
+        t.cols is not None or t.dtype != info.dtype or t.repeat != (1, 1) or t.matrix or t.slab
         for t in targets
     ):
         return False
@@ -284,6 +284,9 @@ def _scatter_chunk(
             continue
         if target.matrix is not None:
             _scatter_transposed(mover, info, start, chunk, target)
+            continue
+        if target.slab is not None:
+            _scatter_slab(mover, info, start, chunk, target)
             continue
         first, last = max(start, target.rows[0]), min(end, target.rows[1])
         if first >= last:
@@ -349,6 +352,29 @@ def _scatter_transposed(
     if target.dtype != info.dtype:
         data = _cast(data, info.dtype, target.dtype)
     dest_row = target.dest_row + (first - target.rows[0]) * (b1 - b0)
+    mover.write(target.file, data, target.row_offset + dest_row * target.row_bytes)
+
+
+def _scatter_slab(
+    mover: Mover, info: TensorInfo, start: int, chunk: memoryview, target: Write
+) -> None:
+    """Each dim-0 row of the source, viewed as [dim 1, the rest], gives the part
+    `target.slab` names in the top-left corner of a zero matrix (a padded MXFP4 expert)."""
+    assert target.slab is not None
+    rows = len(chunk) // info.row_bytes
+    first, last = max(start, target.rows[0]), min(start + rows, target.rows[1])
+    if first >= last:
+        return
+    (a0, a1), (b0, b1), (height, width) = target.slab
+    size = DTYPE_SIZES[info.dtype]
+    inner = info.shape[1] if len(info.shape) > 2 else 1
+    values = np.frombuffer(chunk, f"<u{size}").reshape(rows, inner, -1)
+    out = np.zeros((last - first, height, width), f"<u{size}")
+    out[:, : a1 - a0, : b1 - b0] = values[first - start : last - start, a0:a1, b0:b1]
+    data = out.reshape(-1).view(np.uint8)
+    if target.dtype != info.dtype:
+        data = _cast(data, info.dtype, target.dtype)
+    dest_row = target.dest_row + (first - target.rows[0]) * height
     mover.write(target.file, data, target.row_offset + dest_row * target.row_bytes)
 
 

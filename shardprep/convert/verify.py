@@ -230,6 +230,7 @@ def legacy_request(manifest: mf.Manifest, target: mf.ModelEntry) -> mf.Conversio
         expert_placement=target.experts.requested_placement if target.experts else "linear",
         dp=target.experts.dp if target.experts else 1,
         mtp_draft=draft is not None,
+        mxfp4_pad=(target.experts.assumptions.get("mxfp4_padding") if target.experts else None),
     )
 
 
@@ -320,6 +321,10 @@ def _mark(mask: torch.Tensor, block: Block) -> None:
     first, last = rows[0] // up, -(-rows[1] // up)
     if block.matrix is not None:  # the dims after the first two are not tracked
         mask[first:last, block.matrix[0][0] : block.matrix[0][1]] = True
+    elif block.slab is not None:
+        (a0, a1), (b0, b1), (height, _) = block.slab  # a vector per expert: its columns
+        span = (b0, b1) if height == 1 else (a0, a1)
+        mask[first:last, span[0] : span[1]] = True
     elif cols is None:
         mask[first:last] = True
     else:
@@ -332,6 +337,13 @@ def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
         source = source.repeat_interleave(block.repeat[0], 0)
         source = source.repeat_interleave(block.repeat[1], 1)
     part = source[block.rows[0] : block.rows[1]]
+    if block.slab is not None:
+        (a0, a1), (b0, b1), (height, width) = block.slab
+        inner = part.shape[1] if part.dim() > 2 else 1
+        values = part.reshape(part.shape[0], inner, -1)[:, a0:a1, b0:b1]
+        out = torch.zeros((part.shape[0], height, width), dtype=part.dtype)
+        out[:, : a1 - a0, : b1 - b0] = values
+        return out.reshape(-1, width)
     if block.matrix is not None:
         (a0, a1), (b0, b1) = block.matrix
         return part[:, a0:a1, b0:b1].transpose(1, 2).reshape(-1, a1 - a0)

@@ -67,6 +67,8 @@ DEEPSEEK: dict[str, dict[str, Any]] = {
 DEEPSEEK["DeepseekV32ForCausalLM"] = DEEPSEEK["DeepseekV3ForCausalLM"] | {
     "index_n_heads": 4, "index_head_dim": 128, "index_topk": 16,
 }  # fmt: skip
+# gpt-oss's quantization: MXFP4 experts, the rest in the model's dtype.
+TINY_MXFP4 = {"quant_method": "mxfp4"}
 TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [128, 128]}  # fmt: skip
 # Kimi-K2-Thinking's quantization: int4 routed experts in groups of 32, the rest ignored.
@@ -81,6 +83,17 @@ TINY_INT4 = {
     }},
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
                "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}  # fmt: skip
+# Kimi-K3's quantization of its routed experts: compressed-tensors MXFP4 (e2m1 values in
+# groups of 32 sharing an e8m0 exponent), the rest ignored.
+TINY_MXFP4_PACK = {
+    **TINY_INT4, "format": "mxfp4-pack-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+                    "group_size": 32, "dynamic": False, "actorder": None,
+                    "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
+    }},
 }  # fmt: skip
 
 _MODEL_TYPES = {
@@ -362,11 +375,52 @@ def _quantized(
         elif dtype == "I32":
             values = torch.randint(-(2**31), 2**31 - 1, tuple(shape), generator=generator)
             changed[name] = values.to(torch.int32)
+        elif name.endswith("weight_packed") and dtype == "U8":  # two e2m1 codes a byte
+            values = torch.randint(0, 256, tuple(shape), generator=generator)
+            changed[name] = values.to(torch.uint8)
+        elif name.endswith("weight_scale") and dtype == "U8":  # e8m0 exponents
+            values = torch.randint(119, 127, tuple(shape), generator=generator)
+            changed[name] = values.to(torch.uint8)
+        elif name.endswith("_blocks"):  # a random weight [.., N, K] encoded in MXFP4
+            *lead, rows, groups, _ = shape
+            weight = 0.05 * torch.randn(*lead, rows, groups * 32, generator=generator)
+            blocks, scales = mxfp4_encode(weight)
+            changed[name] = blocks
+            changed[name.removesuffix("_blocks") + "_scales"] = scales
+        elif name.endswith("_scales"):
+            pass  # written with its blocks
         elif name.endswith("weight_scale_inv"):
             changed[name] = 0.01 + 0.02 * torch.rand(shape, generator=generator)
         else:
             changed[name] = tensors[name].float()
     return changed
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 3-bit e2m1 codes
+
+
+def mxfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MXFP4 of a float weight [.., N, K] (K whole groups of 32), as gpt-oss stores it:
+    blocks uint8 [.., N, K/32, 16], two e2m1 codes to a byte (sign in bit 3, the even
+    value in the low nibble), and scales uint8 [.., N, K/32], e8m0 exponents (bias 127)
+    chosen so that each group's largest value is at most 6 (e2m1's largest)."""
+    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    largest = groups.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
+    exponent = torch.ceil(torch.log2(largest / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)
+    magnitudes = torch.tensor(E2M1)
+    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)
+    codes = codes | ((scaled < 0).long() << 3)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exponent.squeeze(-1) + 127).to(torch.uint8)
+
+
+def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float values of `mxfp4_encode`'s output, [.., N, K]."""
+    codes = torch.stack([blocks & 15, blocks >> 4], -1).reshape(*blocks.shape[:-1], 32).long()
+    values = torch.tensor(E2M1)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    values = values * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.reshape(*values.shape[:-2], -1)
 
 
 def _write_model(

@@ -42,6 +42,9 @@ CUTS = (
 )  # fmt: skip
 # ... of a source whose dim 0 is the experts (gpt-oss's fused expert tensors).
 CUTS += ("expert_cols_t", "expert_rows_t", "expert_row", "expert_row_first")
+# ... and MXFP4 experts in a parameter the MoE backend padded.
+MX_CUTS = ("mx_w13", "mx_w2", "mx_w13_bias", "mx_w2_bias")
+CUTS += MX_CUTS
 
 
 @dataclass(frozen=True)
@@ -192,9 +195,20 @@ class Manifest:
         model records its pieces and every stage is here); () for its own topology only."""
         if not self.models or not all(m.pieces for m in self.models):
             return ()
-        if tuple(self.stages) != tuple(range(self.topology.pp)):
+        if tuple(self.stages) != tuple(range(self.topology.pp)) or self.padded_for_tp:
             return ()
         return tuple(d for d in range(1, self.topology.tp + 1) if self.topology.tp % d == 0)
+
+    @property
+    def padded_for_tp(self) -> bool:
+        """Whether expert stacks are padded as the MoE backend pads them at this tp
+        (MXFP4): another tp pads other sizes, which no rank tensor here holds."""
+        return any(
+            piece.cut in MX_CUTS
+            for model in self.models
+            for pieces in model.pieces.values()
+            for piece in pieces
+        )
 
     def served_topologies(self) -> str:
         """The topologies this artifact serves, as users read them."""
@@ -202,6 +216,8 @@ class Manifest:
         if self.served_tps:
             return f"tp {', '.join(map(str, self.served_tps))} x any pp"
         own = f"tp{topo.tp} x pp{topo.pp} only"
+        if self.padded_for_tp:
+            return f"{own} (its MXFP4 experts are padded for tp{topo.tp})"
         if tuple(self.stages) != tuple(range(topo.pp)) and all(m.pieces for m in self.models):
             return f"{own} (it holds stage(s) {', '.join(map(str, self.stages))})"
         return f"{own} (made before shardprep recorded where its pieces came from)"

@@ -23,3 +23,5 @@ class ConversionRequest:
     expert_placement: str = "linear"
     dp: int = 1  # vLLM's --data-parallel-size: with expert parallelism, EP size = tp x dp
     mtp_draft: bool = True  # the MTP layers a target carries become its draft (--no-mtp: no)
+    # --mxfp4-pad: the MXFP4 MoE backend's padding ("64", "128,256"); None: the default
+    mxfp4_pad: str | None = None

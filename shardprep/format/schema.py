@@ -15,7 +15,7 @@ from shardprep.constants import FORMAT
 from shardprep.errors import ManifestError
 from shardprep.format.dtypes import DTYPE_SIZES
 from shardprep.format.jsonio import shorten
-from shardprep.format.records import CUTS
+from shardprep.format.records import CUTS, MX_CUTS
 from shardprep.format.vllm_layout import LEGACY_LAYOUT
 
 # Far above any real model, far below what would make arithmetic or a range() costly.
@@ -193,9 +193,10 @@ def _piece(value: Any, field: str) -> None:
     extra = value[2] if len(value) == 3 else {}
     if (value[1] == "kv_heads") != ("heads" in extra):
         raise _Bad(field, f"{field}: a kv_heads piece, and only one, names its heads")
-    if (value[1] in ("block_scale", "packed")) != ("scale_of" in extra):
+    if (value[1] in ("block_scale", "packed", *MX_CUTS)) != ("scale_of" in extra):
         raise _Bad(
-            field, f"{field}: a block_scale or packed piece, and only one, names what it holds"
+            field,
+            f"{field}: a block_scale, packed or mx piece, and only one, names what it holds",
         )
 
 
@@ -254,7 +255,9 @@ _REQUEST = _object(
         "expert_placement": _PLACEMENT,
         "dp": _integer(1, MAX_RANKS),
         "mtp_draft": _BOOL,
+        "mxfp4_pad": _NAME,
     },
+    optional=frozenset({"mxfp4_pad"}),
 )
 _LAYOUT = _object(
     "VllmLayout",

@@ -125,6 +125,14 @@ def check_device_layout(
                 f"the shared experts in (the artifact assumes fused_shared_experts={assumed}); "
                 "start vLLM with VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0"
             )
+        mxfp4 = experts.assumptions.get("mxfp4_padding")
+        if mxfp4 is not None:
+            raise TopologyMismatchError(
+                f"{where}: vLLM's MXFP4 MoE backend pads the experts otherwise than the "
+                f"artifact, converted with --mxfp4-pad {mxfp4}; re-run `shardprep convert` "
+                "with the --mxfp4-pad of the backend vLLM uses (32 on CPU, 64 with the Triton "
+                "kernels of CUDA GPUs, 128,128 CUTLASS or DeepGEMM, 128,256 Marlin or TRT-LLM)"
+            )
         assumed = experts.assumptions.get("moe_intermediate_padding", "none")
         raise TopologyMismatchError(
             f"{where}: this MoE backend pads the experts' intermediate size (FlashInfer "

@@ -44,14 +44,25 @@ class Cut(Enum):
     # A weight stored `block[1]` columns to an element (int4 values 8 to an int32, group
     # scales one per group): its cut, in whole elements along the columns.
     PACKED = "packed"
+    # MXFP4 expert stacks (gpt-oss's `*_blocks`, `*_scales` and the biases beside them), as
+    # vLLM's `_load_weights_mxfp4` cuts them: the intermediate split in whole 32-blocks
+    # (the last rank may hold fewer), copied into the top-left corner of a parameter the
+    # MoE backend padded (`scale_of.grid`: the intermediate and hidden alignments).
+    MX_W13 = "mx_w13"  # [E, 2I, H/per]: rows [2s, 2e) of each expert
+    MX_W2 = "mx_w2"  # [E, H, I/per]: columns [s/per, e/per) of each expert
+    MX_W13_BIAS = "mx_w13_bias"  # [E, 2I]: values [2s, 2e)
+    MX_W2_BIAS = "mx_w2_bias"  # [E, H]: whole on rank 0, zeros on the others
 
 
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose
 # expert stack is [experts, B] (a vector per expert) rather than [experts, rows, cols].
-EXPERT_INDEXED = frozenset(
-    {Cut.EXPERT_COLS_T, Cut.EXPERT_ROWS_T, Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST}
+MX_CUTS = frozenset({Cut.MX_W13, Cut.MX_W2, Cut.MX_W13_BIAS, Cut.MX_W2_BIAS})
+EXPERT_INDEXED = (
+    frozenset({Cut.EXPERT_COLS_T, Cut.EXPERT_ROWS_T, Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST})
+    | MX_CUTS
 )
-EXPERT_VECTORS = frozenset({Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST})
+EXPERT_VECTORS = frozenset({Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST, Cut.MX_W13_BIAS, Cut.MX_W2_BIAS})
+MX_BLOCK = 32  # values that share one e8m0 scale (OCP MX)
 
 
 @dataclass(frozen=True)
@@ -93,11 +104,17 @@ class Block:
     # ((rows), (columns)) of the [A, B] matrix that every dim-0 row of a 3-D source is,
     # written transposed: each dim-0 row gives `columns` destination rows of `rows` values.
     matrix: tuple[tuple[int, int], tuple[int, int]] | None = None
+    # ((rows), (columns), (height, width)): every dim-0 row of the source, viewed as a
+    # matrix of its dim 1 by the rest, gives that part, not transposed, in the top-left
+    # corner of a zero [height, width] matrix (MXFP4 experts in a padded parameter).
+    slab: tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None = None
 
     @property
     def height(self) -> int:
         """The destination rows this block fills."""
         rows = self.rows[1] - self.rows[0]
+        if self.slab is not None:
+            return rows * self.slab[2][0]
         if self.matrix is None:
             return rows
         return rows * (self.matrix[1][1] - self.matrix[1][0])
@@ -124,6 +141,7 @@ def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tu
             b.cols,
             b.repeat,
             b.matrix,
+            b.slab,
         )
         for b in geometry
     )
@@ -159,6 +177,8 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
         return (Block(piece.source, (first * head_rows, end * head_rows)),)
     if piece.cut is Cut.PADDED_VOCAB:
         return _vocab_blocks(piece.source, rows, 1, 0)
+    if piece.cut in MX_CUTS:
+        return (_mx_block(piece, shape, tp, rank),)
     if piece.cut in EXPERT_INDEXED:
         return (_expert_block(piece, shape, tp, rank),)
     return _vocab_blocks(piece.source, rows, tp, rank)
@@ -185,6 +205,57 @@ def _expert_block(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> B
         _check_divisible(piece.source, shape[1], tp, "rows per expert")
         rows = rank_range(shape[1], tp, rank)
     return Block(piece.source, (0, 1), matrix=(rows, cols))
+
+
+def mx_range(intermediate: int, tp: int, rank: int) -> tuple[int, int]:
+    """The intermediate rows [start, end) rank `rank` of `tp` loads of MXFP4 experts:
+    vLLM's `_load_weights_mxfp4` gives every rank ceil(I/32 / tp) whole 32-blocks, the
+    last ones what is left (possibly nothing)."""
+    per_rank = -(-(intermediate // MX_BLOCK) // tp) * MX_BLOCK
+    start = min(rank * per_rank, intermediate)
+    return start, min(start + per_rank, intermediate)
+
+
+def round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def _mx_block(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> Block:
+    """Expert 0's slab of an MXFP4 cut; `scale_of` holds the expert's logical [rows,
+    cols] (w13: [2I, H]; w2: [H, I]; biases: [1, 2I] and [1, H]), the values to a stored
+    element along the columns (`block[1]`) and the backend's alignments of the
+    intermediate and hidden sizes (`grid`)."""
+    of = piece.scale_of
+    assert of is not None and of.grid is not None
+    pad_inter, pad_hidden = of.grid
+    per = of.block[1]
+    want = 2 + (piece.cut in (Cut.MX_W13, Cut.MX_W2))
+    if len(shape) < want:
+        raise PlanError(
+            f"{piece.source} has shape {list(shape)}; its cut ({piece.cut.value}) needs at "
+            f"least {want} dimensions, the first one the experts"
+        )
+    if piece.cut is Cut.MX_W13:
+        inter, hidden = of.shape[0] // 2, of.shape[1]
+    elif piece.cut is Cut.MX_W13_BIAS:
+        inter, hidden = of.shape[1] // 2, 0
+    elif piece.cut is Cut.MX_W2:
+        hidden, inter = of.shape
+    else:
+        hidden, inter = of.shape[1], 0
+    local = round_up(inter // tp, pad_inter)  # the backend's padded per-rank size
+    padded_hidden = round_up(hidden, pad_hidden)
+    start, end = mx_range(inter, tp, rank)
+    if piece.cut is Cut.MX_W13:
+        cols = padded_hidden // per
+        slab = ((2 * start, 2 * end), (0, hidden // per), (2 * local, cols))
+    elif piece.cut is Cut.MX_W13_BIAS:
+        slab = ((0, 1), (2 * start, 2 * end), (1, 2 * local))
+    elif piece.cut is Cut.MX_W2:
+        slab = ((0, hidden), (start // per, end // per), (padded_hidden, local // per))
+    else:
+        slab = ((0, 1), (0, hidden if rank == 0 else 0), (1, padded_hidden))
+    return Block(piece.source, (0, 1), slab=slab)
 
 
 def _vocab_blocks(source: str, vocab: int, tp: int, rank: int) -> tuple[Block, ...]:
@@ -239,6 +310,8 @@ def _in_blocks(
 
 def block_shape(block: Block, source_shape: tuple[int, ...]) -> tuple[int, ...]:
     rows = block.rows[1] - block.rows[0]
+    if block.slab is not None:
+        return (block.height, block.slab[2][1])
     if block.matrix is not None:
         return (block.height, block.matrix[0][1] - block.matrix[0][0])
     if block.cols is not None:

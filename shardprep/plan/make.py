@@ -30,7 +30,7 @@ from shardprep.plan.layout import (
     is_expert_stack,
     piece_blocks,
 )
-from shardprep.plan.quant import scheme_of
+from shardprep.plan.quant import Mxfp4Quant, scheme_of
 from shardprep.plan.records import (
     ExpertPlan,
     FilePlan,
@@ -78,11 +78,13 @@ def make_plan(
     expert_placement: str = "linear",
     dp: int = 1,
     distinct_copies: frozenset[str] = frozenset(),
+    mxfp4_pad: str | None = None,
 ) -> Plan:
     """Validate everything, then lay out every rank file. Raises one PlanError listing
     every problem found. `partition_origin` names where `partition` came from when it
     was not the command line; `expert_parallel`, `expert_placement` and `dp` are vLLM's
-    --enable-expert-parallel, --expert-placement-strategy and --data-parallel-size.
+    --enable-expert-parallel, --expert-placement-strategy and --data-parallel-size;
+    `mxfp4_pad` the MXFP4 MoE backend's padding (`--mxfp4-pad`, None: the default).
     `distinct_copies`: the draft's copies of target tensors (`DraftFamily.shared_copies`)
     whose bytes differ from the target's, so the draft must hold them itself."""
     effective_placement(expert_placement, num_expert_group=None, dp=1)  # raises if unknown
@@ -105,7 +107,12 @@ def make_plan(
     model_dtype = resolve_dtype(dtype, target.config, target)
 
     problems += dp_problems(dp, expert_parallel)
-    moe = {"expert_parallel": expert_parallel, "dp": dp}
+    if mxfp4_pad is not None and not isinstance(scheme_of(target.config), Mxfp4Quant):
+        problems.append(
+            f"--mxfp4-pad {mxfp4_pad} matters only to MXFP4 checkpoints (quant_method mxfp4); "
+            "leave it out"
+        )
+    moe = {"expert_parallel": expert_parallel, "dp": dp, "mxfp4_pad": mxfp4_pad}
     draft_kind = None
     if draft is not None:
         draft_kind = draft_method or archs.detect_draft_method(
@@ -153,7 +160,7 @@ def make_plan(
     files: list[FilePlan] = []
     for role, arch_name, method, fam, source, layout in layouts:
         assert layout is not None
-        scheme = scheme_of(source.config)
+        scheme = scheme_of(source.config, mxfp4_pad)
         folder = "" if role == "target" else DRAFT_DIR
         models.append(
             ModelPlan(
@@ -166,7 +173,7 @@ def make_plan(
                 spec_decode_only=tuple(sorted(layout.spec_decode_only)),
                 shared_with_target=tuple(sorted(layout.shared_with_target)),
                 skipped=tuple(sorted(layout.skipped.items())),
-                experts=_expert_plan(layout, tp, dp, expert_parallel, expert_placement),
+                experts=_expert_plan(layout, tp, dp, expert_parallel, expert_placement, scheme),
                 family=fam.name,
                 quantization=scheme.method if scheme else None,
                 scheme=scheme.name if scheme else None,
@@ -189,13 +196,16 @@ def make_plan(
 
 
 def _expert_plan(
-    layout: Layout, tp: int, dp: int, expert_parallel: bool, requested: str
+    layout: Layout, tp: int, dp: int, expert_parallel: bool, requested: str, scheme: Any
 ) -> ExpertPlan | None:
     if not layout.num_experts:
         return None
     placement = effective_placement(requested, num_expert_group=layout.num_expert_group, dp=dp)
     split = ExpertSplit(layout.num_experts, tp, dp, expert_parallel, placement)
-    return ExpertPlan(split, requested)
+    assumptions: tuple[tuple[str, str], ...] = ()
+    if isinstance(scheme, Mxfp4Quant):  # the stacks are padded as one backend pads them
+        assumptions = (("mxfp4_padding", scheme.pad.text),)
+    return ExpertPlan(split, requested, assumptions)
 
 
 def _rank_files(

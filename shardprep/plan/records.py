@@ -67,6 +67,8 @@ class ExpertPlan:
 
     split: ExpertSplit
     requested_placement: str  # --expert-placement-strategy; `split.placement` is vLLM's
+    # The device-dependent layout the stacks follow, beyond the defaults (MXFP4 padding).
+    assumptions: tuple[tuple[str, str], ...] = ()
 
     @property
     def rank_experts(self) -> tuple[tuple[int, ...], ...]:

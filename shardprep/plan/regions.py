@@ -121,6 +121,8 @@ def _tile(name: str, need: Block, row: int, candidates: Sequence[Stored]) -> lis
             continue
         if (have.matrix is None) != (need.matrix is None):
             continue
+        if (have.slab is not None or need.slab is not None) and have != need:
+            continue  # a padded MXFP4 expert: only the very same block
         if need.matrix is not None and (have.rows != need.rows or need.rows[1] - need.rows[0] > 1):
             continue  # a transposed block: the same expert's matrix, one expert at a time
         if not _inside(have, need) or any(_overlap(have, c) for c in chosen):

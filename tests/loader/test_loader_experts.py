@@ -92,3 +92,20 @@ def test_padded_expert_stacks_name_the_backend_setting() -> None:
     )
     with pytest.raises(TopologyMismatchError, match="VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0"):
         check_device_layout(OUT, EP_ARTIFACT, files, {W13: (5, 64, 128)})
+
+
+def test_mxfp4_stacks_padded_otherwise_name_the_convert_option() -> None:
+    artifact = Experts(
+        4, False, 1, "linear", "linear", ((0, 1, 2, 3),) * 2, {"mxfp4_padding": "64"}
+    )
+    files = {W13: ParamSpec("U8", (4, 128, 64))}
+    check_device_layout(OUT, artifact, files, {W13: (4, 128, 64)})
+    with pytest.raises(TopologyMismatchError) as info:
+        check_device_layout(OUT, artifact, files, {W13: (4, 256, 128)})
+    assert str(info.value) == (
+        f"vLLM built {W13} as [4, 256, 128] but artifact out holds [4, 128, 64]: vLLM's MXFP4 "
+        "MoE backend pads the experts otherwise than the artifact, converted with --mxfp4-pad "
+        "64; re-run `shardprep convert` with the --mxfp4-pad of the backend vLLM uses (32 on "
+        "CPU, 64 with the Triton kernels of CUDA GPUs, 128,128 CUTLASS or DeepGEMM, 128,256 "
+        "Marlin or TRT-LLM)"
+    )

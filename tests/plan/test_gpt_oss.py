@@ -21,6 +21,7 @@ from shardprep.demo.tiny import make_tiny_model, tiny_config
 from shardprep.errors import PlanError
 from shardprep.format.manifest import read_manifest
 from shardprep.plan import archs
+from shardprep.plan.archs import quantized
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import Plan, SourceModel
 
@@ -99,11 +100,27 @@ def test_gpt_oss_plans_at_the_topologies_it_is_served_with(size: str, tp: int, p
         assert held == set(range(first, first + layers // pp))
 
 
-def test_the_published_mxfp4_checkpoint_is_refused_in_one_line() -> None:
-    with pytest.raises(PlanError) as info:
-        make_plan(published(bf16=False), tp=8, pp=2)
-    message = str(info.value)
-    assert "quant_method 'mxfp4'" in message and "\n" not in message
+@pytest.mark.parametrize(("pad", "hidden"), [(None, 2880), ("128,256", 3072), ("32", 2880)])
+def test_the_published_mxfp4_checkpoint_plans_with_the_backends_padding(
+    pad: str | None, hidden: int
+) -> None:
+    config = json.loads((DATA / "config.json").read_text())
+    family = archs.target_family(config)[1]
+    dtypes = quantized.source_dtypes(family, config)
+    shapes = quantized.expected_shapes(family, config)
+    source = SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
+    plan = make_plan(source, tp=8, pp=2, mxfp4_pad=pad)
+    rank = shapes_of(plan, 1, 7)
+    stack = f"model.layers.18.{EXPERTS}"
+    # 90 blocks of 32 over 8 ranks: 12 a rank, 6 on the last one, in parameters of
+    # 2880 / 8 = 360 rows rounded up to 384 (by 32, 64 or 128)
+    assert rank[stack + "w13_weight"] == ("U8", (128, 768, hidden // 2))
+    assert rank[stack + "w13_weight_scale"] == ("U8", (128, 768, hidden // 32))
+    assert rank[stack + "w2_weight"] == ("U8", (128, hidden, 192))
+    assert rank[stack + "w2_weight_scale"] == ("U8", (128, hidden, 12))
+    assert rank[stack + "w13_bias"] == ("BF16", (128, 768))
+    assert rank[stack + "w2_bias"] == ("BF16", (128, hidden))
+    assert rank["model.layers.18.attn.qkv_proj.weight"][0] == "BF16"
 
 
 def test_tp16_is_refused_because_vllm_splits_the_8_kv_heads_without_replicating() -> None:

@@ -17,8 +17,9 @@ and transposes them into `w13_weight` [E, 2I/tp, H]; `w2_weight` [E, H, I/tp] is
 are added up across ranks, the bias once). vLLM builds the embedding, the final norm and
 lm_head on every pipeline stage.
 
-MXFP4 checkpoints (`quant_method: mxfp4`, `*_blocks`/`*_scales`) are refused by the
-quantization check.
+MXFP4 checkpoints (`quant_method: mxfp4`) store the two fused expert weights as
+`*_blocks` and `*_scales` (plan/quant/mxfp4.py says how vLLM cuts and pads them and the
+biases beside them); everything else stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class GptOssDims(Dims):
 
 class GptOssFamily(Family):
     name = "gpt_oss"
+    quant_schemes = frozenset({"mxfp4"})
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {
         "gpt_oss": {"num_experts": "num_local_experts"}
     }
@@ -97,6 +99,14 @@ class GptOssFamily(Family):
         shapes["model.norm.weight"] = (dims.hidden,)
         shapes["lm_head.weight"] = (dims.vocab, dims.hidden)
         return shapes
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        """The fused expert weights, each with its FusedMoE layer."""
+        return {
+            name: name.rsplit(".", 1)[0]
+            for name in shapes
+            if name.endswith((f"{EXPERTS}gate_up_proj", f"{EXPERTS}down_proj"))
+        }
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         dims = GptOssDims(config)

@@ -26,8 +26,8 @@ LAYER_INDEX = re.compile(r"\.\d+\.")
 LARGEST_TP = 64  # the tps a refusal suggests instead are looked for up to here
 
 
-def _scheme(config: Config) -> Scheme | None:
-    scheme = scheme_of(config)
+def _scheme(config: Config, **context: Any) -> Scheme | None:
+    scheme = scheme_of(config, context.get("mxfp4_pad"))
     return None if scheme is None or scheme.problem else scheme
 
 
@@ -81,7 +81,7 @@ def layout(
 ) -> Layout:
     """The family's layout, each quantized weight's parameter followed by its scales'."""
     base = family.layout(config, shapes, topology, **context)
-    scheme = _scheme(config)
+    scheme = _scheme(config, **context)
     if scheme is None:
         return base
     sizes = _logical(family, config, shapes, **context)
@@ -93,7 +93,11 @@ def layout(
     unplaced: dict[str, str] = {}
     for param in base.params:
         if not any(piece.source in weights for piece in param.pieces):
-            params.append(param)
+            beside = scheme.alongside(param.pieces, sizes)
+            if beside is None:
+                params.append(param)
+            else:
+                params.append(dataclasses.replace(param, pieces=beside[0], dtype=beside[1]))
             continue
         parts, left = scheme.params(param.name, param.pieces, sizes, topology.tp, moe_ways)
         params += [Param(name, pieces, param.stages, dtype) for name, pieces, dtype in parts]
@@ -108,7 +112,7 @@ def quantized_layers(
     family: Family, config: Config, layout: Layout, shapes: Shapes, **context: Any
 ) -> list:
     """The distinct quantized layers of a layout (layers alike but for their index, once)."""
-    scheme = _scheme(config)
+    scheme = _scheme(config, **context)
     if scheme is None:
         return []
     sizes = _logical(family, config, shapes, **context)
@@ -126,6 +130,11 @@ def quantized_layers(
         if layer in found:
             continue
         first = tuple(sizes[pieces[0].source])
+        if len(first) == 3:  # fused experts, the Hub's [E, H, 2I] and [E, I, H]
+            up = pieces[0].cut in (Cut.EXPERT_COLS_T, Cut.MX_W13)
+            hidden, inter = (first[1], first[2] // 2) if up else (first[2], first[1])
+            found[layer] = Quantized(layer, "experts", hidden, ((inter, 0),))
+            continue
         if pieces[0].expert is not None:
             inter = first[0] if pieces[0].cut is Cut.ROWS else first[1]
             hidden = first[1] if pieces[0].cut is Cut.ROWS else first[0]
@@ -151,7 +160,7 @@ def quantization_problems(
 ) -> list[str]:
     """vLLM's refusals of this quantization at `tp` (block and group divisibility), in
     vLLM's words, with the tps that would work."""
-    scheme = _scheme(config)
+    scheme = _scheme(config, **context)
     if scheme is None:
         return []
     layers = quantized_layers(family, config, layout, shapes, **context)

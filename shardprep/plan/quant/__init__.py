@@ -6,17 +6,21 @@ live here, once, whichever family uses it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from shardprep.plan.quant.fp4 import FORMAT as MXFP4_PACK
+from shardprep.plan.quant.fp4 import Mxfp4PackQuant, mxfp4_pack_quant
 from shardprep.plan.quant.fp8 import BlockQuant, block_quant
 from shardprep.plan.quant.int4 import PackQuant, pack_quant
+from shardprep.plan.quant.mxfp4 import Mxfp4Pad, Mxfp4Quant, mxfp4_quant
 
 # Each scheme says what a quantized weight is stored as (`stored`, `logical`), which layers
 # vLLM leaves unquantized (`skips`), the parameters vLLM builds of a quantized parameter
 # and how each is cut (`params`), which layers shardprep lays out (`places`) and what vLLM
 # refuses at a tp (`refusals`).
-Scheme = BlockQuant | PackQuant
+Scheme = BlockQuant | PackQuant | Mxfp4PackQuant | Mxfp4Quant
 # What vLLM's quantization configs give every attention layer (`BaseKVCacheMethod`): KV-cache
 # scales, left at -1 unless the checkpoint has them (which shardprep's plans never do).
 KV_CACHE_SCALES = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.prob_scale")
@@ -27,10 +31,15 @@ def never_loaded(parameter: str) -> bool:
     return parameter.endswith(KV_CACHE_SCALES)
 
 
-def scheme_of(config: Mapping[str, Any]) -> Scheme | None:
+def scheme_of(config: Mapping[str, Any], mxfp4_pad: str | None = None) -> Scheme | None:
     """The scheme config.json's `quantization_config` declares; None when unquantized. A
-    scheme shardprep cannot lay out comes back with its `problem` set."""
+    scheme shardprep cannot lay out comes back with its `problem` set. `mxfp4_pad`: the
+    MoE backend's padding of MXFP4 experts (`--mxfp4-pad`; None: the default)."""
     quant = config.get("quantization_config")
     if quant and quant.get("quant_method") == PackQuant.method:
+        if quant.get("format") == MXFP4_PACK:
+            return mxfp4_pack_quant(quant)
         return pack_quant(quant)
+    if quant and quant.get("quant_method") in ("mxfp4", "gpt_oss_mxfp4"):
+        return dataclasses.replace(mxfp4_quant(quant), pad=Mxfp4Pad.parse(mxfp4_pad))
     return block_quant(config)

@@ -64,6 +64,10 @@ class BlockQuant:
         scales = tuple(_scale_piece(p, shapes, self, moe_ways) for p in pieces)
         return [(name, pieces, FP8), (scale_name(name), scales, SCALE_DTYPE)], {}
 
+    def alongside(self, pieces: tuple[Piece, ...], shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Parameters of the model's that are not quantized keep their cut."""
+        return None
+
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """vLLM's block checks of one layer at `tp`, in its words."""
         if layer.kind == "experts":

@@ -122,6 +122,10 @@ class PackQuant:
             (name + "_shape", shape, shape_dtype),
         ], unplaced
 
+    def alongside(self, pieces: tuple[Piece, ...], shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Parameters of the model's that are not quantized keep their cut."""
+        return None
+
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """vLLM's `CompressedTensorsWNA16MoEMethod.create_weights` refusals, in its words."""
         if layer.kind != "experts":

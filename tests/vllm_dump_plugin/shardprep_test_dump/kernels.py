@@ -97,6 +97,9 @@ def install() -> bool:
     )
 
     wna16.select_wna16_moe_backend = or_stand_in(wna16.select_wna16_moe_backend, cpu_int4_experts)
+    from vllm.model_executor.layers.quantization import mxfp4
+
+    mxfp4.select_mxfp4_moe_backend = or_stand_in(mxfp4.select_mxfp4_moe_backend, cpu_mxfp4_experts)
     return True
 
 
@@ -108,3 +111,12 @@ def cpu_int4_experts(*args: Any, **kwargs: Any) -> tuple[Any, type]:
     from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
 
     return WNA16MoEBackend.CPU, CPUExpertsInt4
+
+
+def cpu_mxfp4_experts(*args: Any, **kwargs: Any) -> tuple[Any, type]:
+    """The MXFP4 MoE backend of the CPU build (AMX only): its class need only exist to
+    build the layer, whose parameters it pads to 32."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsMxfp4
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    return Mxfp4MoeBackend.CPU, CPUExpertsMxfp4
