@@ -22,10 +22,11 @@ from shardprep.errors import ConfigError, PlanError
 from shardprep.format.manifest import read_manifest
 from shardprep.plan import archs
 from shardprep.plan.archs import quantized
-from shardprep.plan.archs.kimi_k25 import VisionDims
+from shardprep.plan.archs.kimi_k25 import NO_MTP, VisionDims
 from shardprep.plan.layout import Cut
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import Plan, SourceModel, TensorPlan
+from shardprep.plan.topology import Topology
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "kimi-k2.5"
 KIMI = "KimiK25ForConditionalGeneration"
@@ -139,6 +140,15 @@ def test_a_vt_size_that_vllm_would_not_read_is_refused_in_words(published: Sourc
         "vision_config has vt_hidden_size: 2048 but vLLM reads hidden_size (1152, the "
         "default); set hidden_size: 2048 in vision_config" in str(info.value)
     )
+
+
+def test_mtp_layers_are_skipped_as_vllm_drops_them() -> None:
+    config = archs.read_config(tiny_config(KIMI, num_hidden_layers=2, num_nextn_predict_layers=1))
+    family = archs.target_family(config)[1]
+    shapes = dict(family.expected_shapes(config))
+    mtp = f"{LM}2.enorm.weight"
+    layout = family.layout(config, shapes | {mtp: (128,)}, Topology(1, 2, (1, 1)))
+    assert layout.skipped == {mtp: NO_MTP}
 
 
 def test_a_config_without_text_config_is_refused_in_words() -> None:

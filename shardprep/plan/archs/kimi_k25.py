@@ -44,6 +44,10 @@ TEXT = "language_model."
 VISION = "vision_tower."
 BLOCKS = VISION + "encoder.blocks."
 PROJECTOR = "mm_projector."
+NO_MTP = (
+    "an MTP layer, which vLLM does not load for KimiK25ForConditionalGeneration (it serves "
+    "no MTP draft for this architecture)"
+)
 # The config keys that stay the top level's when the text config is brought up.
 TOP_KEYS = ("architectures", "model_type", "quantization_config", "torch_dtype", "dtype")
 # transformers' Kimi_K25VisionConfig defaults (what vLLM builds when a key is absent).
@@ -234,5 +238,6 @@ class KimiK25Family(DeepseekFamily):
         ]
         stages = tuple(range(topology.pp))
         params += VisionDims.of(config).params(topology.tp, stages)
-        skipped = {TEXT + name: why for name, why in text.skipped.items()}
+        # The text model skips only MTP layers, which vLLM drops here: it has no MTP draft.
+        skipped = {TEXT + name: NO_MTP for name in text.skipped}
         return dataclasses.replace(text, params=tuple(params), skipped=skipped)
