@@ -1,7 +1,7 @@
 """Time and peak memory of `shardprep plan` on DeepSeek-V3-shaped checkpoints.
 
     python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
-        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|gpt-oss-120b ...]
+        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|kimi-k2.6|gpt-oss-120b ...]
 
 Each checkpoint has a published model's full shapes but is made of sparse files: each is a
 valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
@@ -14,7 +14,10 @@ every header, lays out every rank file and validates it all; nothing is written.
 - DeepSeek-V4: DeepSeek-V4-Flash's published config.json (tests/data/deepseek-v4-flash) in
   bfloat16 (its fp8 + fp4 quantization left out), 43 layers, 256 experts, 48 files;
 - gpt-oss-120b: 36 layers, 128 experts in MXFP4 (`*_blocks`, `*_scales`), the rest bf16,
-  15 files; planned with the default `--mxfp4-pad` (64).
+  15 files; planned with the default `--mxfp4-pad` (64);
+- Kimi-K2.6 (as Kimi-K2.5 is published, tests/data/kimi-k2.5): Kimi-K2-Thinking's text
+  model under `language_model.` with a MoonViT vision tower of 27 blocks and its projector,
+  208,550 tensors in 64 files.
 """
 
 from __future__ import annotations
@@ -104,10 +107,21 @@ def gpt_oss_120b_config() -> dict:
 
 def deepseek_v32_tensors() -> tuple[dict, dict, dict]:
     """DeepSeek-V3.2's published config.json and tensor table (tests/data/deepseek-v3.2)."""
-    data = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek-v3.2"
+    ranges = {"{L}": range(62), "{D}": range(3), "{M}": range(3, 62), "{E}": range(256)}
+    return published_tensors("deepseek-v3.2", ranges)
+
+
+def kimi_k26_tensors() -> tuple[dict, dict, dict]:
+    """Kimi-K2.5's published config.json and tensor table (tests/data/kimi-k2.5), which
+    Kimi-K2.6 shares."""
+    ranges = {"{L}": range(61), "{D}": range(1), "{M}": range(1, 61), "{E}": range(384)}
+    return published_tensors("kimi-k2.5", ranges | {"{B}": range(27)})
+
+
+def published_tensors(folder: str, ranges: dict[str, range]) -> tuple[dict, dict, dict]:
+    data = Path(__file__).resolve().parents[1] / "tests" / "data" / folder
     config = json.loads((data / "config.json").read_text())
     table = json.loads((data / "tensors.json").read_text())
-    ranges = {"{L}": range(62), "{D}": range(3), "{M}": range(3, 62), "{E}": range(256)}
     shapes, dtypes = {}, {}
     for pattern, (dtype, shape) in table["groups"].items():
         keys = [k for k in ranges if k in pattern]
@@ -141,6 +155,8 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
     elif model == "gpt-oss-120b":
         config = gpt_oss_120b_config()
         shapes, dtypes = deepseek_v3_tensors(config)
+    elif model == "kimi-k2.6":
+        config, shapes, dtypes = kimi_k26_tensors()
     else:
         config = kimi_k2_thinking_config() if model == "kimi-k2-thinking" else deepseek_v3_config()
         shapes, dtypes = deepseek_v3_tensors(config)
@@ -171,9 +187,10 @@ DESCRIPTIONS = {
     "deepseek-v3.2": "DeepSeek-V3.2 (fp8, 163 files",
     "deepseek-v4": "DeepSeek-V4-Flash (bf16, 48 files",
     "kimi-k2-thinking": "Kimi-K2-Thinking (int4 experts, 62 files",
+    "kimi-k2.6": "Kimi-K2.6 (int4 experts, vision tower, 64 files",
     "gpt-oss-120b": "gpt-oss-120b (mxfp4 experts, 15 files",
 }
-FILES = {"kimi-k2-thinking": 62, "gpt-oss-120b": 15, "deepseek-v4": 48}
+FILES = {"kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 48}
 
 
 def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-v3") -> None:

@@ -16,6 +16,8 @@ from shardprep.plan.archs import quantized
 
 
 def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
+    if architecture in KIMI_K25:
+        return _kimi_k25_config(architecture, **overrides)
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": _MODEL_TYPES[architecture],
@@ -95,6 +97,40 @@ TINY_MXFP4_PACK = {
                     "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
     }},
 }  # fmt: skip
+
+# Kimi-K2.5: a tiny DeepSeek-V3 text model and a tiny MoonViT (4 heads, 2 blocks).
+KIMI_K25 = {"KimiK25ForConditionalGeneration": "kimi_k25"}
+TINY_MOONVIT = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "intermediate_size": 128, "patch_size": 14, "init_pos_emb_height": 4,
+    "init_pos_emb_width": 4, "init_pos_emb_time": 4, "merge_kernel_size": [2, 2],
+    "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger", "pos_emb_type": "divided_fixed",
+    "video_attn_type": "spatial_temporal", "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-05,
+}  # fmt: skip
+
+
+def _kimi_k25_config(architecture: str, **overrides: Any) -> dict[str, Any]:
+    """The nested config.json of Kimi-K2.5 as published: the text model's sizes (the
+    overrides but `vision_config` and `quantization_config`) in `text_config`."""
+    top = {k: overrides.pop(k) for k in ("vision_config", "quantization_config") if k in overrides}
+    text = tiny_config("DeepseekV3ForCausalLM", **overrides)
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": KIMI_K25[architecture],
+        "text_config": text,
+        "vision_config": top.get("vision_config", TINY_MOONVIT),
+        "tie_word_embeddings": False,
+        "torch_dtype": text["torch_dtype"],
+        "bos_token_id": text["bos_token_id"],
+        "eos_token_id": text["eos_token_id"],
+        "media_placeholder_token_id": 5,
+        "image_token_id": 5,
+    }
+    if "quantization_config" in top:
+        config["quantization_config"] = top["quantization_config"]
+    return config
+
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -219,21 +255,22 @@ def make_tiny_model(
     """Write config.json, generation_config.json and random safetensors weights (with an
     index when `files` > 1) into `folder`."""
     config = tiny_config(architecture, **overrides)
-    _, family = archs.target_family(config)
+    read = archs.read_config(config)  # as vLLM reads it (Kimi-K2.5's text_config at the top)
+    _, family = archs.target_family(read)
     families = [family]
-    internal = archs.internal_draft_method(config)
+    internal = archs.internal_draft_method(read)
     if internal:  # the draft layers the checkpoint carries (DeepSeek-V3's MTP layers)
         families.append(archs.draft_family(internal, family.name))
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     plain: dict[str, tuple[int, ...]] = {}  # the weights' own shapes, before any quantization
     for part in families:
-        shapes |= quantized.expected_shapes(part, config)
-        dtypes |= quantized.source_dtypes(part, config)
-        plain |= part.expected_shapes(config)
+        shapes |= quantized.expected_shapes(part, read)
+        dtypes |= quantized.source_dtypes(part, read)
+        plain |= part.expected_shapes(read)
     tensors = _random_tensors(shapes, config["torch_dtype"], seed)
     for part in families[1:]:  # a draft's copies of target tensors are copies, as published
-        for copy, original in part.shared_copies(config).items():
+        for copy, original in part.shared_copies(read).items():
             tensors[copy] = tensors[original].clone()
     if dtypes:
         tensors.update(_quantized(tensors, dtypes, plain, seed))

@@ -45,6 +45,8 @@ CUTS += ("expert_cols_t", "expert_rows_t", "expert_row", "expert_row_first")
 # ... and MXFP4 experts in a parameter the MoE backend padded.
 MX_CUTS = ("mx_w13", "mx_w2", "mx_w13_bias", "mx_w2_bias")
 CUTS += MX_CUTS
+# ... of a source that stacks `heads` equal parts (a fused q, k, v), each split evenly.
+CUTS += ("parts_rows",)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class PieceEntry:
 
     source: str
     cut: str
-    heads: int = 0  # KV heads, for the kv_heads cut
+    heads: int = 0  # KV heads, for the kv_heads cut; parts, for the parts_rows cut
     expert: int | None = None  # the global expert id, for a piece of an expert stack
     scale_of: ScaleEntry | None = None  # for the block_scale cut
 

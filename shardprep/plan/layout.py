@@ -33,6 +33,9 @@ class Cut(Enum):
     ROWS = "rows"  # column-parallel: dim 0 split evenly
     COLS = "cols"  # row-parallel: dim 1 split evenly
     KV_HEADS = "kv_heads"  # dim 0 in heads; replicated when tp exceeds the heads
+    # dim 0 is `heads` equal parts stacked (a fused q, k, v of as many heads each): the
+    # rank's rows of each part, in order (vLLM's QKVParallelLinear given the fused tensor)
+    PARTS_ROWS = "parts_rows"
     VOCAB = "vocab"  # dim 0 padded to a multiple of 64, split, padding zero-filled
     PADDED_VOCAB = "padded_vocab"  # dim 0 padded to a multiple of 64, not split
     BLOCK_SCALE = "block_scale"  # fp8 block scales of a weight: its cut, in whole blocks
@@ -85,7 +88,7 @@ class ScaleOf:
 class Piece:
     source: str
     cut: Cut
-    heads: int = 0  # number of KV heads, for Cut.KV_HEADS
+    heads: int = 0  # number of KV heads, for Cut.KV_HEADS; of parts, for Cut.PARTS_ROWS
     expert: int | None = None  # global expert id, for a piece of an expert stack
     scale_of: ScaleOf | None = None  # for Cut.BLOCK_SCALE and Cut.PACKED
 
@@ -175,6 +178,14 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
         head_rows = rows // piece.heads
         first, end = kv_heads_of_rank(piece.heads, tp, rank)
         return (Block(piece.source, (first * head_rows, end * head_rows)),)
+    if piece.cut is Cut.PARTS_ROWS:
+        _check_divisible(piece.source, rows, piece.heads, "rows")
+        part = rows // piece.heads
+        _check_divisible(piece.source, part, tp, f"rows in each of its {piece.heads} parts")
+        start, end = rank_range(part, tp, rank)
+        return tuple(
+            Block(piece.source, (i * part + start, i * part + end)) for i in range(piece.heads)
+        )
     if piece.cut is Cut.PADDED_VOCAB:
         return _vocab_blocks(piece.source, rows, 1, 0)
     if piece.cut in MX_CUTS:

@@ -104,6 +104,7 @@ def test_dense_cuts_at_every_coarser_tp(tp: int, new_tp: int) -> None:
         "embed": _random(101, hidden),  # padded to 128 rows, then split
         "norm": _random(hidden),
         "bias": _random(48),
+        "wqkv": _random(3 * 48, hidden),  # MoonViT's fused q, k, v
     }
     cases = {
         "qkv": (
@@ -116,6 +117,7 @@ def test_dense_cuts_at_every_coarser_tp(tp: int, new_tp: int) -> None:
         "lm_head_padded": (Piece("embed", Cut.PADDED_VOCAB),),
         "norm": (Piece("norm", Cut.REPLICATE),),
         "bias": (Piece("bias", Cut.ROWS),),
+        "wqkv": (Piece("wqkv", Cut.PARTS_ROWS, heads=3),),
     }
     for name, pieces in cases.items():
         for rank in range(new_tp):

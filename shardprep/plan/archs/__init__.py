@@ -30,6 +30,7 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4Family"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeFamily"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssFamily"),
+    "KimiK25ForConditionalGeneration": ("kimi_k25", "KimiK25Family"),
 }
 # (vLLM's speculative `method`, target family name or ANY_TARGET) -> (module, class)
 _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
