@@ -42,6 +42,8 @@ CUTS = (
 )  # fmt: skip
 # ... of a source whose dim 0 is the experts (gpt-oss's fused expert tensors).
 CUTS += ("expert_cols_t", "expert_rows_t", "expert_row", "expert_row_first")
+# ... of a tensor whose rows are q, k and v parts, each split evenly (a DeltaNet's conv1d).
+CUTS += ("qkv_rows",)
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class PieceEntry:
 
     source: str
     cut: str
-    heads: int = 0  # KV heads, for the kv_heads cut
+    heads: int = 0  # KV heads, for the kv_heads cut; rows of q, for the qkv_rows cut
     expert: int | None = None  # the global expert id, for a piece of an expert stack
     scale_of: ScaleEntry | None = None  # for the block_scale cut
 

@@ -33,6 +33,10 @@ class Cut(Enum):
     ROWS = "rows"  # column-parallel: dim 0 split evenly
     COLS = "cols"  # row-parallel: dim 1 split evenly
     KV_HEADS = "kv_heads"  # dim 0 in heads; replicated when tp exceeds the heads
+    # dim 0 is q rows, k rows (the piece's `heads` rows each), then v rows, each part
+    # split evenly: a rank holds its q rows, then its k rows, then its v rows (a gated
+    # DeltaNet's conv1d, vLLM's `mamba_v2_sharded_weight_loader`)
+    QKV_ROWS = "qkv_rows"
     VOCAB = "vocab"  # dim 0 padded to a multiple of 64, split, padding zero-filled
     PADDED_VOCAB = "padded_vocab"  # dim 0 padded to a multiple of 64, not split
     BLOCK_SCALE = "block_scale"  # fp8 block scales of a weight: its cut, in whole blocks
@@ -74,7 +78,7 @@ class ScaleOf:
 class Piece:
     source: str
     cut: Cut
-    heads: int = 0  # number of KV heads, for Cut.KV_HEADS
+    heads: int = 0  # number of KV heads, for Cut.KV_HEADS; rows of q, for Cut.QKV_ROWS
     expert: int | None = None  # global expert id, for a piece of an expert stack
     scale_of: ScaleOf | None = None  # for Cut.BLOCK_SCALE and Cut.PACKED
 
@@ -157,6 +161,8 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
         head_rows = rows // piece.heads
         first, end = kv_heads_of_rank(piece.heads, tp, rank)
         return (Block(piece.source, (first * head_rows, end * head_rows)),)
+    if piece.cut is Cut.QKV_ROWS:
+        return _qkv_blocks(piece.source, rows, piece.heads, tp, rank)
     if piece.cut is Cut.PADDED_VOCAB:
         return _vocab_blocks(piece.source, rows, 1, 0)
     if piece.cut in EXPERT_INDEXED:
@@ -185,6 +191,24 @@ def _expert_block(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> B
         _check_divisible(piece.source, shape[1], tp, "rows per expert")
         rows = rank_range(shape[1], tp, rank)
     return Block(piece.source, (0, 1), matrix=(rows, cols))
+
+
+def _qkv_blocks(source: str, rows: int, qk: int, tp: int, rank: int) -> tuple[Block, ...]:
+    """The rank's q rows, k rows and v rows of a tensor whose dim 0 is q (`qk` rows), k
+    (`qk` rows) and v (the rest)."""
+    if not 0 < 2 * qk < rows:
+        raise PlanError(
+            f"{source} has {rows} rows, which cannot hold q and k rows of {qk} each and v "
+            "rows; the checkpoint does not match config.json"
+        )
+    blocks = []
+    start = 0
+    for what, size in (("q rows", qk), ("k rows", qk), ("v rows", rows - 2 * qk)):
+        _check_divisible(source, size, tp, what)
+        first, end = rank_range(size, tp, rank)
+        blocks.append(Block(source, (start + first, start + end)))
+        start += size
+    return tuple(blocks)
 
 
 def _vocab_blocks(source: str, vocab: int, tp: int, rank: int) -> tuple[Block, ...]:
