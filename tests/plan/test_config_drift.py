@@ -35,6 +35,7 @@ FAMILIES = {
     "Glm4MoeForCausalLM": {"num_nextn_predict_layers": 1},
     "GptOssForCausalLM": {},
     "DeepseekV32ForCausalLM": {"num_nextn_predict_layers": 1},
+    "Qwen3NextForCausalLM": {},
 }
 
 # Model types vLLM reads with another transformers class than transformers' own

@@ -29,6 +29,7 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32Family"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeFamily"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssFamily"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextFamily"),
 }
 # (vLLM's speculative `method`, target family name or ANY_TARGET) -> (module, class)
 _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
@@ -39,6 +40,7 @@ _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
     ("mtp", "deepseek"): ("deepseek_mtp", "DeepseekMtpDraft"),
     ("mtp", "deepseek_v32"): ("deepseek_v32", "DeepseekV32MtpDraft"),
     ("mtp", "glm4_moe"): ("glm4_moe", "Glm4MoeMtpDraft"),
+    ("mtp", "qwen3_next"): ("qwen3_next", "Qwen3NextMtpDraft"),
 }
 
 
