@@ -145,6 +145,7 @@ _MODEL_TYPES = {
     "DeepseekV4ForCausalLM": "deepseek_v4",
     "Glm4MoeForCausalLM": "glm4_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # Mixture-of-experts sizes: 8 experts, 2 per token.
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -239,6 +240,27 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
             "truncate": False,
         },
         "swiglu_limit": 7.0,
+        "torch_dtype": "bfloat16",
+    },
+    # Qwen3-Next's features at tiny sizes: linear and full attention layers in turn, gated
+    # attention with q/k norms, partial rotary, 8 experts and a gated shared expert, one
+    # MTP layer; linear head dims 128, which vLLM's CPU DeltaNet kernel needs; bfloat16.
+    "Qwen3NextForCausalLM": {
+        "full_attention_interval": 2,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.25,
+        "num_nextn_predict_layers": 1,
         "torch_dtype": "bfloat16",
     },
 }

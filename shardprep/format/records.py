@@ -47,6 +47,8 @@ MX_CUTS = ("mx_w13", "mx_w2", "mx_w13_bias", "mx_w2_bias")
 CUTS += MX_CUTS
 # ... of a source that stacks `heads` equal parts (a fused q, k, v), each split evenly.
 CUTS += ("parts_rows",)
+# ... of a tensor whose rows are q, k and v parts, each split evenly (a DeltaNet's conv1d).
+CUTS += ("qkv_rows",)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class PieceEntry:
 
     source: str
     cut: str
-    heads: int = 0  # KV heads, for the kv_heads cut; parts, for the parts_rows cut
+    heads: int = 0  # KV heads (kv_heads); parts (parts_rows); rows of q (qkv_rows)
     expert: int | None = None  # the global expert id, for a piece of an expert stack
     scale_of: ScaleEntry | None = None  # for the block_scale cut
 

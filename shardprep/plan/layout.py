@@ -36,6 +36,10 @@ class Cut(Enum):
     # dim 0 is `heads` equal parts stacked (a fused q, k, v of as many heads each): the
     # rank's rows of each part, in order (vLLM's QKVParallelLinear given the fused tensor)
     PARTS_ROWS = "parts_rows"
+    # dim 0 is q rows, k rows (the piece's `heads` rows each), then v rows, each part
+    # split evenly: a rank holds its q rows, then its k rows, then its v rows (a gated
+    # DeltaNet's conv1d, vLLM's `mamba_v2_sharded_weight_loader`)
+    QKV_ROWS = "qkv_rows"
     VOCAB = "vocab"  # dim 0 padded to a multiple of 64, split, padding zero-filled
     PADDED_VOCAB = "padded_vocab"  # dim 0 padded to a multiple of 64, not split
     BLOCK_SCALE = "block_scale"  # fp8 block scales of a weight: its cut, in whole blocks
@@ -88,7 +92,7 @@ class ScaleOf:
 class Piece:
     source: str
     cut: Cut
-    heads: int = 0  # number of KV heads, for Cut.KV_HEADS; of parts, for Cut.PARTS_ROWS
+    heads: int = 0  # KV heads (KV_HEADS); parts (PARTS_ROWS); rows of q (QKV_ROWS)
     expert: int | None = None  # global expert id, for a piece of an expert stack
     scale_of: ScaleOf | None = None  # for Cut.BLOCK_SCALE and Cut.PACKED
 
@@ -186,6 +190,8 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
         return tuple(
             Block(piece.source, (i * part + start, i * part + end)) for i in range(piece.heads)
         )
+    if piece.cut is Cut.QKV_ROWS:
+        return _qkv_blocks(piece.source, rows, piece.heads, tp, rank)
     if piece.cut is Cut.PADDED_VOCAB:
         return _vocab_blocks(piece.source, rows, 1, 0)
     if piece.cut in MX_CUTS:
@@ -267,6 +273,24 @@ def _mx_block(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> Block
     else:
         slab = ((0, 1), (0, hidden if rank == 0 else 0), (1, padded_hidden))
     return Block(piece.source, (0, 1), slab=slab)
+
+
+def _qkv_blocks(source: str, rows: int, qk: int, tp: int, rank: int) -> tuple[Block, ...]:
+    """The rank's q rows, k rows and v rows of a tensor whose dim 0 is q (`qk` rows), k
+    (`qk` rows) and v (the rest)."""
+    if not 0 < 2 * qk < rows:
+        raise PlanError(
+            f"{source} has {rows} rows, which cannot hold q and k rows of {qk} each and v "
+            "rows; the checkpoint does not match config.json"
+        )
+    blocks = []
+    start = 0
+    for what, size in (("q rows", qk), ("k rows", qk), ("v rows", rows - 2 * qk)):
+        _check_divisible(source, size, tp, what)
+        first, end = rank_range(size, tp, rank)
+        blocks.append(Block(source, (start + first, start + end)))
+        start += size
+    return tuple(blocks)
 
 
 def _vocab_blocks(source: str, vocab: int, tp: int, rank: int) -> tuple[Block, ...]:

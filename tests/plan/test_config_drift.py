@@ -36,6 +36,7 @@ FAMILIES = {
     "GptOssForCausalLM": {},
     "DeepseekV32ForCausalLM": {"num_nextn_predict_layers": 1},
     "KimiK25ForConditionalGeneration": {},  # the text model nested in text_config
+    "Qwen3NextForCausalLM": {},
 }
 
 # Model types vLLM reads with another transformers class than transformers' own

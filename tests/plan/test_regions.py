@@ -93,6 +93,18 @@ def _random(*shape: int) -> np.ndarray:
     return _RNG.standard_normal(shape).astype(np.float32)
 
 
+@pytest.mark.parametrize(("tp", "new_tp"), [(2, 1), (4, 2), (4, 1), (8, 4), (8, 1)])
+def test_a_deltanet_conv1d_cut_into_q_k_and_v_rows_at_every_coarser_tp(
+    tp: int, new_tp: int
+) -> None:
+    """A coarser rank's q, k and v rows are each made of several artifact ranks' rows."""
+    sources = {"conv": _random(8 + 8 + 16, 1, 4)}
+    pieces = (Piece("conv", Cut.QKV_ROWS, heads=8),)
+    for rank in range(new_tp):
+        got, want, _ = _assemble(pieces, sources, tp, new_tp, rank)
+        assert np.array_equal(got, want), rank
+
+
 @pytest.mark.parametrize(("tp", "new_tp"), [(2, 1), (4, 2), (4, 1), (8, 4), (8, 2), (8, 1)])
 def test_dense_cuts_at_every_coarser_tp(tp: int, new_tp: int) -> None:
     hidden, heads_dim = 24, 3

@@ -31,6 +31,7 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeFamily"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssFamily"),
     "KimiK25ForConditionalGeneration": ("kimi_k25", "KimiK25Family"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextFamily"),
 }
 # (vLLM's speculative `method`, target family name or ANY_TARGET) -> (module, class)
 _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
@@ -41,6 +42,7 @@ _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
     ("mtp", "deepseek"): ("deepseek_mtp", "DeepseekMtpDraft"),
     ("mtp", "deepseek_v32"): ("deepseek_v32", "DeepseekV32MtpDraft"),
     ("mtp", "glm4_moe"): ("glm4_moe", "Glm4MoeMtpDraft"),
+    ("mtp", "qwen3_next"): ("qwen3_next", "Qwen3NextMtpDraft"),
 }
 
 

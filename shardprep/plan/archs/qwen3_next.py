@@ -1,0 +1,298 @@
+"""Qwen3-Next (`Qwen3NextForCausalLM`) and its MTP draft (vLLM's `qwen3_next.py`,
+`qwen3_next_mtp.py` and the gated DeltaNet of `mamba/gdn/qwen_gdn_linear_attn.py`).
+
+Each decoder layer is either a gated DeltaNet (`linear_attn.`) or gated full attention
+(`self_attn.`), as `layer_types` says (transformers' default: every
+`full_attention_interval`-th layer full, the others linear), and holds either experts or
+a dense MLP (Qwen3-MoE's rule: `mlp_only_layers`, `decoder_sparse_step`).
+
+- DeltaNet: `in_proj_qkvz` and `in_proj_ba` are stored grouped per key head, and vLLM
+  builds each as one column-parallel output, so a rank holds a contiguous 1/tp of the
+  rows (whole key-head groups); `conv1d.weight` [2K + V, 1, kernel] holds q, k and v
+  rows, and a rank takes its share of each (`Cut.QKV_ROWS`); `A_log` is float32 in vLLM
+  whatever the checkpoint's dtype, `A_log` and `dt_bias` split by value heads;
+  `out_proj` row-parallel; the gated norm replicated.
+- Full attention: Llama's `qkv_proj` whose q part also carries the output gate (q_proj
+  has 2 x heads x head_dim rows, each head's q then its gate), q/k norms; no bias (vLLM
+  builds none, whatever `attention_bias` says).
+- Experts: a replicated router, FusedMoE's stacks, one shared expert split like a dense
+  MLP, and `shared_expert_gate` [1, H] replicated.
+
+vLLM builds the embedding and lm_head on every pipeline stage, the final norm on the last.
+
+The MTP draft is stored as `mtp.*` in the target checkpoint: `mtp.fc` (column-parallel),
+`mtp.layers.{i}` (full-attention decoder layers, local index i), `mtp.norm` and
+`mtp.pre_fc_norm_{hidden,embedding}`; vLLM names them `model.*`. It loads its embedding
+and lm_head from the target's tensors; its proposer then replaces lm_head with the
+target's at any pp and the embedding at pp = 1: those are not written.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from shardprep.errors import ConfigError
+from shardprep.plan.archs.base import Config, DraftFamily, Family, Layout, Param, Shapes
+from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params
+from shardprep.plan.archs.moe import ExpertNames, expert_params, moe_problems
+from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.topology import Topology
+
+EXPERTS = ExpertNames("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+NORM = "model.norm.weight"
+F32 = "F32"
+LINEAR = "linear_attention"
+FULL = "full_attention"
+SHARED = "mlp.shared_expert."
+ROUTED = "mlp.experts.routed_experts."
+LLAMA_RULES = frozenset(hf for hf, _, _ in LAYER_TENSORS)  # attention, dense MLP, norms
+MTP_OWN = ("norm.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
+
+
+class NextDims(Dims):
+    """The sizes config.json implies, with Qwen3NextConfig's defaults."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.experts = int(config.get("num_experts") or 0)
+        self.moe_intermediate = int(config.get("moe_intermediate_size") or 0)
+        self.shared = int(config.get("shared_expert_intermediate_size") or 0)
+        self.sparse_step = int(config.get("decoder_sparse_step") or 1)
+        self.mlp_only = {int(i) for i in config.get("mlp_only_layers") or ()}
+        self.gate = bool(config.get("attn_output_gate", True))
+        self.k_heads = int(config.get("linear_num_key_heads") or 16)
+        self.v_heads = int(config.get("linear_num_value_heads") or 32)
+        self.k_dim = int(config.get("linear_key_head_dim") or 128)
+        self.v_dim = int(config.get("linear_value_head_dim") or 128)
+        self.kernel = int(config.get("linear_conv_kernel_dim") or 4)
+        self.mtp = int(config.get("num_nextn_predict_layers", 1) or 0)
+        self.layer_types = _layer_types(config, self.layers)
+
+    def is_moe(self, layer: int) -> bool:
+        """vLLM's `Qwen3NextDecoderLayer` rule (an MTP layer by its local index)."""
+        return (
+            layer not in self.mlp_only and self.experts > 0 and (layer + 1) % self.sparse_step == 0
+        )
+
+    def layer_shapes_of(self, layer: int, kind: str) -> dict[str, tuple[int, ...]]:
+        """Every tensor of one decoder layer of `kind` (suffixes under its prefix)."""
+        shapes = self.layer_shapes(False, True, self.hidden)
+        if kind == FULL:
+            if self.gate:
+                q = shapes["self_attn.q_proj.weight"]
+                shapes["self_attn.q_proj.weight"] = (2 * q[0], q[1])
+        else:
+            shapes = {k: v for k, v in shapes.items() if not k.startswith("self_attn.")}
+            key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+            shapes |= {
+                "linear_attn.in_proj_qkvz.weight": (2 * key + 2 * value, self.hidden),
+                "linear_attn.in_proj_ba.weight": (2 * self.v_heads, self.hidden),
+                "linear_attn.conv1d.weight": (2 * key + value, 1, self.kernel),
+                "linear_attn.dt_bias": (self.v_heads,),
+                "linear_attn.A_log": (self.v_heads,),
+                "linear_attn.norm.weight": (self.v_dim,),
+                "linear_attn.out_proj.weight": (self.hidden, value),
+            }
+        if not self.is_moe(layer):
+            return shapes
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            del shapes[f"mlp.{proj}.weight"]
+        shapes["mlp.gate.weight"] = (self.experts, self.hidden)
+        if self.shared:
+            shapes |= {
+                f"{SHARED}gate_proj.weight": (self.shared, self.hidden),
+                f"{SHARED}up_proj.weight": (self.shared, self.hidden),
+                f"{SHARED}down_proj.weight": (self.hidden, self.shared),
+                "mlp.shared_expert_gate.weight": (1, self.hidden),
+            }
+        return shapes | EXPERTS.shapes(
+            "mlp.experts.", self.experts, self.moe_intermediate, self.hidden
+        )
+
+    def layer_params_of(
+        self, layer: int, kind: str, hf_prefix: str, vllm_prefix: str, stage: int
+    ) -> list[Param]:
+        """vLLM's parameters of one decoder layer, read from `hf_prefix`, named under
+        `vllm_prefix`."""
+        plain = [hf_prefix + s for s in self.layer_shapes_of(layer, kind) if s in LLAMA_RULES]
+        params = layer_params(plain, hf_prefix, vllm_prefix, self, stage)
+
+        def add(suffix: str, cut: Cut, dtype: str | None = None, **kw: int) -> None:
+            piece = Piece(hf_prefix + suffix, cut, **kw)
+            params.append(Param(vllm_prefix + suffix, (piece,), (stage,), dtype))
+
+        if kind == LINEAR:
+            add("linear_attn.in_proj_qkvz.weight", Cut.ROWS)
+            add("linear_attn.in_proj_ba.weight", Cut.ROWS)
+            add("linear_attn.conv1d.weight", Cut.QKV_ROWS, heads=self.k_heads * self.k_dim)
+            add("linear_attn.dt_bias", Cut.ROWS)
+            add("linear_attn.A_log", Cut.ROWS, F32)
+            add("linear_attn.norm.weight", Cut.REPLICATE)
+            add("linear_attn.out_proj.weight", Cut.COLS)
+        if not self.is_moe(layer):
+            return params
+        add("mlp.gate.weight", Cut.REPLICATE)
+        if self.shared:
+            gate_up = tuple(
+                Piece(f"{hf_prefix}{SHARED}{proj}.weight", Cut.ROWS)
+                for proj in ("gate_proj", "up_proj")
+            )
+            down = Piece(f"{hf_prefix}{SHARED}down_proj.weight", Cut.COLS)
+            params.append(Param(f"{vllm_prefix}{SHARED}gate_up_proj.weight", gate_up, (stage,)))
+            params.append(Param(f"{vllm_prefix}{SHARED}down_proj.weight", (down,), (stage,)))
+            add("mlp.shared_expert_gate.weight", Cut.REPLICATE)
+        params += expert_params(
+            EXPERTS, f"{hf_prefix}mlp.experts.", vllm_prefix + ROUTED, self.experts, stage
+        )
+        return params
+
+    def problems(self, tp: int, context: Mapping[str, Any]) -> list[str]:
+        problems = self.check_attention(tp) + self.check_vocab(tp)
+        if self.tied:
+            problems.append("tie_word_embeddings is not supported for Qwen3-Next models")
+        if context.get("attention_bias"):
+            problems.append(
+                "attention_bias is true, but vLLM builds Qwen3-Next's attention without "
+                "biases; this checkpoint cannot be served by vLLM"
+            )
+        linear_heads = {
+            "linear_num_key_heads": self.k_heads,
+            "linear_num_value_heads": self.v_heads,
+        }
+        for key, heads in linear_heads.items():
+            if heads % tp:
+                problems.append(
+                    f"{key} ({heads}) is not divisible by tp={tp}; choose a tp that divides it"
+                )
+        if self.v_heads % self.k_heads:
+            problems.append(
+                f"linear_num_value_heads ({self.v_heads}) is not a multiple of "
+                f"linear_num_key_heads ({self.k_heads}); fix config.json"
+            )
+        wrong = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
+        if wrong:
+            problems.append(
+                f"layer_types holds {', '.join(wrong)}; Qwen3-Next layers are {LINEAR} or {FULL}"
+            )
+        if any(not self.is_moe(i) for i in range(self.layers)):
+            problems += self.check_intermediate(tp)
+        if not self.experts:
+            return problems
+        if self.shared % tp:
+            problems.append(
+                f"shared_expert_intermediate_size ({self.shared}) is not divisible by tp={tp}; "
+                "choose a tp that divides it"
+            )
+        return problems + moe_problems(
+            num_experts=self.experts,
+            moe_intermediate=self.moe_intermediate,
+            tp=tp,
+            dp=int(context.get("dp", 1)),
+            expert_parallel=bool(context.get("expert_parallel", False)),
+        )
+
+
+def _layer_types(config: Config, layers: int) -> list[str]:
+    """`layer_types`, or transformers' default from `full_attention_interval`."""
+    types = config.get("layer_types")
+    if types is None:
+        interval = int(config.get("full_attention_interval") or 4)
+        return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise ConfigError(
+            f"config.json's layer_types does not name one type for each of the {layers} "
+            "layers; fix config.json"
+        )
+    return [str(t) for t in types]
+
+
+class Qwen3NextFamily(Family):
+    name = "qwen3_next"
+
+    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+        d = NextDims(config)
+        shapes = {
+            f"model.layers.{i}.{suffix}": shape
+            for i, kind in enumerate(d.layer_types)
+            for suffix, shape in d.layer_shapes_of(i, kind).items()
+        }
+        shapes[EMBED] = (d.vocab, d.hidden)
+        shapes[NORM] = (d.hidden,)
+        shapes[HEAD] = (d.vocab, d.hidden)
+        return shapes
+
+    def internal_draft(self, config: Config) -> str | None:
+        """vLLM serves the `mtp.*` layers as the `mtp` draft; it assumes one MTP layer when
+        config.json names none (`num_nextn_predict_layers`)."""
+        return "mtp" if NextDims(config).mtp else None
+
+    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+        extra = {"attention_bias": bool(config.get("attention_bias", False))}
+        return NextDims(config).problems(tp, {**context, **extra})
+
+    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+        d = NextDims(config)
+        params: list[Param] = []
+        for layer, kind in enumerate(d.layer_types):
+            prefix = f"model.layers.{layer}."
+            stage = topology.stage_of_layer(layer)
+            params += d.layer_params_of(layer, kind, prefix, prefix, stage)
+        every = tuple(range(topology.pp))
+        params.append(Param(EMBED, (Piece(EMBED, Cut.VOCAB),), every))
+        params.append(Param(HEAD, (Piece(HEAD, Cut.VOCAB),), every))
+        params.append(Param(NORM, (Piece(NORM, Cut.REPLICATE),), (topology.last_stage,)))
+        mtp = (
+            "a tensor of the MTP draft"
+            if context.get("draft_method") == "mtp"
+            else "a tensor of the MTP draft; vLLM loads it only as the MTP draft, which "
+            "--no-mtp or another --draft leaves out"
+        )
+        skipped = {name: mtp for name in shapes if name.startswith("mtp.")}
+        return Layout(tuple(params), skipped, num_experts=d.experts)
+
+
+class Qwen3NextMtpDraft(DraftFamily):
+    name = "qwen3_next_mtp"
+    standalone = False  # it comes inside its target, never with --draft
+
+    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+        d, names = NextDims(config), context.get("draft_names")
+        if names is not None and not any(n.startswith("mtp.") for n in names):
+            raise ConfigError(
+                "vLLM serves Qwen3-Next's MTP draft from the checkpoint's mtp.* tensors, and "
+                "this checkpoint holds none; convert with --no-mtp to leave the draft out"
+            )
+        shapes: dict[str, tuple[int, ...]] = {"mtp.fc.weight": (d.hidden, 2 * d.hidden)}
+        shapes |= {f"mtp.{name}": (d.hidden,) for name in MTP_OWN}
+        for i in range(d.mtp):
+            for suffix, shape in d.layer_shapes_of(i, FULL).items():
+                shapes[f"mtp.layers.{i}.{suffix}"] = shape
+        return shapes
+
+    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+        """The MTP layers have the target's sizes: the target's checks cover them."""
+        return []
+
+    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+        d, last = NextDims(config), topology.last_stage
+        params: list[Param] = []
+        for i in range(d.mtp):
+            params += d.layer_params_of(i, FULL, f"mtp.layers.{i}.", f"model.layers.{i}.", last)
+        params.append(Param("model.fc.weight", (Piece("mtp.fc.weight", Cut.ROWS),), (last,)))
+        for name in MTP_OWN:
+            params.append(Param(f"model.{name}", (Piece(f"mtp.{name}", Cut.REPLICATE),), (last,)))
+        shared = {HEAD}  # loaded from lm_head.weight, then the target's
+        if topology.pp > 1:  # the draft, on the last stage, keeps its own embedding
+            params.append(Param(EMBED, (Piece(EMBED, Cut.VOCAB),), (last,)))
+        else:
+            shared.add(EMBED)
+        used = {piece.source for param in params for piece in param.pieces}
+        skipped = {name: "a tensor of the target" for name in shapes if name not in used}
+        return Layout(
+            tuple(params), skipped, shared_with_target=frozenset(shared), num_experts=d.experts
+        )
