@@ -328,6 +328,8 @@ def _mark(mask: torch.Tensor, block: Block) -> None:
 
 def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
     """The part of a whole source tensor that `block` names (what the scatter writes)."""
+    if source.dim() == 0:  # a per-tensor scale: one row of its parameter
+        source = source.reshape(1)
     if block.repeat != (1, 1):
         source = source.repeat_interleave(block.repeat[0], 0)
         source = source.repeat_interleave(block.repeat[1], 1)

@@ -42,6 +42,8 @@ CUTS = (
 )  # fmt: skip
 # ... of a source whose dim 0 is the experts (gpt-oss's fused expert tensors).
 CUTS += ("expert_cols_t", "expert_rows_t", "expert_row", "expert_row_first")
+# ... of a per-tensor scale, one value per part of a fused layer (fp8 per tensor).
+CUTS += ("per_tensor",)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ class Cut(Enum):
     # A weight stored `block[1]` columns to an element (int4 values 8 to an int32, group
     # scales one per group): its cut, in whole elements along the columns.
     PACKED = "packed"
+    # A per-tensor scale (a scalar or [1]): one value of a parameter holding one per part
+    # of a fused layer (fp8 `weight_scale` [parts]), or per expert ([E] or [E, parts]).
+    PER_TENSOR = "per_tensor"
 
 
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose
@@ -138,6 +141,12 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
     rows = shape[0] if shape else 1
     if piece.cut is Cut.REPLICATE:
         return (Block(piece.source, (0, rows)),)
+    if piece.cut is Cut.PER_TENSOR:
+        if rows != 1 or len(shape) > 1:
+            raise PlanError(
+                f"{piece.source} has shape {list(shape)}; a per-tensor scale is one value"
+            )
+        return (Block(piece.source, (0, 1)),)
     if piece.cut is Cut.ROWS:
         _check_divisible(piece.source, rows, tp, "rows")
         return (Block(piece.source, rank_range(rows, tp, rank)),)
@@ -309,6 +318,9 @@ def expert_stack_blocks(
             "every expert of a layer must"
         )
     blocks = tuple(block for expert in held for block in per_expert[expert])
+    if all(piece.cut is Cut.PER_TENSOR for piece in pieces):  # [E], or [E, parts]
+        per = rows.pop()
+        return blocks, (len(held), per) if per > 1 else (len(held),)
     if all(piece.cut in EXPERT_VECTORS for piece in pieces):
         return blocks, (len(held) * rows.pop(), *trailing.pop())
     return blocks, (len(held), rows.pop(), *trailing.pop())

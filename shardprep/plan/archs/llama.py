@@ -181,7 +181,7 @@ def linear_weights(names: Iterable[str]) -> dict[str, str]:
 
 class LlamaFamily(Family):
     name = "llama"
-    quant_schemes = frozenset({"fp8_block"})
+    quant_schemes = frozenset({"fp8_block", "fp8_tensor", "fp8_ct"})
 
     def _variant(self, config: Config) -> tuple[bool, bool]:
         arch = (config.get("architectures") or [""])[0]

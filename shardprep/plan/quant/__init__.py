@@ -10,16 +10,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardprep.plan.quant.fp8 import BlockQuant, block_quant
+from shardprep.plan.quant.fp8_ct import FloatQuant, float_quant
+from shardprep.plan.quant.fp8_tensor import TensorQuant
 from shardprep.plan.quant.int4 import PackQuant, pack_quant
 
 # Each scheme says what a quantized weight is stored as (`stored`, `logical`), which layers
 # vLLM leaves unquantized (`skips`), the parameters vLLM builds of a quantized parameter
 # and how each is cut (`params`), which layers shardprep lays out (`places`) and what vLLM
 # refuses at a tp (`refusals`).
-Scheme = BlockQuant | PackQuant
+Scheme = BlockQuant | TensorQuant | FloatQuant | PackQuant
 # What vLLM's quantization configs give every attention layer (`BaseKVCacheMethod`): KV-cache
 # scales, left at -1 unless the checkpoint has them (which shardprep's plans never do).
 KV_CACHE_SCALES = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.prob_scale")
+# ... and compressed-tensors' zero points beside them (`CompressedTensorsKVCacheMethod`).
+KV_CACHE_SCALES += (".attn.k_zero_point", ".attn.v_zero_point", ".attn.q_zero_point")
 
 
 def never_loaded(parameter: str) -> bool:
@@ -32,5 +36,7 @@ def scheme_of(config: Mapping[str, Any]) -> Scheme | None:
     scheme shardprep cannot lay out comes back with its `problem` set."""
     quant = config.get("quantization_config")
     if quant and quant.get("quant_method") == PackQuant.method:
+        if quant.get("format") == "float-quantized":
+            return float_quant(quant)
         return pack_quant(quant)
     return block_quant(config)
