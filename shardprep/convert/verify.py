@@ -253,7 +253,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         for tensor in file_plan.tensors:
             path = located[(file_plan.role, file_plan.pp, file_plan.tp, file_plan.dp, tensor.name)]
             dest = _open(handles, out / path).get_tensor(tensor.name)
-            dest = dest.reshape(tensor.stacked_shape)
+            dest = dest.reshape(tensor.stacked_shape or (1,))  # a 0-d parameter: one row
             checkpoint = checkpoints[file_plan.role]
             row = 0
             for block in tensor.blocks:

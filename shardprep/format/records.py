@@ -42,8 +42,9 @@ CUTS = (
 )  # fmt: skip
 # ... of a source whose dim 0 is the experts (gpt-oss's fused expert tensors).
 CUTS += ("expert_cols_t", "expert_rows_t", "expert_row", "expert_row_first")
-# ... of a per-tensor scale, one value per part of a fused layer (fp8 per tensor).
-CUTS += ("per_tensor",)
+# ... of a per-tensor scale, one value per part of a fused layer (fp8 per tensor), and of
+# one value held 0-d (a KV-cache scale).
+CUTS += ("per_tensor", "scalar")
 
 
 @dataclass(frozen=True)

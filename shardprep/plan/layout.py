@@ -47,6 +47,8 @@ class Cut(Enum):
     # A per-tensor scale (a scalar or [1]): one value of a parameter holding one per part
     # of a fused layer (fp8 `weight_scale` [parts]), or per expert ([E] or [E, parts]).
     PER_TENSOR = "per_tensor"
+    # One value (a scalar or [1]) held as a 0-d parameter (a KV-cache scale), on every rank.
+    SCALAR = "scalar"
 
 
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose
@@ -141,7 +143,7 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
     rows = shape[0] if shape else 1
     if piece.cut is Cut.REPLICATE:
         return (Block(piece.source, (0, rows)),)
-    if piece.cut is Cut.PER_TENSOR:
+    if piece.cut in (Cut.PER_TENSOR, Cut.SCALAR):
         if rows != 1 or len(shape) > 1:
             raise PlanError(
                 f"{piece.source} has shape {list(shape)}; a per-tensor scale is one value"

@@ -267,6 +267,8 @@ def tensor_plan(
     first_shape = source.tensors[param.pieces[0].source][1]
     if param.pieces[0].cut is Cut.PER_TENSOR:  # one value per piece, scalar or [1]
         shape: tuple[int, ...] = (len(blocks),)
+    elif param.pieces[0].cut is Cut.SCALAR:
+        shape = ()
     elif first_shape:
         trailing = block_shape(blocks[0], first_shape)[1:]
         shape = (sum(b.height for b in blocks), *trailing)

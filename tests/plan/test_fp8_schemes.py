@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from schema import SCHEMA
 
 from shardprep.cli import main
@@ -266,3 +266,59 @@ def test_cli_plan_shows_the_quantization_of_each_parameter_group(
     summary = json.loads(capsys.readouterr().out)
     groups = summary["models"][0]["quantized"]
     assert groups["model.layers.*.self_attn.o_proj"]["weight_scale"] == "F32 [128, 1]"
+
+
+def add_kv_cache_scales(model: Path) -> dict[str, torch.Tensor]:
+    """KV-cache scales in the checkpoint of `model`, in the namings vLLM maps: AutoFP8's
+    `self_attn.{k,v}_scale` (layer 0, scalars) and ModelOpt's `{k,v}_proj.{k,v}_scale`
+    (layer 1, [1]); returns them."""
+    tensors = load_file(model / "model.safetensors")
+    added = {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.25),
+        "model.layers.0.self_attn.v_scale": torch.tensor(0.5),
+        "model.layers.1.self_attn.k_proj.k_scale": torch.tensor([0.75]),
+        "model.layers.1.self_attn.v_proj.v_scale": torch.tensor([1.25]),
+    }
+    save_file(tensors | added, model / "model.safetensors", metadata={"format": "pt"})
+    return added
+
+
+def test_kv_cache_scales_a_checkpoint_ships_go_where_vllm_loads_them(tmp_path: Path) -> None:
+    model = make_tiny_model(
+        tmp_path / "model", "Qwen3ForCausalLM", num_hidden_layers=2, quantization_config=PER_TENSOR
+    )
+    added = add_kv_cache_scales(model)
+    out = tmp_path / "out"
+    convert(str(model), out, Options(tp=2, pp=2), progress=False)
+    for stage, layer, names in (
+        (0, 0, ("k_scale", "v_scale")),
+        (1, 1, ("k_proj.k_scale", "v_proj.v_scale")),
+    ):
+        for tp in range(2):
+            ours = load_file(out / "shards" / f"model-pp-{stage}-tp-{tp}-part-0.safetensors")
+            for kind, name in zip(("k", "v"), names, strict=True):
+                value = ours[f"model.layers.{layer}.self_attn.attn.{kind}_scale"]
+                source = added[f"model.layers.{layer}.self_attn.{name}"]
+                model_dtype = ours[f"model.layers.{layer}.input_layernorm.weight"].dtype
+                assert value.shape == () and value.dtype == model_dtype
+                assert float(value) == float(source.reshape(()))
+    report = verify(out, full=True, progress=False)
+    assert not report.problems
+    jsonschema.validate(json.loads((out / "shardprep.json").read_text()), SCHEMA)
+
+
+def test_kv_cache_scales_of_a_family_that_has_no_place_for_them_are_refused() -> None:
+    """DeepSeek's attention is MLA, whose scales vLLM does not read from `self_attn.attn`."""
+    model = source("DeepseekV3ForCausalLM", TINY_FP8, num_hidden_layers=2, hidden_size=256,
+                   moe_intermediate_size=128, n_shared_experts=2)  # fmt: skip
+    tensors = dict(model.tensors) | {"model.layers.0.self_attn.k_scale": ("F32", ())}
+    with pytest.raises(PlanError, match="does not know where to put: model.layers.0.self_attn.k"):
+        make_plan(SourceModel(model.config, tensors), tp=2, pp=1)
+    dims = {"hidden_size": 256, "head_dim": 128, "intermediate_size": 512}
+    qwen3 = source("Qwen3ForCausalLM", TINY_FP8, num_hidden_layers=2, **dims)
+    tensors = dict(qwen3.tensors) | {"model.layers.1.self_attn.qkv_proj.k_scale": ("F32", (1,))}
+    ours = rank(make_plan(SourceModel(qwen3.config, tensors), tp=2, pp=2), 1, 0)
+    assert (
+        ours["model.layers.1.self_attn.attn.k_scale"].shape,
+        ours["model.layers.1.self_attn.attn.k_scale"].dtype,
+    ) == ((), "BF16")

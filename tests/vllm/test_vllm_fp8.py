@@ -31,7 +31,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import vllm_env
+from safetensors.torch import load_file, save_file
 from test_vllm_layout import assert_same_state, rank_tensors
 from test_vllm_moe import TRAP, assert_same_dumps
 
@@ -96,10 +98,14 @@ def loaded(state: dict) -> dict:
 
 
 def assert_rank_files_equal(artifact: Path, dumps: vllm_env.DumpFiles) -> None:
+    """Every rank file equals vLLM's state, but for the KV-cache scales vLLM creates and
+    leaves unloaded (those a checkpoint ships are in the rank files and compared)."""
     for key, path in sorted(dumps.items()):
         state, _ = vllm_env.read_dump(path)
         assert any(never_loaded(name) for name in state)
-        assert_same_state(loaded(state), rank_tensors(artifact, *key))
+        ours = rank_tensors(artifact, *key)
+        kept = {name: value for name, value in state.items() if name in ours}
+        assert_same_state(loaded(state) | kept, ours)
 
 
 def test_qwen3_fp8_generates_the_default_loaders_tokens_at_tp2_pp2(tmp_path: Path) -> None:
@@ -124,11 +130,17 @@ def test_qwen3_fp8_per_tensor_generates_the_default_loaders_tokens_at_tp2_pp2(
     tmp_path: Path,
 ) -> None:
     """Per-tensor scales with static activation scales: a fused layer holds one scale of
-    each kind per part on every rank (`PerTensorScaleParameter`)."""
+    each kind per part on every rank (`PerTensorScaleParameter`); the KV-cache scales the
+    checkpoint ships are loaded where vLLM's weight mapper puts them."""
     quant = {"quant_method": "fp8", "activation_scheme": "static"}
     model = make_tiny_model(
         tmp_path / "model", "Qwen3ForCausalLM", quantization_config=quant, num_hidden_layers=2
     )
+    # KV-cache scales as AutoFP8 (layer 0) and ModelOpt (layer 1) name them
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
+    tensors["model.layers.1.self_attn.v_proj.v_scale"] = torch.tensor([0.5])
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
     artifact = tmp_path / "artifact"
     convert(str(model), artifact, Options(tp=2, pp=2), progress=False)
     run = {"dtype": "bfloat16", "max_tokens": 6, "env": STUB}
@@ -137,6 +149,8 @@ def test_qwen3_fp8_per_tensor_generates_the_default_loaders_tokens_at_tp2_pp2(
     assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
     assert_rank_files_equal(artifact, dumps)
     ours = rank_tensors(artifact, "target", 1, 1)
+    assert float(ours["model.layers.1.self_attn.attn.v_scale"]) == 0.5
+    assert "model.layers.1.self_attn.attn.k_scale" not in ours  # vLLM leaves it at -1
     for layer, parts in (("self_attn.qkv_proj", 3), ("mlp.gate_up_proj", 2), ("mlp.down_proj", 1)):
         for kind in ("weight_scale", "input_scale"):
             assert tuple(ours[f"model.layers.1.{layer}.{kind}"].shape) == (parts,)
