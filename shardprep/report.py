@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardprep.format import manifest as mf
 from shardprep.format.headers import encode_header
-from shardprep.plan.records import ExpertPlan, FilePlan, Plan
+from shardprep.plan.records import ExpertPlan, FilePlan, ModelPlan, Plan
+
+LAYER_INDEX = re.compile(r"\.\d+\.")
+# The parameters a quantization scheme adds beside a quantized weight.
+QUANT_PARAM = re.compile(r"(_scale|_scale_inv|_packed|_shape|input_scale)$")
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
                 "skipped": dict(m.skipped),
                 "experts": _plan_experts(m.experts),
                 "quantization": m.quantization and f"{m.quantization} ({m.scheme})",
+                "quantized": quantized_groups(plan, m) if m.quantization else {},
             }
             for m in plan.models
         ],
@@ -174,11 +180,31 @@ def describe_models(summary: dict[str, Any]) -> str:
         lines.append(f"{model['role']}: {model['architecture']} {model['dtype']}{origin}")
         if model.get("quantization"):
             lines.append(f"  quantization: {model['quantization']}")
+        for group, params in (model.get("quantized") or {}).items():
+            lines.append(f"    {group}: " + ", ".join(f"{n} {d}" for n, d in params.items()))
         if model.get("experts"):
             lines += expert_lines(model["experts"], topo["tp"])
         lines += skipped_lines(model.get("skipped") or {})
     lines += [f"note: {note}" for note in summary.get("notes", ())]
     return "\n".join(lines)
+
+
+def quantized_groups(plan: Plan, model: ModelPlan) -> dict[str, dict[str, str]]:
+    """Each quantized parameter group of a model (layers alike but for their index once):
+    {module: {parameter: "dtype [shape on tp rank 0 of its first stage]"}}."""
+    groups: dict[str, dict[str, str]] = {}
+    for file in plan.files:
+        if file.role != model.role or file.tp != 0:
+            continue
+        for tensor in file.tensors:
+            module, _, param = LAYER_INDEX.sub(".*.", tensor.name).rpartition(".")
+            shape = ", ".join(map(str, tensor.shape))
+            groups.setdefault(module, {}).setdefault(param, f"{tensor.dtype} [{shape}]")
+    return {
+        module: dict(sorted(params.items()))
+        for module, params in sorted(groups.items())
+        if any(QUANT_PARAM.search(name) for name in params)
+    }
 
 
 def skipped_lines(skipped: dict[str, str]) -> list[str]:

@@ -254,7 +254,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
         for tensor in file_plan.tensors:
             path = located[(file_plan.role, file_plan.pp, file_plan.tp, file_plan.dp, tensor.name)]
             dest = _open(handles, out / path).get_tensor(tensor.name)
-            dest = dest.reshape(tensor.stacked_shape)
+            dest = dest.reshape(tensor.stacked_shape or (1,))  # a 0-d parameter: one row
             checkpoint = checkpoints[file_plan.role]
             row = 0
             for block in tensor.blocks:
@@ -333,6 +333,8 @@ def _mark(mask: torch.Tensor, block: Block) -> None:
 
 def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
     """The part of a whole source tensor that `block` names (what the scatter writes)."""
+    if source.dim() == 0:  # a per-tensor scale: one row of its parameter
+        source = source.reshape(1)
     if block.repeat != (1, 1):
         source = source.repeat_interleave(block.repeat[0], 0)
         source = source.repeat_interleave(block.repeat[1], 1)

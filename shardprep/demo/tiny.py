@@ -132,6 +132,22 @@ def _kimi_k25_config(architecture: str, **overrides: Any) -> dict[str, Any]:
     return config
 
 
+# llm-compressor's `-FP8-dynamic` quantization: fp8 weights per output channel, dynamic
+# per-token activations, routers and lm_head left in the model's dtype.
+TINY_FP8_CT = {
+    "quant_method": "compressed-tensors", "format": "float-quantized",
+    "quantization_status": "compressed", "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                    "dynamic": False, "group_size": None, "block_structure": None,
+                    "observer": "minmax", "observer_kwargs": {}},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                              "strategy": "token", "dynamic": True, "observer": None},
+    }},
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+}  # fmt: skip
+
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -419,7 +435,7 @@ def _quantized(
     plain: dict[str, tuple[int, ...]],
     seed: int,
 ) -> dict[str, torch.Tensor]:
-    """fp8 weights of unit scale (clamped), small positive float32 block scales, random
+    """fp8 weights of unit scale (clamped), small positive float32 scales, random
     packed int4 values with each weight's true [N, K] beside them, and other tensors
     that the checkpoint keeps in float32."""
     generator = torch.Generator().manual_seed(seed + 1)
@@ -448,7 +464,7 @@ def _quantized(
             changed[name.removesuffix("_blocks") + "_scales"] = scales
         elif name.endswith("_scales"):
             pass  # written with its blocks
-        elif name.endswith("weight_scale_inv"):
+        elif name.endswith(("weight_scale_inv", ".weight_scale", ".input_scale")):
             changed[name] = 0.01 + 0.02 * torch.rand(shape, generator=generator)
         else:
             changed[name] = tensors[name].float()

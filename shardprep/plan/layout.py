@@ -59,6 +59,11 @@ class Cut(Enum):
     MX_W2 = "mx_w2"  # [E, H, I/per]: columns [s/per, e/per) of each expert
     MX_W13_BIAS = "mx_w13_bias"  # [E, 2I]: values [2s, 2e)
     MX_W2_BIAS = "mx_w2_bias"  # [E, H]: whole on rank 0, zeros on the others
+    # A per-tensor scale (a scalar or [1]): one value of a parameter holding one per part
+    # of a fused layer (fp8 `weight_scale` [parts]), or per expert ([E] or [E, parts]).
+    PER_TENSOR = "per_tensor"
+    # One value (a scalar or [1]) held as a 0-d parameter (a KV-cache scale), on every rank.
+    SCALAR = "scalar"
 
 
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose
@@ -163,6 +168,12 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
     rows = shape[0] if shape else 1
     if piece.cut is Cut.REPLICATE:
         return (Block(piece.source, (0, rows)),)
+    if piece.cut in (Cut.PER_TENSOR, Cut.SCALAR):
+        if rows != 1 or len(shape) > 1:
+            raise PlanError(
+                f"{piece.source} has shape {list(shape)}; a per-tensor scale is one value"
+            )
+        return (Block(piece.source, (0, 1)),)
     if piece.cut is Cut.ROWS:
         _check_divisible(piece.source, rows, tp, "rows")
         return (Block(piece.source, rank_range(rows, tp, rank)),)
@@ -417,6 +428,9 @@ def expert_stack_blocks(
             "every expert of a layer must"
         )
     blocks = tuple(block for expert in held for block in per_expert[expert])
+    if all(piece.cut is Cut.PER_TENSOR for piece in pieces):  # [E], or [E, parts]
+        per = rows.pop()
+        return blocks, (len(held), per) if per > 1 else (len(held),)
     if all(piece.cut in EXPERT_VECTORS for piece in pieces):
         return blocks, (len(held) * rows.pop(), *trailing.pop())
     return blocks, (len(held), rows.pop(), *trailing.pop())

@@ -25,6 +25,7 @@ from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
 from shardprep.plan.layout import (
     MODEL_DTYPE,
     Block,
+    Cut,
     block_shape,
     expert_stack_blocks,
     is_expert_stack,
@@ -274,7 +275,11 @@ def tensor_plan(
         except PlanError as exc:
             raise PlanError(f"{param.name}: {exc}") from None
     first_shape = source.tensors[param.pieces[0].source][1]
-    if first_shape:
+    if param.pieces[0].cut is Cut.PER_TENSOR:  # one value per piece, scalar or [1]
+        shape: tuple[int, ...] = (len(blocks),)
+    elif param.pieces[0].cut is Cut.SCALAR:
+        shape = ()
+    elif first_shape:
         trailing = block_shape(blocks[0], first_shape)[1:]
         shape = (sum(b.height for b in blocks), *trailing)
     else:

@@ -13,8 +13,13 @@ later, after every rank is dumped).
   `sharded-fast` leaves the same state with every collective refused.
 - Qwen3 (dense) at tp2 x pp2: the same, and with the dequantizing stand-in kernel
   `sharded-fast` generates the default loader's greedy tokens.
+- Qwen3 (dense) with per-tensor scales and static activation scales at tp2 x pp2: the
+  same, tokens included (vLLM's post-processing requantizes each fused layer to one scale).
 - Qwen3-MoE at tp2, the router of layer 0 in `modules_to_not_convert` and that of layer 1
   not (vLLM then builds it as an fp8 layer): every rank file equals vLLM's state.
+
+- Qwen3-MoE at tp2 with compressed-tensors fp8 per channel: every rank file equals
+  vLLM's state, scales cut with their weights' rows, and `sharded-fast` leaves the same.
 
 Every attention layer of an fp8 model also gets KV-cache scales (`attn.k_scale`, ...),
 which vLLM creates but leaves at -1 for a checkpoint without them: the rank files hold
@@ -26,12 +31,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import vllm_env
+from safetensors.torch import load_file, save_file
 from test_vllm_layout import assert_same_state, rank_tensors
 from test_vllm_moe import TRAP, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
-from shardprep.demo.tiny import TINY_FP8, make_tiny_model
+from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, make_tiny_model
 from shardprep.format.manifest import read_manifest
 from shardprep.plan.quant import never_loaded
 
@@ -91,10 +98,14 @@ def loaded(state: dict) -> dict:
 
 
 def assert_rank_files_equal(artifact: Path, dumps: vllm_env.DumpFiles) -> None:
+    """Every rank file equals vLLM's state, but for the KV-cache scales vLLM creates and
+    leaves unloaded (those a checkpoint ships are in the rank files and compared)."""
     for key, path in sorted(dumps.items()):
         state, _ = vllm_env.read_dump(path)
         assert any(never_loaded(name) for name in state)
-        assert_same_state(loaded(state), rank_tensors(artifact, *key))
+        ours = rank_tensors(artifact, *key)
+        kept = {name: value for name, value in state.items() if name in ours}
+        assert_same_state(loaded(state) | kept, ours)
 
 
 def test_qwen3_fp8_generates_the_default_loaders_tokens_at_tp2_pp2(tmp_path: Path) -> None:
@@ -108,6 +119,41 @@ def test_qwen3_fp8_generates_the_default_loaders_tokens_at_tp2_pp2(tmp_path: Pat
     dumps = vllm_env.dump_files(tmp_path / "default")
     assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
     assert_rank_files_equal(artifact, dumps)
+    run["env"] = STUB | TRAP
+    fast = vllm_env.generate(artifact, 2, 2, "dump-sharded-fast", dump_dir=tmp_path / "fast", **run)
+    assert all(len(tokens) == 6 for tokens in default)
+    assert fast == default
+    assert_same_dumps(vllm_env.dump_files(tmp_path / "fast"), dumps)
+
+
+def test_qwen3_fp8_per_tensor_generates_the_default_loaders_tokens_at_tp2_pp2(
+    tmp_path: Path,
+) -> None:
+    """Per-tensor scales with static activation scales: a fused layer holds one scale of
+    each kind per part on every rank (`PerTensorScaleParameter`); the KV-cache scales the
+    checkpoint ships are loaded where vLLM's weight mapper puts them."""
+    quant = {"quant_method": "fp8", "activation_scheme": "static"}
+    model = make_tiny_model(
+        tmp_path / "model", "Qwen3ForCausalLM", quantization_config=quant, num_hidden_layers=2
+    )
+    # KV-cache scales as AutoFP8 (layer 0) and ModelOpt (layer 1) name them
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
+    tensors["model.layers.1.self_attn.v_proj.v_scale"] = torch.tensor([0.5])
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    artifact = tmp_path / "artifact"
+    convert(str(model), artifact, Options(tp=2, pp=2), progress=False)
+    run = {"dtype": "bfloat16", "max_tokens": 6, "env": STUB}
+    default = vllm_env.generate(model, 2, 2, "dump-default", dump_dir=tmp_path / "default", **run)
+    dumps = vllm_env.dump_files(tmp_path / "default")
+    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
+    assert_rank_files_equal(artifact, dumps)
+    ours = rank_tensors(artifact, "target", 1, 1)
+    assert float(ours["model.layers.1.self_attn.attn.v_scale"]) == 0.5
+    assert "model.layers.1.self_attn.attn.k_scale" not in ours  # vLLM leaves it at -1
+    for layer, parts in (("self_attn.qkv_proj", 3), ("mlp.gate_up_proj", 2), ("mlp.down_proj", 1)):
+        for kind in ("weight_scale", "input_scale"):
+            assert tuple(ours[f"model.layers.1.{layer}.{kind}"].shape) == (parts,)
     run["env"] = STUB | TRAP
     fast = vllm_env.generate(artifact, 2, 2, "dump-sharded-fast", dump_dir=tmp_path / "fast", **run)
     assert all(len(tokens) == 6 for tokens in default)
@@ -134,3 +180,39 @@ def test_qwen3_moe_fp8_router_rules_at_tp2(tmp_path: Path) -> None:
     assert "model.layers.0.mlp.gate.weight_scale_inv" not in ours
     assert str(ours["model.layers.1.mlp.gate.weight"].dtype) == "torch.float8_e4m3fn"
     assert "model.layers.1.mlp.gate.weight_scale_inv" in ours
+
+
+def test_qwen3_moe_compressed_tensors_fp8_at_tp2(tmp_path: Path) -> None:
+    """compressed-tensors `float-quantized` fp8 per output channel (llm-compressor's
+    `-FP8-dynamic`), with the router of layer 1 left out of the ignore list: vLLM builds
+    it as an fp8 layer too. `sharded-fast` leaves the same state, collectives refused
+    (and the KV-cache scales and zero points vLLM creates, unloaded, as the default loader
+    leaves them)."""
+    quant = TINY_FP8_CT | {"ignore": ["lm_head", "model.layers.0.mlp.gate"]}
+    model = make_tiny_model(
+        tmp_path / "model", "Qwen3MoeForCausalLM", quantization_config=quant,
+        moe_intermediate_size=96, num_hidden_layers=2,
+    )  # fmt: skip
+    artifact = tmp_path / "artifact"
+    convert(str(model), artifact, Options(tp=2, pp=1), progress=False)
+    dumps = vllm_env.dump_state(
+        model, 2, 1, tmp_path / "default", dtype="bfloat16", env=STATE_ONLY,
+        allow_engine_failure=True,
+    )  # fmt: skip
+    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=False))
+    assert_rank_files_equal(artifact, dumps)
+    ours = rank_tensors(artifact, "target", 0, 1)
+    experts = "model.layers.1.mlp.experts.routed_experts."
+    scale = ours[experts + "w13_weight_scale"]
+    assert (str(scale.dtype), scale.shape[1:]) == ("torch.float32", (96, 1))
+    hidden = ours[experts + "w2_weight"].shape[1]
+    assert ours[experts + "w2_weight_scale"].shape[1:] == (hidden, 1)  # whole per expert
+    assert str(ours["model.layers.0.mlp.gate.weight"].dtype) == "torch.bfloat16"
+    assert "model.layers.0.mlp.gate.weight_scale" not in ours
+    assert str(ours["model.layers.1.mlp.gate.weight"].dtype) == "torch.float8_e4m3fn"
+    assert ours["model.layers.1.mlp.gate.weight_scale"].shape[1] == 1
+    fast = vllm_env.dump_state(
+        artifact, 2, 1, tmp_path / "fast", load_format="dump-sharded-fast", dtype="bfloat16",
+        env=STATE_ONLY | TRAP, allow_engine_failure=True,
+    )  # fmt: skip
+    assert_same_dumps(fast, dumps)

@@ -61,6 +61,10 @@ class Family:
     name: ClassVar[str]
     # Quantization schemes (plan/quant) whose stored tensors this family places.
     quant_schemes: ClassVar[frozenset[str]] = frozenset()
+    # Whether vLLM's attention layers of the family sit at `{layer}.self_attn.attn`, where
+    # vLLM's fp8 weight mapper puts the KV-cache scales a checkpoint ships (plan/quant/
+    # kv_cache.py); a family without them refuses such tensors as unknown.
+    kv_cache_scales: ClassVar[bool] = False
     # transformers' `attribute_map` of each config class (by model_type) of the family:
     # {attribute: the key it is stored under}. transformers versions rename keys (a
     # Qwen3-MoE saved by transformers 5 holds num_local_experts, not num_experts); vLLM

@@ -181,7 +181,8 @@ def linear_weights(names: Iterable[str]) -> dict[str, str]:
 
 class LlamaFamily(Family):
     name = "llama"
-    quant_schemes = frozenset({"fp8_block"})
+    quant_schemes = frozenset({"fp8_block", "fp8_tensor", "fp8_ct"})
+    kv_cache_scales = True
 
     def _variant(self, config: Config) -> tuple[bool, bool]:
         arch = (config.get("architectures") or [""])[0]

@@ -19,7 +19,7 @@ from typing import Any
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
 from shardprep.plan.layout import Cut, Piece
-from shardprep.plan.quant import Scheme, scheme_of
+from shardprep.plan.quant import Scheme, kv_cache, scheme_of
 from shardprep.plan.quant.layer import Quantized
 
 LAYER_INDEX = re.compile(r"\.\d+\.")
@@ -89,7 +89,13 @@ def layout(
     if not weights:
         return base
     moe_ways = 1 if context.get("expert_parallel") else topology.tp * int(context.get("dp", 1))
-    params: list[Param] = []
+    params: list[Param] = [
+        Param(name, (piece,), stages, kv_cache.SCALE_DTYPE)
+        for name, piece, stages in kv_cache.kv_cache_params(
+            (name for name in shapes if scheme.method == "fp8" and family.kv_cache_scales),
+            ((param.name, param.stages) for param in base.params),
+        )
+    ]
     unplaced: dict[str, str] = {}
     for param in base.params:
         if not any(piece.source in weights for piece in param.pieces):

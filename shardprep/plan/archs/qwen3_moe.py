@@ -52,7 +52,8 @@ class Qwen3MoeFamily(Family):
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {
         "qwen3_moe": {"num_experts": "num_local_experts"}
     }
-    quant_schemes = frozenset({"fp8_block"})
+    quant_schemes = frozenset({"fp8_block", "fp8_tensor", "fp8_ct"})
+    kv_cache_scales = True
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         """Attention, dense MLPs, experts, and the router: vLLM builds `mlp.gate` with the

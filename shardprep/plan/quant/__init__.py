@@ -13,6 +13,8 @@ from typing import Any
 from shardprep.plan.quant.fp4 import FORMAT as MXFP4_PACK
 from shardprep.plan.quant.fp4 import Mxfp4PackQuant, mxfp4_pack_quant
 from shardprep.plan.quant.fp8 import BlockQuant, block_quant
+from shardprep.plan.quant.fp8_ct import FloatQuant, float_quant
+from shardprep.plan.quant.fp8_tensor import TensorQuant
 from shardprep.plan.quant.int4 import PackQuant, pack_quant
 from shardprep.plan.quant.mxfp4 import Mxfp4Pad, Mxfp4Quant, mxfp4_quant
 
@@ -20,10 +22,12 @@ from shardprep.plan.quant.mxfp4 import Mxfp4Pad, Mxfp4Quant, mxfp4_quant
 # vLLM leaves unquantized (`skips`), the parameters vLLM builds of a quantized parameter
 # and how each is cut (`params`), which layers shardprep lays out (`places`) and what vLLM
 # refuses at a tp (`refusals`).
-Scheme = BlockQuant | PackQuant | Mxfp4PackQuant | Mxfp4Quant
+Scheme = BlockQuant | TensorQuant | FloatQuant | PackQuant | Mxfp4PackQuant | Mxfp4Quant
 # What vLLM's quantization configs give every attention layer (`BaseKVCacheMethod`): KV-cache
 # scales, left at -1 unless the checkpoint has them (which shardprep's plans never do).
 KV_CACHE_SCALES = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.prob_scale")
+# ... and compressed-tensors' zero points beside them (`CompressedTensorsKVCacheMethod`).
+KV_CACHE_SCALES += (".attn.k_zero_point", ".attn.v_zero_point", ".attn.q_zero_point")
 
 
 def never_loaded(parameter: str) -> bool:
@@ -39,6 +43,8 @@ def scheme_of(config: Mapping[str, Any], mxfp4_pad: str | None = None) -> Scheme
     if quant and quant.get("quant_method") == PackQuant.method:
         if quant.get("format") == MXFP4_PACK:
             return mxfp4_pack_quant(quant)
+        if quant.get("format") == "float-quantized":
+            return float_quant(quant)
         return pack_quant(quant)
     if quant and quant.get("quant_method") in ("mxfp4", "gpt_oss_mxfp4"):
         return dataclasses.replace(mxfp4_quant(quant), pad=Mxfp4Pad.parse(mxfp4_pad))

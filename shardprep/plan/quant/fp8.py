@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.layout import Cut, Piece, ScaleOf
+from shardprep.plan.quant.fp8_tensor import TensorQuant, tensor_quant
 from shardprep.plan.quant.layer import Quantized
 from shardprep.plan.topology import kv_heads_of_rank
 
@@ -91,21 +92,27 @@ def scale_name(weight: str) -> str:
     return weight + "_scale_inv"
 
 
-def block_quant(config: Config) -> BlockQuant | None:
-    """The block quantization config.json declares, or None for an unquantized model."""
+def block_quant(config: Config) -> BlockQuant | TensorQuant | None:
+    """The fp8 quantization config.json declares (blocks, or per tensor without
+    `weight_block_size`), or None for an unquantized model."""
     quant = config.get("quantization_config")
     if not quant:
         return None
     method = quant.get("quant_method")
     block = quant.get("weight_block_size")
-    if method != "fp8" or not block:
-        what = f"quant_method {method!r}" + ("" if block else " without weight_block_size")
-        return BlockQuant((1, 1), f"quantization_config has {what}; shardprep supports fp8 blocks")
-    if quant.get("activation_scheme", "dynamic") != "dynamic" or len(block) != 2:
-        return BlockQuant((1, 1), "fp8 blocks need activation_scheme dynamic and a 2-D block")
+    if method != "fp8":
+        return BlockQuant(
+            (1, 1),
+            f"quantization_config has quant_method {method!r}; shardprep supports fp8 "
+            "(blocks or per tensor) and compressed-tensors",
+        )
     ignored = quant.get("ignored_layers") or quant.get("modules_to_not_convert") or []
     if not isinstance(ignored, list) or not all(isinstance(n, str) for n in ignored):
         return BlockQuant((1, 1), "quantization_config's modules_to_not_convert is not a list")
+    if not block:
+        return tensor_quant(quant, frozenset(ignored))
+    if quant.get("activation_scheme", "dynamic") != "dynamic" or len(block) != 2:
+        return BlockQuant((1, 1), "fp8 blocks need activation_scheme dynamic and a 2-D block")
     return BlockQuant((int(block[0]), int(block[1])), ignored=frozenset(ignored))
 
 
@@ -184,7 +191,7 @@ def moe_block_problems(
 ) -> list[str]:
     """vLLM's `validate_fp8_block_shape_moe`, reached when no refined block fits, and
     what its loader cannot place on a refined grid."""
-    block_n, block_k = quant.block
+    block_k = quant.block[1]
     grid = refined_block(quant, local_intermediate, hidden, tp)
     if grid:
         whole = all((local_intermediate * tp) % b == 0 for b in quant.block)
@@ -198,6 +205,12 @@ def moe_block_problems(
             f"rows per rank, but its loader cannot place the scales of an intermediate size "
             f"({local_intermediate * tp}) that is not a whole number of {block_k}-blocks."
         ]
+    return moe_block_rules(quant.block, local_intermediate, tp)
+
+
+def moe_block_rules(block: tuple[int, int], local_intermediate: int, tp: int) -> list[str]:
+    """vLLM's `validate_fp8_block_shape_moe`, in its words."""
+    block_n, block_k = block
     if local_intermediate % block_n:
         return [
             f"The output_size of gate's and up's weight = {local_intermediate} is not "

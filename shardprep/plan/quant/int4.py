@@ -13,13 +13,12 @@ grouped K columns) and keeps one full, unsharded [N, K] per expert in `w13_weigh
 
 from __future__ import annotations
 
-import functools
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.layout import MODEL_DTYPE, Cut, Piece, ScaleOf
+from shardprep.plan.quant.ignore import ignored
 from shardprep.plan.quant.layer import Quantized
 
 Config = Mapping[str, Any]
@@ -27,7 +26,6 @@ PACKED_DTYPE = "I32"  # the packed weights' and the checkpoint's weight_shape sa
 SUFFIXES = ("_packed", "_scale", "_shape")
 BITS = 4
 PER_INT32 = 32 // BITS
-EXPERT_PART = re.compile(r"^\.(\d+)\.")
 # What a parsed scheme holds when config.json's quantization cannot be laid out.
 SUPPORTED = (
     "shardprep supports compressed-tensors pack-quantized int4 (W4A16: one config group "
@@ -64,14 +62,9 @@ class PackQuant:
         return source.removesuffix("_packed")
 
     def skips(self, layer: str, *parts: str) -> bool:
-        """Whether vLLM leaves a layer unquantized (`should_ignore_layer`): its name, or
-        the names of its parts, in the ignore list. vLLM asks about a FusedMoE layer
-        through its expert 0 (`{layer}.0.gate_proj` ...), whichever expert `parts` name."""
-        names = [layer]
-        for part in parts:
-            expert = EXPERT_PART.match(part.removeprefix(layer)) if part.startswith(layer) else None
-            names.append(f"{layer}.0.{part[len(layer) + expert.end() :]}" if expert else part)
-        return any(_ignored(name, self.ignored) for name in names)
+        """Whether vLLM leaves a layer unquantized (`should_ignore_layer`; see
+        `ignore.ignored`)."""
+        return ignored(self.ignored, layer, *parts)
 
     def places(self, kind: str) -> bool:
         """Whether shardprep lays out a quantized layer of this kind: the experts only."""
@@ -144,20 +137,6 @@ class PackQuant:
                 f"divisible by group_size ({self.group})."
             ]
         return []
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _ignored(name: str, patterns: tuple[str, ...]) -> bool:
-    """Whether `name` is in the ignore list `patterns` (once per name: a checkpoint's
-    experts all ask about their layer's expert 0)."""
-    return any(_matches(name, pattern) for pattern in patterns)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """vLLM's `is_equal_or_regex_match`: `re:` patterns with `re.match`, others exact."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return name == pattern
 
 
 def pack_quant(quant: Config) -> PackQuant:

@@ -8,10 +8,12 @@ original runs first, and only when it raises does a stand-in take its place. The
 parameters and weight loaders stay vLLM's own, so the state after ``load_weights`` is
 the reference a rank file must equal.
 
-The fp8 linear stand-in can even compute: it dequantizes the weight over its blocks and
-calls ``F.linear``. MoE stand-ins cannot; with ``$SHARDPREP_SKIP_POSTPROCESS=1`` vLLM's
-``process_weights_after_loading`` does nothing, so that the engine goes on to build a
-draft after a target whose post-processing would have stopped it.
+The fp8 linear stand-in can even compute: it dequantizes the weight over its blocks (or
+with its per-tensor or per-channel scales) and calls ``F.linear``; the requantization of
+per-tensor post-processing gets a plain torch stand-in too. MoE stand-ins cannot; with
+``$SHARDPREP_SKIP_POSTPROCESS=1`` vLLM's ``process_weights_after_loading`` does nothing,
+so that the engine goes on to build a draft after a target whose post-processing would
+have stopped it.
 
 Without the variables nothing is changed.
 """
@@ -37,22 +39,39 @@ class DequantizingFp8Linear:
 
     def __init__(self, **config: Any) -> None:
         self.config = config
+        self.transposed = False
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        pass
+        # vLLM's per-tensor and per-channel post-processing hands the kernel the weight
+        # as [K, N] (and one scale for a fused layer's parts); its block path keeps [N, K].
+        group = self.config["weight_quant_key"].scale.group_shape
+        self.transposed = group.is_per_tensor() or group.is_per_channel()
+
+    def input_quant_key(self) -> None:
+        """The stand-in quantizes no input (compressed-tensors asks)."""
+        return None
 
     def apply_weights(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, dequantized(layer).to(x.dtype), bias)
+        weight = dequantized(layer, self.transposed)
+        return F.linear(x, weight.to(x.dtype), bias)
 
 
-def dequantized(layer: torch.nn.Module) -> torch.Tensor:
+def dequantized(layer: torch.nn.Module, transposed: bool = False) -> torch.Tensor:
     weight = layer.weight.to(torch.float32)
+    if transposed:
+        weight = weight.t()
     scale = getattr(layer, "weight_scale_inv", None)
     if scale is None:
         scale = layer.weight_scale
     scale = scale.to(torch.float32)
+    widths = getattr(layer, "logical_widths", None) or []
+    if scale.dim() == 2 and scale.shape[1] == 1:  # one scale per output channel
+        scale = scale.reshape(-1)
+    if scale.dim() == 1 and 1 < scale.numel() == len(widths) != weight.shape[0]:
+        # one scale per part of a fused layer, as loaded
+        scale = scale.repeat_interleave(torch.tensor(widths, device=scale.device))
     if scale.dim() == 2 and scale.shape != weight.shape:  # one scale per block
         rows = -(-weight.shape[0] // scale.shape[0])
         cols = -(-weight.shape[1] // scale.shape[1])
@@ -61,6 +80,17 @@ def dequantized(layer: torch.nn.Module) -> torch.Tensor:
     elif scale.dim() == 1 and scale.numel() == weight.shape[0]:
         scale = scale[:, None]
     return weight * scale
+
+
+def static_fp8_quant(
+    input: torch.Tensor, scale: torch.Tensor | None = None, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.scaled_fp8_quant` with a static scale, which the CPU build lacks."""
+    if scale is None:
+        raise NotImplementedError("the stand-in quantizes with a static scale only")
+    finfo = torch.finfo(torch.float8_e4m3fn)
+    values = (input.to(torch.float32) / scale.to(torch.float32)).clamp(finfo.min, finfo.max)
+    return values.to(torch.float8_e4m3fn), scale
 
 
 def or_stand_in(original: Callable[..., Any], stand_in: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,10 +118,18 @@ def install() -> bool:
     if os.environ.get(STUB_ENV) != "1":
         return False
     from vllm.model_executor.layers.quantization import fp8
-
-    fp8.init_fp8_linear_kernel = or_stand_in(
-        fp8.init_fp8_linear_kernel, lambda **config: DequantizingFp8Linear(**config)
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w8a8_fp8 as ct_fp8,
     )
+
+    for module in (fp8, ct_fp8):
+        module.init_fp8_linear_kernel = or_stand_in(
+            module.init_fp8_linear_kernel, lambda **config: DequantizingFp8Linear(**config)
+        )
+    from vllm import _custom_ops
+
+    # The per-tensor post-processing requantizes a fused layer's parts to one scale.
+    _custom_ops.scaled_fp8_quant = or_stand_in(_custom_ops.scaled_fp8_quant, static_fp8_quant)
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
         compressed_tensors_moe_wna16 as wna16,
     )
