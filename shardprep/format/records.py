@@ -47,6 +47,8 @@ MX_CUTS = ("mx_w13", "mx_w2", "mx_w13_bias", "mx_w2_bias")
 CUTS += MX_CUTS
 # ... of a source that stacks `heads` equal parts (a fused q, k, v), each split evenly.
 CUTS += ("parts_rows",)
+# ... and one value of an expert (an NVFP4 global scale), stacked into a vector.
+CUTS += ("expert_scalar",)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,9 @@ class Cut(Enum):
     MX_W2 = "mx_w2"  # [E, H, I/per]: columns [s/per, e/per) of each expert
     MX_W13_BIAS = "mx_w13_bias"  # [E, 2I]: values [2s, 2e)
     MX_W2_BIAS = "mx_w2_bias"  # [E, H]: whole on rank 0, zeros on the others
+    # One value of one expert ([1] or [], an NVFP4 global scale), whole on every rank: a
+    # stack of them is a vector [experts].
+    EXPERT_SCALAR = "expert_scalar"
 
 
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose
@@ -64,7 +67,9 @@ EXPERT_INDEXED = (
     frozenset({Cut.EXPERT_COLS_T, Cut.EXPERT_ROWS_T, Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST})
     | MX_CUTS
 )
-EXPERT_VECTORS = frozenset({Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST, Cut.MX_W13_BIAS, Cut.MX_W2_BIAS})
+EXPERT_VECTORS = frozenset(
+    {Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST, Cut.MX_W13_BIAS, Cut.MX_W2_BIAS, Cut.EXPERT_SCALAR}
+)
 MX_BLOCK = 32  # values that share one e8m0 scale (OCP MX)
 
 
@@ -157,7 +162,7 @@ def _cached_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> 
 
 def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
     rows = shape[0] if shape else 1
-    if piece.cut is Cut.REPLICATE:
+    if piece.cut in (Cut.REPLICATE, Cut.EXPERT_SCALAR):
         return (Block(piece.source, (0, rows)),)
     if piece.cut is Cut.ROWS:
         _check_divisible(piece.source, rows, tp, "rows")
