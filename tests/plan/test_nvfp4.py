@@ -6,16 +6,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_regions import _assemble
 
 from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
 from shardprep.demo.tiny import TINY_NVFP4_PACK, make_tiny_model, nvfp4_decode, nvfp4_encode
 from shardprep.errors import PlanError
+from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.fp4 import Nvfp4PackQuant
+from shardprep.plan.topology import ExpertSplit
 
 V3 = "DeepseekV3ForCausalLM"
 EXPERTS = "model.layers.1.mlp.experts."
@@ -122,3 +126,27 @@ def test_a_tp_that_splits_a_group_of_16_is_refused_with_the_tps_that_work(tmp_pa
         "stores the intermediate size per rank (24) in groups of 16, which it does not "
         "divide. Choose a tp that works: 1, 2"
     ) in str(caught.value)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize(("tp", "new_tp"), [(2, 1), (4, 2), (4, 1)])
+def test_global_scale_stacks_at_every_coarser_tp(
+    tp: int, new_tp: int, expert_parallel: bool
+) -> None:
+    """The global scales of an artifact's ranks regroup into a coarser tp's stacks: [E', 2]
+    (gate, up) and [E'] (down), whichever ranks hold the experts."""
+    experts = 6
+    rng = np.random.default_rng(5)
+    sources = {f"{p}{e}": rng.random(1, np.float32) for e in range(experts) for p in "gud"}
+    w13 = tuple(Piece(f"{p}{e}", Cut.REPLICATE, expert=e) for e in range(experts) for p in "gu")
+    w2 = tuple(Piece(f"d{e}", Cut.EXPERT_SCALAR, expert=e) for e in range(experts))
+    split = (
+        ExpertSplit(experts, tp, expert_parallel=expert_parallel),
+        ExpertSplit(experts, new_tp, expert_parallel=expert_parallel),
+    )
+    for pieces, width in ((w13, (2,)), (w2, ())):
+        for rank in range(new_tp):
+            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+            held = len(split[1].experts(rank))
+            assert got.shape == want.shape == (held, *width)
+            assert np.array_equal(got, want)
