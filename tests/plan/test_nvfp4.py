@@ -69,13 +69,14 @@ def test_nvfp4_encoding_decodes_to_the_weight_within_e2m1_precision() -> None:
     assert float(decoded.abs().amax()) == pytest.approx(float(weight.abs().amax()), rel=0.15)
 
 
-@pytest.mark.parametrize(("inter", "tp"), [(96, 2), (192, 4)])
+@pytest.mark.parametrize(("inter", "hidden", "tp"), [(96, 272, 2), (192, 256, 4)])
 def test_converted_experts_are_vllms_stacks_of_the_source_bytes(
-    tmp_path: Path, inter: int, tp: int
+    tmp_path: Path, inter: int, hidden: int, tp: int
 ) -> None:
+    """Three groups of 16 of the intermediate size a rank; a hidden size of 17 groups."""
     model = make_tiny_model(
         tmp_path / "model", V3, num_hidden_layers=2, moe_intermediate_size=inter,
-        hidden_size=256, quantization_config=TINY_NVFP4_PACK,
+        hidden_size=hidden, quantization_config=TINY_NVFP4_PACK,
     )  # fmt: skip
     out = tmp_path / "out"
     convert(str(model), out, Options(tp=tp, pp=1), progress=False)
