@@ -97,6 +97,18 @@ TINY_MXFP4_PACK = {
                     "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
     }},
 }  # fmt: skip
+# NVFP4 routed experts (compressed-tensors nvfp4-pack-quantized, W4A4: e2m1 values and
+# activations in groups of 16 sharing an e4m3 scale, float32 global scales), the rest ignored.
+_NVFP4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+          "group_size": 16, "dynamic": False, "actorder": None, "block_structure": None,
+          "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
+TINY_NVFP4_PACK = {
+    **TINY_INT4, "format": "nvfp4-pack-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None, "weights": _NVFP4,
+        "input_activations": {**_NVFP4, "dynamic": "local"},
+    }},
+}  # fmt: skip
 
 # Kimi-K2.5: a tiny DeepSeek-V3 text model and a tiny MoonViT (4 heads, 2 blocks).
 KIMI_K25 = {"KimiK25ForConditionalGeneration": "kimi_k25"}
@@ -436,13 +448,23 @@ def _quantized(
     seed: int,
 ) -> dict[str, torch.Tensor]:
     """fp8 weights of unit scale (clamped), small positive float32 scales, random
-    packed int4 values with each weight's true [N, K] beside them, and other tensors
-    that the checkpoint keeps in float32."""
+    packed int4 values with each weight's true [N, K] beside them, random weights encoded
+    in MXFP4 or NVFP4, and other tensors that the checkpoint keeps in float32."""
     generator = torch.Generator().manual_seed(seed + 1)
     changed = {}
     for name, dtype in sorted(dtypes.items()):
         shape = tensors[name].shape
-        if dtype == "F8_E4M3":
+        if name.endswith("weight_global_scale"):  # a random weight encoded in NVFP4
+            stem = name.removesuffix("global_scale")
+            rows, half = tensors[stem + "packed"].shape
+            weight = 0.05 * torch.randn(rows, 2 * half, generator=generator)
+            packed, scale, changed[name] = nvfp4_encode(weight)
+            changed[stem + "packed"], changed[stem + "scale"] = packed, scale
+        elif name.endswith("input_global_scale"):
+            changed[name] = 100.0 + 400.0 * torch.rand((1,), generator=generator)
+        elif stem_of(name) + "weight_global_scale" in dtypes:
+            pass  # written with its global scale
+        elif dtype == "F8_E4M3":
             values = torch.randn(shape, generator=generator).clamp(-4, 4)
             changed[name] = values.to(torch.float8_e4m3fn)
         elif name.endswith(".weight_shape"):
@@ -472,6 +494,45 @@ def _quantized(
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 3-bit e2m1 codes
+E4M3_MAX = 448.0
+
+
+def stem_of(name: str) -> str:
+    """`x.` of a quantized weight's stored tensor `x.weight_packed`, `x.weight_scale`..."""
+    return name.rsplit(".", 1)[0] + "."
+
+
+def _e2m1_packed(scaled: torch.Tensor) -> torch.Tensor:
+    """Values already scaled into e2m1's range, rounded to the nearest code (sign in bit
+    3), two to a byte along the last dimension (the even value in the low nibble)."""
+    codes = (scaled.abs().unsqueeze(-1) - torch.tensor(E2M1)).abs().argmin(-1)
+    codes = codes | ((scaled < 0).long() << 3)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def nvfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 of a float weight [N, K] (K whole groups of 16) as compressed-tensors stores
+    it: `weight_packed` uint8 [N, K/2], `weight_scale` float8_e4m3fn [N, K/16] and
+    `weight_global_scale` float32 [1] (448 * 6 / the largest value); a value is decoded as
+    code * scale / global_scale."""
+    weight = weight.float()
+    global_scale = (E4M3_MAX * 6.0 / weight.abs().amax().clamp_min(1e-12)).reshape(1)
+    groups = weight.reshape(weight.shape[0], -1, 16)
+    scale = (groups.abs().amax(-1) / 6.0 * global_scale).clamp(2.0**-9, E4M3_MAX)
+    scale = scale.to(torch.float8_e4m3fn)
+    scaled = groups / (scale.float() / global_scale).unsqueeze(-1)
+    packed = _e2m1_packed(scaled.clamp(-6.0, 6.0)).reshape(weight.shape[0], -1)
+    return packed, scale, global_scale
+
+
+def nvfp4_decode(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
+) -> torch.Tensor:
+    """The float values of `nvfp4_encode`'s output, [N, K]."""
+    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1, 16).long()
+    values = torch.tensor(E2M1)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    values = values * (scale.float() / global_scale.float()).unsqueeze(-1)
+    return values.reshape(packed.shape[0], -1)
 
 
 def mxfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -482,11 +543,7 @@ def mxfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
     largest = groups.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
     exponent = torch.ceil(torch.log2(largest / 6.0)).clamp(-127, 127)
-    scaled = groups / torch.exp2(exponent)
-    magnitudes = torch.tensor(E2M1)
-    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)
-    codes = codes | ((scaled < 0).long() << 3)
-    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    packed = _e2m1_packed(groups / torch.exp2(exponent))
     return packed, (exponent.squeeze(-1) + 127).to(torch.uint8)
 
 

@@ -52,6 +52,8 @@ CUTS += ("qkv_rows",)
 # ... of a per-tensor scale, one value per part of a fused layer (fp8 per tensor), and of
 # one value held 0-d (a KV-cache scale).
 CUTS += ("per_tensor", "scalar")
+# ... and one value of an expert (an NVFP4 global scale), stacked into a vector.
+CUTS += ("expert_scalar",)
 
 
 @dataclass(frozen=True)

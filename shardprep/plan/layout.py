@@ -64,6 +64,9 @@ class Cut(Enum):
     PER_TENSOR = "per_tensor"
     # One value (a scalar or [1]) held as a 0-d parameter (a KV-cache scale), on every rank.
     SCALAR = "scalar"
+    # One value of one expert ([1] or [], an NVFP4 global scale), whole on every rank: a
+    # stack of them is a vector [experts].
+    EXPERT_SCALAR = "expert_scalar"
 
 
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose
@@ -73,7 +76,9 @@ EXPERT_INDEXED = (
     frozenset({Cut.EXPERT_COLS_T, Cut.EXPERT_ROWS_T, Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST})
     | MX_CUTS
 )
-EXPERT_VECTORS = frozenset({Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST, Cut.MX_W13_BIAS, Cut.MX_W2_BIAS})
+EXPERT_VECTORS = frozenset(
+    {Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST, Cut.MX_W13_BIAS, Cut.MX_W2_BIAS, Cut.EXPERT_SCALAR}
+)
 MX_BLOCK = 32  # values that share one e8m0 scale (OCP MX)
 
 
@@ -166,7 +171,7 @@ def _cached_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> 
 
 def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
     rows = shape[0] if shape else 1
-    if piece.cut is Cut.REPLICATE:
+    if piece.cut in (Cut.REPLICATE, Cut.EXPERT_SCALAR):
         return (Block(piece.source, (0, rows)),)
     if piece.cut in (Cut.PER_TENSOR, Cut.SCALAR):
         if rows != 1 or len(shape) > 1:

@@ -16,6 +16,13 @@ the same state.
 compressed-tensors `mxfp4-pack-quantized` (Kimi-K3's routed experts) on a tiny DeepSeek-V3
 at tp2: `CompressedTensorsW4A4Mxfp4MoEMethod` builds uint8 stacks without padding; every
 rank file equals vLLM's state byte for byte.
+
+compressed-tensors `nvfp4-pack-quantized` (W4A4) on a tiny DeepSeek-V3 at tp2, with an
+intermediate size of 96 (three groups of 16 a rank): random weights really encoded (e2m1
+codes, e4m3 group scales, float32 global scales); `CompressedTensorsW4A4Nvfp4MoEMethod`
+stacks the global scales as [E, 2] (gate, up) and [E] on every rank. The CPU build has no
+NVFP4 MoE backend: the plugin stands in for `select_nvfp4_moe_backend` where it raises.
+Every rank file equals vLLM's state byte for byte.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from test_vllm_layout import assert_same_state, rank_tensors
 from test_vllm_moe import TRAP, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
-from shardprep.demo.tiny import TINY_MXFP4, TINY_MXFP4_PACK, make_tiny_model
+from shardprep.demo.tiny import TINY_MXFP4, TINY_MXFP4_PACK, TINY_NVFP4_PACK, make_tiny_model
 from shardprep.format.manifest import read_manifest
 from shardprep.plan.quant import never_loaded
 
@@ -97,4 +104,36 @@ def test_deepseek_v3_mxfp4_pack_quantized_experts_equal_vllm_state_at_tp2(
         state = {n: v for n, v in state.items() if not never_loaded(n)}
         assert tuple(state[stack + "w13_weight_packed"].shape) == (8, 2 * 64, 256 // 2)
         assert tuple(state[stack + "w2_weight_scale"].shape) == (8, 256, 64 // 32)
+        assert_same_state(state, rank_tensors(artifact, role, p, t))
+
+
+def test_deepseek_v3_nvfp4_pack_quantized_experts_equal_vllm_state_at_tp2(
+    tmp_path: Path,
+) -> None:
+    model = make_tiny_model(
+        tmp_path / "model", "DeepseekV3ForCausalLM", num_hidden_layers=2,
+        moe_intermediate_size=96, hidden_size=256, quantization_config=TINY_NVFP4_PACK,
+    )  # fmt: skip
+    artifact = tmp_path / "artifact"
+    convert(str(model), artifact, Options(tp=2, pp=1), progress=False)
+    assert read_manifest(artifact).vllm_layout.revisions["nvfp4_pack"] == 1
+    dumps = vllm_env.dump_state(
+        model, 2, 1, tmp_path / "default", env=STATE_ONLY, dtype="bfloat16",
+        allow_engine_failure=True,
+    )  # fmt: skip
+    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=False))
+    source = load_file(model / "model.safetensors")
+    stack = "model.layers.1.mlp.experts.routed_experts."
+    for (role, p, t), path in dumps.items():
+        state, _ = vllm_env.read_dump(path)
+        state = {n: v for n, v in state.items() if not never_loaded(n)}
+        assert tuple(state[stack + "w13_weight_packed"].shape) == (8, 2 * 48, 256 // 2)
+        assert state[stack + "w2_weight_scale"].dtype == torch.float8_e4m3fn
+        assert tuple(state[stack + "w2_weight_scale"].shape) == (8, 256, 48 // 16)
+        expert = "model.layers.1.mlp.experts.3."
+        assert torch.equal(  # gate's, then up's, on every rank
+            state[stack + "w13_weight_global_scale"][3],
+            torch.cat([source[expert + f"{p}_proj.weight_global_scale"] for p in ("gate", "up")]),
+        )
+        assert tuple(state[stack + "w2_input_global_scale"].shape) == (8,)
         assert_same_state(state, rank_tensors(artifact, role, p, t))

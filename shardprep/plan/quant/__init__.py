@@ -11,7 +11,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardprep.plan.quant.fp4 import FORMAT as MXFP4_PACK
-from shardprep.plan.quant.fp4 import Mxfp4PackQuant, mxfp4_pack_quant
+from shardprep.plan.quant.fp4 import NV_FORMAT as NVFP4_PACK
+from shardprep.plan.quant.fp4 import (
+    Mxfp4PackQuant,
+    Nvfp4PackQuant,
+    mxfp4_pack_quant,
+    nvfp4_pack_quant,
+)
 from shardprep.plan.quant.fp8 import BlockQuant, block_quant
 from shardprep.plan.quant.fp8_ct import FloatQuant, float_quant
 from shardprep.plan.quant.fp8_tensor import TensorQuant
@@ -22,7 +28,9 @@ from shardprep.plan.quant.mxfp4 import Mxfp4Pad, Mxfp4Quant, mxfp4_quant
 # vLLM leaves unquantized (`skips`), the parameters vLLM builds of a quantized parameter
 # and how each is cut (`params`), which layers shardprep lays out (`places`) and what vLLM
 # refuses at a tp (`refusals`).
-Scheme = BlockQuant | TensorQuant | FloatQuant | PackQuant | Mxfp4PackQuant | Mxfp4Quant
+Scheme = (
+    BlockQuant | TensorQuant | FloatQuant | PackQuant | Mxfp4PackQuant | Nvfp4PackQuant | Mxfp4Quant
+)
 # What vLLM's quantization configs give every attention layer (`BaseKVCacheMethod`): KV-cache
 # scales, left at -1 unless the checkpoint has them (which shardprep's plans never do).
 KV_CACHE_SCALES = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.prob_scale")
@@ -45,6 +53,8 @@ def scheme_of(config: Mapping[str, Any], mxfp4_pad: str | None = None) -> Scheme
             return mxfp4_pack_quant(quant)
         if quant.get("format") == "float-quantized":
             return float_quant(quant)
+        if quant.get("format") == NVFP4_PACK:
+            return nvfp4_pack_quant(quant)
         return pack_quant(quant)
     if quant and quant.get("quant_method") in ("mxfp4", "gpt_oss_mxfp4"):
         return dataclasses.replace(mxfp4_quant(quant), pad=Mxfp4Pad.parse(mxfp4_pad))

@@ -138,6 +138,11 @@ def install() -> bool:
     from vllm.model_executor.layers.quantization import mxfp4
 
     mxfp4.select_mxfp4_moe_backend = or_stand_in(mxfp4.select_mxfp4_moe_backend, cpu_mxfp4_experts)
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w4a4_nvfp4 as nvfp4,
+    )
+
+    nvfp4.select_nvfp4_moe_backend = or_stand_in(nvfp4.select_nvfp4_moe_backend, nvfp4_emulation)
     return True
 
 
@@ -158,3 +163,14 @@ def cpu_mxfp4_experts(*args: Any, **kwargs: Any) -> tuple[Any, type]:
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
     return Mxfp4MoeBackend.CPU, CPUExpertsMxfp4
+
+
+def nvfp4_emulation(*args: Any, **kwargs: Any) -> tuple[Any, type]:
+    """vLLM's NVFP4 MoE emulation backend (Triton, which the CPU build lacks): its class
+    need only exist to build the layer."""
+    from vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe import (
+        Nvfp4QuantizationEmulationTritonExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
+
+    return NvFp4MoeBackend.EMULATION, Nvfp4QuantizationEmulationTritonExperts
