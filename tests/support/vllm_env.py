@@ -7,7 +7,7 @@
 
 Keyword arguments of the first three: prompts (list of token-id lists), max_tokens,
 dtype ("float32" unless given), speculative_config (dict), model_loader_extra_config
-(dict), enforce_eager (also at pp > 1), engine (more vllm.LLM arguments, e.g.
+(dict), enforce_eager (also at tp or pp > 1), engine (more vllm.LLM arguments, e.g.
 enable_expert_parallel), env (extra environment, e.g. VLLM_PP_LAYER_PARTITION), timeout
 (seconds); generate also takes dump_dir, dump_state
 also allow_engine_failure. read_dump(path) -> (tensors, metadata) reads one dump file.
