@@ -7,7 +7,7 @@
 
 Keyword arguments of the first three: prompts (list of token-id lists), max_tokens,
 dtype ("float32" unless given), speculative_config (dict), model_loader_extra_config
-(dict), enforce_eager (also at pp > 1), engine (more vllm.LLM arguments, e.g.
+(dict), enforce_eager (also at tp or pp > 1), engine (more vllm.LLM arguments, e.g.
 enable_expert_parallel), env (extra environment, e.g. VLLM_PP_LAYER_PARTITION), timeout
 (seconds); generate also takes dump_dir, dump_state
 also allow_engine_failure. read_dump(path) -> (tensors, metadata) reads one dump file.
@@ -104,10 +104,10 @@ def thread_binding(world_size: int) -> str | None:
 
 
 def vllm_environ(world_size: int, tmpdir: Path, extra: Mapping[str, str] | None) -> dict[str, str]:
-    """The subprocess environment: loopback only, a private TMPDIR, workers stopped after
-    1 s of grace (vLLM waits 5 s for each run's workers to wind down by themselves). The
-    KV cache is sized by the runner (`kv_cache_memory_bytes`), which the legacy
-    VLLM_CPU_KVCACHE_SPACE would override."""
+    """The subprocess environment: loopback only, a private TMPDIR, one OpenMP thread per
+    rank when there are several, workers stopped after 1 s of grace (vLLM waits 5 s for
+    each run's workers to wind down by themselves). The KV cache is sized by the runner
+    (`kv_cache_memory_bytes`), which the legacy VLLM_CPU_KVCACHE_SPACE would override."""
     env = dict(os.environ)
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -121,6 +121,10 @@ def vllm_environ(world_size: int, tmpdir: Path, extra: Mapping[str, str] | None)
     binding = thread_binding(world_size)
     if binding is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+        # Each worker computes on its one core. Forked workers (see vllm_runner.py) keep
+        # the OpenMP pool of the process they come from: one thread, as a spawned worker
+        # is given (two made a tp2 x pp2 generation 5 times slower).
+        env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
     return env
 

@@ -7,6 +7,10 @@ Run it with the vLLM environment's python, from ``tests/support/vllm_env.py``:
 
 Offline mode uses ``vllm.LLM``; ``--server`` starts the OpenAI server in a subprocess on
 127.0.0.1, sends one ``/v1/completions`` request per prompt, and stops the server.
+
+Either way the worker processes are forked from a process that has imported vLLM
+(``start_workers_by_fork``) instead of spawned, each to import it again; set
+``SHARDPREP_VLLM_SPAWN=1`` for vLLM's own CPU choice.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 RESULT_KEY = "tokens"
 DUMP_DIR_ENV = "SHARDPREP_DUMP_DIR"
+SPAWN_ENV = "SHARDPREP_VLLM_SPAWN"
 KV_CACHE_BYTES = 64 * 1024**2
 
 
@@ -43,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-loader-extra-config", default=None, help="JSON object")
     parser.add_argument("--engine-json", default=None, help="more vllm.LLM arguments (JSON)")
     parser.add_argument("--dump-dir", default=None, help=f"sets ${DUMP_DIR_ENV}")
-    parser.add_argument("--enforce-eager", action="store_true", help="also at pp > 1")
+    parser.add_argument("--enforce-eager", action="store_true", help="also at tp or pp > 1")
     parser.add_argument("--server", action="store_true", help="use the OpenAI server")
     parser.add_argument("--server-timeout", type=float, default=300.0)
     return parser.parse_args(argv)
@@ -63,7 +68,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         # Tiny models and short prompts: 1 GiB per worker took seconds to allocate.
         "kv_cache_memory_bytes": KV_CACHE_BYTES,
     }
-    if args.pp > 1 and not args.enforce_eager:
+    # Eager mode is enough for one rank; with several, vLLM's eager mode at pp > 1 fails
+    # on the first step, and at tp > 1 its first steps took 15-25 s, against about 5 s
+    # for compilation mode 2 (traced once, run by the eager backend) with the same tokens.
+    if (args.pp > 1 or args.tp > 1) and not args.enforce_eager:
         kwargs["compilation_config"] = {"mode": 2, "backend": "eager"}
     else:
         kwargs["enforce_eager"] = True
@@ -76,10 +84,33 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def start_workers_by_fork() -> None:
+    """Let vLLM fork its worker (and engine) processes, as it does on GPUs, where its CPU
+    platform forces ``spawn``: a spawned process imports vLLM again (about 5 s each, 20 s
+    for tp2 x pp2 on 2 cores) before it builds its model. The workers run the same code
+    either way; they inherit the plugins this process registered."""
+    if os.environ.get(SPAWN_ENV) == "1":
+        return
+    from vllm.platforms import cpu
+
+    platform = cpu.CpuPlatform
+    original = platform.check_and_update_config.__func__  # type: ignore[attr-defined]
+    if getattr(original, "_keeps_fork", False):
+        return
+
+    def keep_fork(cls: type, vllm_config: Any) -> None:
+        original(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    keep_fork._keeps_fork = True  # type: ignore[attr-defined]
+    platform.check_and_update_config = classmethod(keep_fork)  # type: ignore[method-assign]
+
+
 def generate_offline(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    start_workers_by_fork()
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
@@ -106,9 +137,10 @@ def free_port() -> int:
 
 
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` with the offline mode's settings."""
+    """``python -m vllm.entrypoints.openai.api_server`` with the offline mode's settings
+    (run through ``runpy`` after ``start_workers_by_fork``)."""
     kwargs = engine_kwargs(args)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    cmd = [sys.executable, "-c", SERVER_MAIN]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--model", kwargs.pop("model")]
     cmd += ["--skip-tokenizer-init"]
     kwargs.pop("skip_tokenizer_init")
@@ -121,6 +153,14 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
         else:
             cmd += [flag, str(value)]
     return cmd
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SERVER_MAIN = (
+    f"import runpy, sys; sys.path.insert(0, {HERE!r}); import vllm_runner; "
+    "vllm_runner.start_workers_by_fork(); "
+    "runpy.run_module('vllm.entrypoints.openai.api_server', run_name='__main__', alter_sys=True)"
+)
 
 
 def http_json(url: str, payload: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
