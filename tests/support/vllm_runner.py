@@ -100,7 +100,11 @@ def start_workers_by_fork() -> None:
 
     def keep_fork(cls: type, vllm_config: Any) -> None:
         original(cls, vllm_config)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        # A multimodal model's processors import libraries (llvmlite, through numba) whose
+        # objects the kernel-override scan of a forked worker's modules cannot read.
+        model = vllm_config.model_config
+        if model is None or not model.is_multimodal_model:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     keep_fork._keeps_fork = True  # type: ignore[attr-defined]
     platform.check_and_update_config = classmethod(keep_fork)  # type: ignore[method-assign]
