@@ -10,6 +10,15 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from shardprep.demo.fp4 import mxfp4_encode, nvfp4_encode
+from shardprep.demo.quant_configs import (  # noqa: F401 (the tests import them from here)
+    TINY_FP8,
+    TINY_FP8_CT,
+    TINY_INT4,
+    TINY_MXFP4,
+    TINY_MXFP4_PACK,
+    TINY_NVFP4_PACK,
+)
 from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.plan import archs
 from shardprep.plan.archs import quantized
@@ -69,47 +78,6 @@ DEEPSEEK: dict[str, dict[str, Any]] = {
 DEEPSEEK["DeepseekV32ForCausalLM"] = DEEPSEEK["DeepseekV3ForCausalLM"] | {
     "index_n_heads": 4, "index_head_dim": 128, "index_topk": 16,
 }  # fmt: skip
-# gpt-oss's quantization: MXFP4 experts, the rest in the model's dtype.
-TINY_MXFP4 = {"quant_method": "mxfp4"}
-TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128]}  # fmt: skip
-# Kimi-K2-Thinking's quantization: int4 routed experts in groups of 32, the rest ignored.
-TINY_INT4 = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized",
-    "quantization_status": "compressed", "kv_cache_scheme": None,
-    "config_groups": {"group_0": {
-        "targets": ["Linear"], "input_activations": None, "output_activations": None,
-        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                    "group_size": 32, "dynamic": False, "actorder": None,
-                    "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
-    }},
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
-}  # fmt: skip
-# Kimi-K3's quantization of its routed experts: compressed-tensors MXFP4 (e2m1 values in
-# groups of 32 sharing an e8m0 exponent), the rest ignored.
-TINY_MXFP4_PACK = {
-    **TINY_INT4, "format": "mxfp4-pack-quantized",
-    "config_groups": {"group_0": {
-        "targets": ["Linear"], "input_activations": None, "output_activations": None,
-        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
-                    "group_size": 32, "dynamic": False, "actorder": None,
-                    "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
-    }},
-}  # fmt: skip
-# NVFP4 routed experts (compressed-tensors nvfp4-pack-quantized, W4A4: e2m1 values and
-# activations in groups of 16 sharing an e4m3 scale, float32 global scales), the rest ignored.
-_NVFP4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
-          "group_size": 16, "dynamic": False, "actorder": None, "block_structure": None,
-          "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
-TINY_NVFP4_PACK = {
-    **TINY_INT4, "format": "nvfp4-pack-quantized",
-    "config_groups": {"group_0": {
-        "targets": ["Linear"], "output_activations": None, "weights": _NVFP4,
-        "input_activations": {**_NVFP4, "dynamic": "local"},
-    }},
-}  # fmt: skip
-
 # Kimi-K2.5: a tiny DeepSeek-V3 text model and a tiny MoonViT (4 heads, 2 blocks).
 KIMI_K25 = {"KimiK25ForConditionalGeneration": "kimi_k25"}
 TINY_MOONVIT = {
@@ -143,22 +111,6 @@ def _kimi_k25_config(architecture: str, **overrides: Any) -> dict[str, Any]:
         config["quantization_config"] = top["quantization_config"]
     return config
 
-
-# llm-compressor's `-FP8-dynamic` quantization: fp8 weights per output channel, dynamic
-# per-token activations, routers and lm_head left in the model's dtype.
-TINY_FP8_CT = {
-    "quant_method": "compressed-tensors", "format": "float-quantized",
-    "quantization_status": "compressed", "kv_cache_scheme": None,
-    "config_groups": {"group_0": {
-        "targets": ["Linear"], "output_activations": None,
-        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
-                    "dynamic": False, "group_size": None, "block_structure": None,
-                    "observer": "minmax", "observer_kwargs": {}},
-        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
-                              "strategy": "token", "dynamic": True, "observer": None},
-    }},
-    "ignore": ["lm_head", "re:.*mlp.gate$"],
-}  # fmt: skip
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -493,66 +445,9 @@ def _quantized(
     return changed
 
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 3-bit e2m1 codes
-E4M3_MAX = 448.0
-
-
 def stem_of(name: str) -> str:
     """`x.` of a quantized weight's stored tensor `x.weight_packed`, `x.weight_scale`..."""
     return name.rsplit(".", 1)[0] + "."
-
-
-def _e2m1_packed(scaled: torch.Tensor) -> torch.Tensor:
-    """Values already scaled into e2m1's range, rounded to the nearest code (sign in bit
-    3), two to a byte along the last dimension (the even value in the low nibble)."""
-    codes = (scaled.abs().unsqueeze(-1) - torch.tensor(E2M1)).abs().argmin(-1)
-    codes = codes | ((scaled < 0).long() << 3)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-
-
-def nvfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """NVFP4 of a float weight [N, K] (K whole groups of 16) as compressed-tensors stores
-    it: `weight_packed` uint8 [N, K/2], `weight_scale` float8_e4m3fn [N, K/16] and
-    `weight_global_scale` float32 [1] (448 * 6 / the largest value); a value is decoded as
-    code * scale / global_scale."""
-    weight = weight.float()
-    global_scale = (E4M3_MAX * 6.0 / weight.abs().amax().clamp_min(1e-12)).reshape(1)
-    groups = weight.reshape(weight.shape[0], -1, 16)
-    scale = (groups.abs().amax(-1) / 6.0 * global_scale).clamp(2.0**-9, E4M3_MAX)
-    scale = scale.to(torch.float8_e4m3fn)
-    scaled = groups / (scale.float() / global_scale).unsqueeze(-1)
-    packed = _e2m1_packed(scaled.clamp(-6.0, 6.0)).reshape(weight.shape[0], -1)
-    return packed, scale, global_scale
-
-
-def nvfp4_decode(
-    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
-) -> torch.Tensor:
-    """The float values of `nvfp4_encode`'s output, [N, K]."""
-    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1, 16).long()
-    values = torch.tensor(E2M1)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    values = values * (scale.float() / global_scale.float()).unsqueeze(-1)
-    return values.reshape(packed.shape[0], -1)
-
-
-def mxfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """OCP MXFP4 of a float weight [.., N, K] (K whole groups of 32), as gpt-oss stores it:
-    blocks uint8 [.., N, K/32, 16], two e2m1 codes to a byte (sign in bit 3, the even
-    value in the low nibble), and scales uint8 [.., N, K/32], e8m0 exponents (bias 127)
-    chosen so that each group's largest value is at most 6 (e2m1's largest)."""
-    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
-    largest = groups.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
-    exponent = torch.ceil(torch.log2(largest / 6.0)).clamp(-127, 127)
-    packed = _e2m1_packed(groups / torch.exp2(exponent))
-    return packed, (exponent.squeeze(-1) + 127).to(torch.uint8)
-
-
-def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float values of `mxfp4_encode`'s output, [.., N, K]."""
-    codes = torch.stack([blocks & 15, blocks >> 4], -1).reshape(*blocks.shape[:-1], 32).long()
-    values = torch.tensor(E2M1)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    values = values * torch.exp2(scales.float() - 127).unsqueeze(-1)
-    return values.reshape(*values.shape[:-2], -1)
 
 
 def _write_model(

@@ -138,7 +138,7 @@ def test_the_option_is_refused_where_nothing_is_mxfp4(tmp_path: Path) -> None:
 
 
 def test_the_tiny_models_mxfp4_is_a_real_e2m1_e8m0_encoding() -> None:
-    from shardprep.demo.tiny import mxfp4_decode, mxfp4_encode
+    from shardprep.demo.fp4 import mxfp4_decode, mxfp4_encode
 
     weight = 0.05 * torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
     blocks, scales = mxfp4_encode(weight)

@@ -14,7 +14,8 @@ from test_regions import _assemble
 
 from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
-from shardprep.demo.tiny import TINY_NVFP4_PACK, make_tiny_model, nvfp4_decode, nvfp4_encode
+from shardprep.demo.fp4 import nvfp4_decode, nvfp4_encode
+from shardprep.demo.tiny import TINY_NVFP4_PACK, make_tiny_model
 from shardprep.errors import PlanError
 from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.quant import scheme_of

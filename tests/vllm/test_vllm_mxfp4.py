@@ -1,7 +1,7 @@
 """MXFP4 gpt-oss (`quant_method: mxfp4`) in a real vLLM (CPU build), at tp2 x pp2.
 
 The tiny gpt-oss of the bfloat16 test with its experts in MXFP4 (random weights encoded
-as OCP MXFP4 by `demo.tiny.mxfp4_encode`: `*_blocks` two e2m1 codes to a byte, `*_scales`
+as OCP MXFP4 by `demo.fp4.mxfp4_encode`: `*_blocks` two e2m1 codes to a byte, `*_scales`
 e8m0 exponents) and an intermediate size of 96: three
 32-blocks, so vLLM's `_load_weights_mxfp4` gives tp rank 0 two of them and rank 1 one,
 each copied into the corner of a parameter the MoE backend padded to 64 rows a rank.

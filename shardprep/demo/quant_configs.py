@@ -1,0 +1,61 @@
+"""The quantization_config of each tiny quantized model, as its published kind writes it."""
+
+from __future__ import annotations
+
+# gpt-oss's quantization: MXFP4 experts, the rest in the model's dtype.
+TINY_MXFP4 = {"quant_method": "mxfp4"}
+TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}  # fmt: skip
+# Kimi-K2-Thinking's quantization: int4 routed experts in groups of 32, the rest ignored.
+TINY_INT4 = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "quantization_status": "compressed", "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": 32, "dynamic": False, "actorder": None,
+                    "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
+    }},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}  # fmt: skip
+# Kimi-K3's quantization of its routed experts: compressed-tensors MXFP4 (e2m1 values in
+# groups of 32 sharing an e8m0 exponent), the rest ignored.
+TINY_MXFP4_PACK = {
+    **TINY_INT4, "format": "mxfp4-pack-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+                    "group_size": 32, "dynamic": False, "actorder": None,
+                    "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
+    }},
+}  # fmt: skip
+# NVFP4 routed experts (compressed-tensors nvfp4-pack-quantized, W4A4: e2m1 values and
+# activations in groups of 16 sharing an e4m3 scale, float32 global scales), the rest ignored.
+_NVFP4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+          "group_size": 16, "dynamic": False, "actorder": None, "block_structure": None,
+          "observer": "minmax", "observer_kwargs": {}}  # fmt: skip
+TINY_NVFP4_PACK = {
+    **TINY_INT4, "format": "nvfp4-pack-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None, "weights": _NVFP4,
+        "input_activations": {**_NVFP4, "dynamic": "local"},
+    }},
+}  # fmt: skip
+
+
+# llm-compressor's `-FP8-dynamic` quantization: fp8 weights per output channel, dynamic
+# per-token activations, routers and lm_head left in the model's dtype.
+TINY_FP8_CT = {
+    "quant_method": "compressed-tensors", "format": "float-quantized",
+    "quantization_status": "compressed", "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                    "dynamic": False, "group_size": None, "block_structure": None,
+                    "observer": "minmax", "observer_kwargs": {}},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                              "strategy": "token", "dynamic": True, "observer": None},
+    }},
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+}  # fmt: skip
