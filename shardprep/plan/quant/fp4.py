@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.layout import Cut, Piece, ScaleOf
+from shardprep.plan.quant.ignore import config_group, ignore_list_refusal
 from shardprep.plan.quant.int4 import PackQuant
 from shardprep.plan.quant.layer import Quantized
 
@@ -158,21 +159,12 @@ def mxfp4_pack_quant(quant: Config) -> Mxfp4PackQuant:
 
 
 def _refusal(quant: Config, size: int = GROUP) -> str:
-    groups = quant.get("config_groups")
-    if not isinstance(groups, Mapping) or len(groups) != 1:
-        return f"{len(groups) if isinstance(groups, Mapping) else 'no'} config groups"
-    (group,) = groups.values()
-    weights = group.get("weights") if isinstance(group, Mapping) else None
-    if not isinstance(weights, Mapping):
-        return "a config group without weights"
-    if "Linear" not in (group.get("targets") or []):
-        return f"targets {group.get('targets')!r}"
     strategy = "group" if size == GROUP else "tensor_group"
     wanted = {"num_bits": 4, "type": "float", "strategy": strategy, "symmetric": True}
     wanted["group_size"] = size
-    for key, value in wanted.items():
-        if weights.get(key) != value:
-            return f"weights {key} {weights.get(key)!r}"
+    group, _, refused = config_group(quant, wanted)
+    if refused:
+        return refused
     inputs = group.get("input_activations")
     if inputs and inputs.get("num_bits") == 8:
         return "8-bit activations (W4A8)"
@@ -184,7 +176,4 @@ def _refusal(quant: Config, size: int = GROUP) -> str:
                 return f"input_activations {key} {inputs.get(key)!r}"
     if quant.get("kv_cache_scheme"):
         return "a kv_cache_scheme"
-    ignored = quant.get("ignore") or []
-    if not isinstance(ignored, list) or not all(isinstance(n, str) for n in ignored):
-        return "an ignore list that is not a list of names"
-    return ""
+    return ignore_list_refusal(quant)

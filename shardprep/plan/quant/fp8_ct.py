@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from shardprep.plan.layout import Cut, Piece, ScaleOf
 from shardprep.plan.quant.fp8 import BlockQuant, moe_block_rules
 from shardprep.plan.quant.fp8_tensor import input_scale
-from shardprep.plan.quant.ignore import ignored
+from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
 from shardprep.plan.quant.layer import Quantized
 
 Config = Mapping[str, Any]
@@ -167,19 +167,10 @@ def float_quant(quant: Config) -> FloatQuant:
 
 def _refusal(quant: Config) -> str:
     """What of a compressed-tensors fp8 config shardprep does not lay out, or ""."""
-    groups = quant.get("config_groups")
-    if not isinstance(groups, Mapping) or len(groups) != 1:
-        return f"{len(groups) if isinstance(groups, Mapping) else 'no'} config groups"
-    (group,) = groups.values()
-    weights = group.get("weights") if isinstance(group, Mapping) else None
-    if not isinstance(weights, Mapping):
-        return "a config group without weights"
-    if "Linear" not in (group.get("targets") or []):
-        return f"targets {group.get('targets')!r}"
     wanted = {"num_bits": 8, "type": "float", "symmetric": True}
-    for key, value in wanted.items():
-        if weights.get(key) != value:
-            return f"weights {key} {weights.get(key)!r}"
+    group, weights, refused = config_group(quant, wanted)
+    if refused:
+        return refused
     if weights.get("dynamic"):
         return "dynamic weights"
     if weights.get("strategy") not in STRATEGIES:
@@ -204,7 +195,4 @@ def _refusal(quant: Config) -> str:
         return "quantized output activations"
     if quant.get("kv_cache_scheme"):
         return "a kv_cache_scheme"
-    ignore = quant.get("ignore") or []
-    if not isinstance(ignore, list) or not all(isinstance(n, str) for n in ignore):
-        return "an ignore list that is not a list of names"
-    return ""
+    return ignore_list_refusal(quant)

@@ -1,9 +1,15 @@
-"""compressed-tensors' `ignore` list, matched as vLLM's `should_ignore_layer` matches it."""
+"""What every compressed-tensors scheme reads alike: the one config group of its
+`quantization_config`, and the `ignore` list, matched as vLLM's `should_ignore_layer`
+matches it."""
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
+from typing import Any
+
+Config = Mapping[str, Any]
 
 EXPERT_PART = re.compile(r"^\.(\d+)\.")
 
@@ -31,3 +37,30 @@ def _matches(name: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
     return name == pattern
+
+
+def config_group(quant: Config, wanted: Config) -> tuple[Config, Config, str]:
+    """The one config group of a compressed-tensors `quantization_config` and its weights,
+    with what of them shardprep does not lay out ("" when nothing): several groups, none
+    with weights, targets other than Linear, weights whose keys differ from `wanted`."""
+    groups = quant.get("config_groups")
+    if not isinstance(groups, Mapping) or len(groups) != 1:
+        return {}, {}, f"{len(groups) if isinstance(groups, Mapping) else 'no'} config groups"
+    (group,) = groups.values()
+    weights = group.get("weights") if isinstance(group, Mapping) else None
+    if not isinstance(weights, Mapping):
+        return {}, {}, "a config group without weights"
+    if "Linear" not in (group.get("targets") or []):
+        return group, weights, f"targets {group.get('targets')!r}"
+    for key, value in wanted.items():
+        if weights.get(key) != value:
+            return group, weights, f"weights {key} {weights.get(key)!r}"
+    return group, weights, ""
+
+
+def ignore_list_refusal(quant: Config) -> str:
+    """What is wrong with the `ignore` list, or "" (none is an empty one)."""
+    ignore = quant.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
+        return "an ignore list that is not a list of names"
+    return ""

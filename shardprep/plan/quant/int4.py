@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.layout import MODEL_DTYPE, Cut, Piece, ScaleOf
-from shardprep.plan.quant.ignore import ignored
+from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
 from shardprep.plan.quant.layer import Quantized
 
 Config = Mapping[str, Any]
@@ -155,19 +155,10 @@ def _refusal(quant: Config) -> str:
     """What of a compressed-tensors config shardprep does not lay out, or ""."""
     if quant.get("format") != "pack-quantized":
         return f"format {quant.get('format')!r}"
-    groups = quant.get("config_groups")
-    if not isinstance(groups, Mapping) or len(groups) != 1:
-        return f"{len(groups) if isinstance(groups, Mapping) else 'no'} config groups"
-    (group,) = groups.values()
-    weights = group.get("weights") if isinstance(group, Mapping) else None
-    if not isinstance(weights, Mapping):
-        return "a config group without weights"
-    if "Linear" not in (group.get("targets") or []):
-        return f"targets {group.get('targets')!r}"
     wanted = {"num_bits": BITS, "type": "int", "strategy": "group", "symmetric": True}
-    for key, value in wanted.items():
-        if weights.get(key) != value:
-            return f"weights {key} {weights.get(key)!r}"
+    group, weights, refused = config_group(quant, wanted)
+    if refused:
+        return refused
     size = weights.get("group_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         return f"weights group_size {size!r}"
@@ -177,7 +168,4 @@ def _refusal(quant: Config) -> str:
         return "quantized activations"
     if quant.get("kv_cache_scheme"):
         return "a kv_cache_scheme"
-    ignored = quant.get("ignore") or []
-    if not isinstance(ignored, list) or not all(isinstance(n, str) for n in ignored):
-        return "an ignore list that is not a list of names"
-    return ""
+    return ignore_list_refusal(quant)
