@@ -16,12 +16,11 @@ that stores a layer's experts fused in one tensor (dim 0 the expert) is cut by t
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from shardprep.errors import PlanError
-from shardprep.plan.topology import ExpertSplit, kv_heads_of_rank, pad_vocab, rank_range
+from shardprep.plan.topology import kv_heads_of_rank, pad_vocab, rank_range
 
 # The dtype of a parameter held in the model's dtype whatever its source's (a Param's
 # `dtype`): FusedMoE's int4 `w13_weight_shape`, bf16 [E, 2] from int32 [2] tensors.
@@ -375,67 +374,3 @@ def _check_divisible(source: str, size: int, tp: int, what: str) -> None:
         raise PlanError(
             f"{source} has {size} {what}, not divisible by {tp}; choose a tp that divides it"
         )
-
-
-def w13_pieces(gate_up: Sequence[tuple[str, str]]) -> tuple[Piece, ...]:
-    """FusedMoE's `w13_weight` from each expert's (gate_proj, up_proj), in global expert
-    order: per expert, this rank's gate rows then this rank's up rows (`_load_w13`)."""
-    return tuple(
-        piece
-        for expert, (gate, up) in enumerate(gate_up)
-        for piece in (Piece(gate, Cut.ROWS, expert=expert), Piece(up, Cut.ROWS, expert=expert))
-    )
-
-
-def w2_pieces(down: Sequence[str]) -> tuple[Piece, ...]:
-    """FusedMoE's `w2_weight` from each expert's down_proj: this rank's columns (`_load_w2`)."""
-    return tuple(Piece(name, Cut.COLS, expert=expert) for expert, name in enumerate(down))
-
-
-def is_expert_stack(pieces: Sequence[Piece]) -> bool:
-    return bool(pieces) and pieces[0].expert is not None
-
-
-def expert_stack_blocks(
-    pieces: Sequence[Piece],
-    shapes: Mapping[str, tuple[int, ...]],
-    split: ExpertSplit,
-    moe_rank: int,
-) -> tuple[tuple[Block, ...], tuple[int, ...]]:
-    """The blocks of an expert stack on MoE rank `moe_rank` and the stack's shape
-    [experts held, rows per expert, *trailing] ([experts held, values] for a vector per
-    expert). Each held expert is cut `split.cut` ways (whole under expert parallelism);
-    experts not held are left out."""
-    held = split.experts(moe_rank)
-    if not held:
-        raise PlanError(
-            f"MoE rank {moe_rank} of {split.size} would hold none of the {split.num_experts} "
-            "experts; choose a tp x dp no larger than the number of experts"
-        )
-    ways, index = split.cut(moe_rank)
-    per_expert: dict[int, list[Block]] = {expert: [] for expert in held}
-    trailing: set[tuple[int, ...]] = set()
-    for piece in pieces:
-        if piece.expert not in per_expert:
-            continue
-        shape = shapes[piece.source]
-        for block in piece_blocks(piece, shape, ways, index):
-            per_expert[piece.expert].append(block)
-            trailing.add(block_shape(block, shape)[1:])
-    absent = [expert for expert, blocks in per_expert.items() if not blocks]
-    if absent:
-        raise PlanError(f"expert {absent[0]} has no tensor in this stack; the checkpoint lacks it")
-    rows = {sum(b.height for b in blocks) for blocks in per_expert.values()}
-    if len(rows) != 1 or len(trailing) != 1:
-        names = sorted({p.source for p in pieces if p.expert in per_expert})
-        raise PlanError(
-            f"the experts {names[0]} .. {names[-1]} do not all have the same shape; "
-            "every expert of a layer must"
-        )
-    blocks = tuple(block for expert in held for block in per_expert[expert])
-    if all(piece.cut is Cut.PER_TENSOR for piece in pieces):  # [E], or [E, parts]
-        per = rows.pop()
-        return blocks, (len(held), per) if per > 1 else (len(held),)
-    if all(piece.cut in EXPERT_VECTORS for piece in pieces):
-        return blocks, (len(held) * rows.pop(), *trailing.pop())
-    return blocks, (len(held), rows.pop(), *trailing.pop())

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from shardprep.errors import PlanError
+from shardprep.plan.experts import expert_stack_blocks
 from shardprep.plan.layout import (
     Block,
     Cut,
     Piece,
     block_shape,
-    expert_stack_blocks,
     piece_blocks,
 )
 from shardprep.plan.topology import ExpertSplit

@@ -3,16 +3,14 @@ from __future__ import annotations
 import pytest
 
 from shardprep.errors import PlanError
+from shardprep.plan.experts import expert_stack_blocks, w2_pieces, w13_pieces
 from shardprep.plan.layout import (
     Block,
     Cut,
     Piece,
     ScaleOf,
     block_shape,
-    expert_stack_blocks,
     piece_blocks,
-    w2_pieces,
-    w13_pieces,
 )
 from shardprep.plan.topology import ExpertSplit
 
