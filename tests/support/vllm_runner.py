@@ -100,14 +100,46 @@ def start_workers_by_fork() -> None:
 
     def keep_fork(cls: type, vllm_config: Any) -> None:
         original(cls, vllm_config)
-        # A multimodal model's processors import libraries (llvmlite, through numba) whose
-        # objects the kernel-override scan of a forked worker's modules cannot read.
-        model = vllm_config.model_config
-        if model is None or not model.is_multimodal_model:
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    register = platform.register_triton_kernel_overrides.__func__  # type: ignore[attr-defined]
+
+    def register_after_fork(cls: type) -> None:
+        answer_dunders_as_slots()
+        register(cls)
 
     keep_fork._keeps_fork = True  # type: ignore[attr-defined]
     platform.check_and_update_config = classmethod(keep_fork)  # type: ignore[method-assign]
+    platform.register_triton_kernel_overrides = classmethod(register_after_fork)  # type: ignore[method-assign]
+
+
+def answer_dunders_as_slots() -> None:
+    """Let vLLM's kernel-override scan read llvmlite's library object in a forked worker.
+
+    Each worker scans the namespace of every module it has imported
+    (``vllm.triton_utils.dispatcher._rebind_kernels``) and reads ``vars(value)`` of each
+    value that has a ``__dict__``. A forked worker inherits its parent's modules, and a
+    multimodal model's processors import numba there (Kimi-K2.5's fused vision
+    processor), hence ``llvmlite.binding.ffi.lib``: an object with ``__slots__`` whose
+    ``__getattr__`` turns every missing name, ``__dict__`` included, into a C function
+    of the library, so the scan fails (``'_lib_fn_wrapper' object has no attribute
+    'get'``). A spawned worker has not imported llvmlite when it scans. Here a dunder name
+    is missing, as it is on any object with ``__slots__``, and the scan passes it by as
+    it passes every other object that holds no kernel; the library's functions
+    (``LLVMPY_*``) are looked up as before."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    wrapper = getattr(ffi, "_lib_wrapper", None)
+    if wrapper is None or getattr(wrapper.__getattr__, "_no_dunders", False):
+        return
+    lookup = wrapper.__getattr__
+
+    def no_dunders(self: Any, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    no_dunders._no_dunders = True  # type: ignore[attr-defined]
+    wrapper.__getattr__ = no_dunders
 
 
 def generate_offline(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
