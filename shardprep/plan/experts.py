@@ -7,7 +7,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from shardprep.errors import PlanError
-from shardprep.plan.layout import EXPERT_VECTORS, Block, Cut, Piece, block_shape, piece_blocks
+from shardprep.plan.layout import (
+    EXPERT_VECTORS,
+    Block,
+    Cut,
+    Piece,
+    block_shape,
+    piece_geometry,
+    placed_blocks,
+)
 from shardprep.plan.topology import ExpertSplit
 
 
@@ -48,18 +56,30 @@ def expert_stack_blocks(
         )
     ways, index = split.cut(moe_rank)
     per_expert: dict[int, list[Block]] = {expert: [] for expert in held}
+    heights = dict.fromkeys(held, 0)
     trailing: set[tuple[int, ...]] = set()
+    # Hundreds of experts share a few geometries (a layer's gate, up and down): each is
+    # worked out once, where a piece's cut, heads, scale or shape first differs from the
+    # piece before it, and only placed for the others.
+    kind: tuple[object, ...] = ()
+    geometry: tuple[Block, ...] = ()
+    height = 0
     for piece in pieces:
-        if piece.expert not in per_expert:
+        blocks = per_expert.get(piece.expert)  # type: ignore[arg-type]
+        if blocks is None:
             continue
         shape = shapes[piece.source]
-        for block in piece_blocks(piece, shape, ways, index):
-            per_expert[piece.expert].append(block)
-            trailing.add(block_shape(block, shape)[1:])
+        this = (piece.cut, piece.heads, piece.scale_of, shape)
+        if this != kind:
+            kind, geometry = this, piece_geometry(piece, shape, ways, index)
+            height = sum(b.height for b in geometry)
+            trailing.update(block_shape(b, shape)[1:] for b in geometry)
+        blocks += placed_blocks(piece, shape, geometry)
+        heights[piece.expert] += height  # type: ignore[index]
     absent = [expert for expert, blocks in per_expert.items() if not blocks]
     if absent:
         raise PlanError(f"expert {absent[0]} has no tensor in this stack; the checkpoint lacks it")
-    rows = {sum(b.height for b in blocks) for blocks in per_expert.values()}
+    rows = set(heights.values())
     if len(rows) != 1 or len(trailing) != 1:
         names = sorted({p.source for p in pieces if p.expert in per_expert})
         raise PlanError(

@@ -142,23 +142,38 @@ def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tu
     The geometry depends on the cut and the shape only, so it is computed once for all
     the tensors that share them (hundreds of experts per layer); a problem is reported
     under the tensor's own name. An `EXPERT_*` cut reads its expert's row of the source."""
+    return placed_blocks(piece, shape, piece_geometry(piece, shape, tp, rank))
+
+
+def piece_geometry(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
+    """The blocks of `piece_blocks` before they are given the piece's source and moved to
+    its expert: the same for every piece of the same cut, heads, scale and shape."""
     anonymous = Piece("", piece.cut, piece.heads, scale_of=piece.scale_of)
     try:
-        geometry = _cached_blocks(anonymous, tuple(shape), tp, rank)
+        return _cached_blocks(anonymous, tuple(shape), tp, rank)
     except PlanError:
-        geometry = _blocks(piece, shape, tp, rank)
+        return _blocks(piece, shape, tp, rank)
+
+
+def placed_blocks(
+    piece: Piece, shape: tuple[int, ...], geometry: tuple[Block, ...]
+) -> tuple[Block, ...]:
+    """`piece_geometry`'s blocks read from the piece's source (its expert's row of it,
+    for an `EXPERT_*` cut)."""
     shift = (piece.expert or 0) if piece.cut in EXPERT_INDEXED else 0
     if shift and shift >= shape[0]:
         raise PlanError(f"{piece.source} holds {shape[0]} experts, not expert {shift}")
+    source = piece.source
+    if len(geometry) == 1:  # most cuts: one block, made without a generator
+        (b,) = geometry
+        if b.source is None:
+            return geometry
+        rows = (b.rows[0] + shift, b.rows[1] + shift)
+        return (Block(source, rows, b.cols, b.repeat, b.matrix, b.slab),)
     return tuple(
-        Block(
-            piece.source if b.source is not None else None,
-            (b.rows[0] + shift, b.rows[1] + shift) if b.source is not None else b.rows,
-            b.cols,
-            b.repeat,
-            b.matrix,
-            b.slab,
-        )
+        Block(source, (b.rows[0] + shift, b.rows[1] + shift), b.cols, b.repeat, b.matrix, b.slab)
+        if b.source is not None
+        else b
         for b in geometry
     )
 
