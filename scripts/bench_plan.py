@@ -1,7 +1,8 @@
 """Time and peak memory of `shardprep plan` on DeepSeek-V3-shaped checkpoints.
 
     python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
-        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|kimi-k2.6|gpt-oss-120b ...]
+        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|kimi-k2.6|gpt-oss-120b
+                 |glm-4.5|qwen3-next ...]
 
 Each checkpoint has a published model's full shapes but is made of sparse files: each is a
 valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
@@ -17,7 +18,13 @@ every header, lays out every rank file and validates it all; nothing is written.
   15 files; planned with the default `--mxfp4-pad` (64);
 - Kimi-K2.6 (as Kimi-K2.5 is published, tests/data/kimi-k2.5): Kimi-K2-Thinking's text
   model under `language_model.` with a MoonViT vision tower of 27 blocks and its projector,
-  208,550 tensors in 64 files.
+  208,550 tensors in 64 files;
+- GLM-4.5 and Qwen3-Next-80B-A3B: their published config.json (tests/data) in bfloat16,
+  with the MTP layer the checkpoint ships (the plan skips it without `--draft`), 64 and 41
+  files.
+
+The suite plans each published model at one topology (tests/plan); the other topologies
+it is served with plan here, e.g. `--model kimi-k2.6 --tp 16 --pp 1`.
 """
 
 from __future__ import annotations
@@ -146,6 +153,19 @@ def deepseek_v4_tensors() -> tuple[dict, dict, dict]:
     return config, family.expected_shapes(config), family.source_dtypes(config)
 
 
+def with_mtp_tensors(folder: str) -> tuple[dict, dict, dict]:
+    """A published config.json (tests/data) and the target's and its MTP layer's tensors
+    that the families imply, in bfloat16 (GLM-4.5's routing bias in float32)."""
+    from shardprep.plan import archs
+
+    data = Path(__file__).resolve().parents[1] / "tests" / "data" / folder
+    config = json.loads((data / "config.json").read_text())
+    family = archs.target_family(config)[1]
+    draft = archs.draft_family("mtp", family.name)
+    shapes = family.expected_shapes(config) | draft.expected_shapes(config)
+    return config, shapes, family.source_dtypes(config)
+
+
 def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deepseek-v3") -> int:
     """Headers only: each file is a valid safetensors header followed by a hole."""
     if model == "deepseek-v3.2":
@@ -157,6 +177,8 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
         shapes, dtypes = deepseek_v3_tensors(config)
     elif model == "kimi-k2.6":
         config, shapes, dtypes = kimi_k26_tensors()
+    elif model in PUBLISHED_WITH_MTP:
+        config, shapes, dtypes = with_mtp_tensors(PUBLISHED_WITH_MTP[model])
     else:
         config = kimi_k2_thinking_config() if model == "kimi-k2-thinking" else deepseek_v3_config()
         shapes, dtypes = deepseek_v3_tensors(config)
@@ -189,8 +211,14 @@ DESCRIPTIONS = {
     "kimi-k2-thinking": "Kimi-K2-Thinking (int4 experts, 62 files",
     "kimi-k2.6": "Kimi-K2.6 (int4 experts, vision tower, 64 files",
     "gpt-oss-120b": "gpt-oss-120b (mxfp4 experts, 15 files",
+    "glm-4.5": "GLM-4.5 (bf16, MTP layer, 64 files",
+    "qwen3-next": "Qwen3-Next-80B-A3B (bf16, MTP layer, 41 files",
 }
-FILES = {"kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 48}
+FILES = {
+    "kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 48,
+    "glm-4.5": 64, "qwen3-next": 41,
+}  # fmt: skip
+PUBLISHED_WITH_MTP = {"glm-4.5": "glm-4.5", "qwen3-next": "qwen3-next-80b-a3b"}
 
 
 def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-v3") -> None:

@@ -121,7 +121,9 @@ def test_each_fp8_wk_is_dequantized_and_headers_alone_are_refused(
     )
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(8, 2), (8, 4), (16, 1)])
+# One topology in the suite (planning a published model takes seconds); tp8 x pp4 and tp16 plan
+# with scripts/bench_plan.py --model deepseek-v3.2.
+@pytest.mark.parametrize(("tp", "pp"), [(8, 2)])
 def test_deepseek_v32_plans_at_the_topologies_it_is_served_with(
     published: SourceModel, tp: int, pp: int
 ) -> None:

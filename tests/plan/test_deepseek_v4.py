@@ -90,7 +90,9 @@ def test_the_published_fp8_and_fp4_checkpoint_is_refused_in_one_line(
     )
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(8, 2), (8, 4)])
+# One topology in the suite (planning a published model takes seconds); tp8 x pp2 plan
+# with scripts/bench_plan.py --model deepseek-v4.
+@pytest.mark.parametrize(("tp", "pp"), [(8, 4)])
 def test_deepseek_v4_plans_at_the_topologies_it_is_served_with(
     bf16: SourceModel, tp: int, pp: int
 ) -> None:

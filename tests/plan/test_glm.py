@@ -60,7 +60,9 @@ def test_the_published_config_implies_glm45s_tensors(glm45: SourceModel) -> None
     assert "model.layers.2.mlp.gate.weight" not in names  # three dense layers first
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(8, 2), (8, 4), (16, 1)])
+# One topology in the suite (planning a published model takes seconds); tp8 x pp2 and tp8 x pp4 plan
+# with scripts/bench_plan.py --model glm-4.5.
+@pytest.mark.parametrize(("tp", "pp"), [(16, 1)])
 def test_glm45_plans_at_the_topologies_it_is_served_with(
     glm45: SourceModel, tp: int, pp: int
 ) -> None:

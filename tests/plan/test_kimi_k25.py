@@ -86,7 +86,9 @@ def test_the_family_implies_the_published_tensors(published: SourceModel) -> Non
     assert archs.internal_draft_method(config) is None  # vLLM serves no MTP draft for it
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(8, 2), (8, 4), (16, 1)])
+# One topology in the suite (planning a published model takes seconds); tp8 x pp2 and tp16 plan
+# with scripts/bench_plan.py --model kimi-k2.6.
+@pytest.mark.parametrize(("tp", "pp"), [(8, 4)])
 def test_kimi_k25_plans_at_the_topologies_it_is_served_with(
     published: SourceModel, tp: int, pp: int
 ) -> None:

@@ -64,7 +64,9 @@ def test_the_published_config_implies_qwen3_nexts_tensors(next80b: SourceModel) 
     assert names["mtp.layers.0.mlp.experts.511.down_proj.weight"] == ("BF16", (2048, 512))
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(8, 2), (8, 4)])
+# One topology in the suite (planning a published model takes seconds); tp8 x pp4 plan
+# with scripts/bench_plan.py --model qwen3-next.
+@pytest.mark.parametrize(("tp", "pp"), [(8, 2)])
 def test_qwen3_next_plans_at_the_topologies_it_is_served_with(
     next80b: SourceModel, tp: int, pp: int
 ) -> None:
