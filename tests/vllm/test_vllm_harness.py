@@ -9,6 +9,7 @@ Each test starts one vLLM (15-60 s).
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,41 @@ def test_server_with_sharded_fast_tp2_matches_transformers(
         artifact, 2, 1, "sharded-fast", PROMPTS[0], max_tokens=MAX_TOKENS
     )
     assert tokens == hf_tokens[0]
+
+
+SCAN_AFTER_NUMBA = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from vllm.transformers_utils.processors import kimi_k25_vision_fused  # numba, so llvmlite
+from vllm.platforms import cpu
+try:
+    cpu.CpuPlatform.register_triton_kernel_overrides()
+    print("unpatched: passed")
+except AttributeError as exc:
+    print("unpatched:", exc)
+import vllm_runner
+vllm_runner.start_workers_by_fork()
+cpu.CpuPlatform.register_triton_kernel_overrides()
+from llvmlite.binding import ffi
+from vllm.triton_utils.dispatcher import KernelOverride
+from vllm.v1.worker.block_table import ComputeSlotMappingKernel
+print("patched:", isinstance(ComputeSlotMappingKernel.kernel, KernelOverride))
+print("library:", callable(ffi.lib.LLVMPY_GetVersionInfo))
+"""
+
+
+def test_the_kernel_override_scan_passes_llvmlite_in_a_forked_worker() -> None:
+    """A forked worker inherits the modules its parent imported for a multimodal model's
+    processors (numba, so llvmlite); vLLM's kernel-override scan of them fails on
+    llvmlite's library object, and passes once the runner's fork set-up is in place: the
+    overrides are registered, the library's functions still resolve. (The Kimi-K2.5 test
+    runs such forked workers end to end.)"""
+    out = subprocess.run(
+        [vllm_env.require_python(), "-c", SCAN_AFTER_NUMBA, str(vllm_env.SUPPORT)],
+        capture_output=True, text=True, check=True, timeout=300,
+    ).stdout.splitlines()  # fmt: skip
+    assert out == [
+        "unpatched: '_lib_fn_wrapper' object has no attribute 'get'",
+        "patched: True",
+        "library: True",
+    ]
