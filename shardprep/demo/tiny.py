@@ -15,9 +15,12 @@ from shardprep.demo.quant_configs import (  # noqa: F401 (the tests import them 
     TINY_FP8,
     TINY_FP8_CT,
     TINY_INT4,
+    TINY_MODELOPT_NVFP4,
     TINY_MXFP4,
     TINY_MXFP4_PACK,
+    TINY_NVFP4,
     TINY_NVFP4_PACK,
+    TINY_NVFP4A16,
 )
 from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.plan import archs
@@ -401,12 +404,24 @@ def _quantized(
 ) -> dict[str, torch.Tensor]:
     """fp8 weights of unit scale (clamped), small positive float32 scales, random
     packed int4 values with each weight's true [N, K] beside them, random weights encoded
-    in MXFP4 or NVFP4, and other tensors that the checkpoint keeps in float32."""
+    in MXFP4 or NVFP4 (compressed-tensors' or ModelOpt's), and other tensors that the
+    checkpoint keeps in float32."""
     generator = torch.Generator().manual_seed(seed + 1)
     changed = {}
     for name, dtype in sorted(dtypes.items()):
         shape = tensors[name].shape
-        if name.endswith("weight_global_scale"):  # a random weight encoded in NVFP4
+        if name.endswith(".weight_scale_2"):  # a random weight in ModelOpt's NVFP4
+            stem = name.removesuffix("weight_scale_2")
+            rows, half = tensors[stem + "weight"].shape
+            weight = 0.05 * torch.randn(rows, 2 * half, generator=generator)
+            packed, scale, global_scale = nvfp4_encode(weight)
+            changed[stem + "weight"], changed[stem + "weight_scale"] = packed, scale
+            changed[name] = (1.0 / global_scale).reshape(())  # amax / (6 * 448)
+            inputs = 100.0 + 400.0 * torch.rand((), generator=generator)
+            changed[stem + "input_scale"] = 1.0 / inputs
+        elif stem_of(name) + "weight_scale_2" in dtypes:
+            pass  # written with its weight_scale_2
+        elif name.endswith("weight_global_scale"):  # a random weight encoded in NVFP4
             stem = name.removesuffix("global_scale")
             rows, half = tensors[stem + "packed"].shape
             weight = 0.05 * torch.randn(rows, 2 * half, generator=generator)
