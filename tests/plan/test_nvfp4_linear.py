@@ -131,6 +131,15 @@ def test_modelopt_exclusions_match_as_vllm_matches_them() -> None:
     assert excluded(patterns, "model.layers.30.mlp.down_proj")
     assert not excluded(patterns, "model.layers.2.mlp.down_proj")
     assert excluded(patterns, "model.layers.5.mlp.shared_expert.down_proj")  # a substring
+    # a FusedMoE layer: any pattern naming experts that contains the layer's name
+    expert = "model.layers.2.mlp.experts.7.up_proj"
+    assert excluded(expand([expert]), "model.layers.2.mlp.experts", expert)
+    assert excluded(
+        expand([expert]), "model.layers.2.mlp.experts", "model.layers.2.mlp.experts.0.up_proj"
+    )
+    assert not excluded(
+        expand([expert]), "model.layers.1.mlp.experts", "model.layers.1.mlp.experts.7.up_proj"
+    )
 
 
 @pytest.mark.parametrize("quant", [TINY_NVFP4, TINY_MODELOPT_NVFP4], ids=["ct", "modelopt"])

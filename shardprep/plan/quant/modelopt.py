@@ -137,10 +137,15 @@ class ModeloptNvfp4:
 
 def excluded(patterns: tuple[str, ...], layer: str, *parts: str) -> bool:
     """vLLM's `is_layer_excluded` of a layer named `layer` (a fused layer's checkpoint
-    parts in `parts`), with `patterns` already expanded (`expand`)."""
-    if layer in patterns or (parts and all(part in patterns for part in parts)):
-        return True
-    if any(pattern != layer and pattern in layer for pattern in patterns):
+    parts in `parts`), with `patterns` already expanded (`expand`): a FusedMoE layer is
+    excluded by any pattern naming experts that contains its name; a fused layer by its
+    own name or its parts'; any layer by its name, a pattern inside its name, or a
+    wildcard."""
+    if "experts" in layer:
+        exact = any(layer in pattern for pattern in patterns if "experts" in pattern)
+    else:
+        exact = layer in patterns or (bool(parts) and all(part in patterns for part in parts))
+    if exact or any(pattern != layer and pattern in layer for pattern in patterns):
         return True
     return any(fnmatch(layer, pattern) for pattern in patterns)
 
