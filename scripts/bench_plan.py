@@ -1,7 +1,8 @@
 """Time and peak memory of `shardprep plan` on DeepSeek-V3-shaped checkpoints.
 
     python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
-        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|kimi-k2.6|gpt-oss-120b ...]
+        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|kimi-k2.6|gpt-oss-120b|
+                 qwen3-30b-a3b-fp4 ...]
 
 Each checkpoint has a published model's full shapes but is made of sparse files: each is a
 valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
@@ -17,7 +18,9 @@ every header, lays out every rank file and validates it all; nothing is written.
   15 files; planned with the default `--mxfp4-pad` (64);
 - Kimi-K2.6 (as Kimi-K2.5 is published, tests/data/kimi-k2.5): Kimi-K2-Thinking's text
   model under `language_model.` with a MoonViT vision tower of 27 blocks and its projector,
-  208,550 tensors in 64 files.
+  208,550 tensors in 64 files;
+- Qwen3-30B-A3B in ModelOpt's NVFP4 (NVIDIA's `-FP4`): 48 layers, 128 experts, every linear
+  layer but lm_head and the routers packed with group scales and two scalars each, 16 files.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardprep.demo.tiny import TINY_FP8, TINY_INT4, TINY_MXFP4, tiny_config
+from shardprep.demo.tiny import TINY_FP8, TINY_INT4, TINY_MODELOPT_NVFP4, TINY_MXFP4, tiny_config
 from shardprep.format.headers import TensorSpec, encode_header
 
 PLAN_CHILD = """
@@ -105,6 +108,16 @@ def gpt_oss_120b_config() -> dict:
     )  # fmt: skip
 
 
+def qwen3_30b_a3b_fp4_config() -> dict:
+    """Qwen3-30B-A3B's config.json with ModelOpt's NVFP4 (quant_method modelopt)."""
+    return tiny_config(
+        "Qwen3MoeForCausalLM", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        vocab_size=151936, torch_dtype="bfloat16", quantization_config=TINY_MODELOPT_NVFP4,
+    )  # fmt: skip
+
+
 def deepseek_v32_tensors() -> tuple[dict, dict, dict]:
     """DeepSeek-V3.2's published config.json and tensor table (tests/data/deepseek-v3.2)."""
     ranges = {"{L}": range(62), "{D}": range(3), "{M}": range(3, 62), "{E}": range(256)}
@@ -157,6 +170,9 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
         shapes, dtypes = deepseek_v3_tensors(config)
     elif model == "kimi-k2.6":
         config, shapes, dtypes = kimi_k26_tensors()
+    elif model == "qwen3-30b-a3b-fp4":
+        config = qwen3_30b_a3b_fp4_config()
+        shapes, dtypes = deepseek_v3_tensors(config)
     else:
         config = kimi_k2_thinking_config() if model == "kimi-k2-thinking" else deepseek_v3_config()
         shapes, dtypes = deepseek_v3_tensors(config)
@@ -189,8 +205,10 @@ DESCRIPTIONS = {
     "kimi-k2-thinking": "Kimi-K2-Thinking (int4 experts, 62 files",
     "kimi-k2.6": "Kimi-K2.6 (int4 experts, vision tower, 64 files",
     "gpt-oss-120b": "gpt-oss-120b (mxfp4 experts, 15 files",
+    "qwen3-30b-a3b-fp4": "Qwen3-30B-A3B (ModelOpt nvfp4, 16 files",
 }
-FILES = {"kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 48}
+FILES = {"kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 48,
+         "qwen3-30b-a3b-fp4": 16}  # fmt: skip
 
 
 def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-v3") -> None:

@@ -180,10 +180,10 @@ def quantization_problems(
     if unplaced:
         more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
         if unplaced[0].kind == "experts":
+            why = getattr(scheme, "experts_unplaced", "")
             return [
                 f"{scheme.method} {scheme.describe} of routed experts is not supported yet "
-                f"({unplaced[0].name}{more}): vLLM builds input scales for them that it never "
-                "loads; add the experts to the ignore list or use a W4A4 checkpoint"
+                f"({unplaced[0].name}{more}): {why}"
             ]
         return [
             f"{scheme.method} {scheme.describe} of linear layers is not supported yet: the "

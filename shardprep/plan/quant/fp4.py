@@ -132,6 +132,12 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
         stem = weight.removesuffix("weight")
         return super().stored(weight, shape) | {stem + s: ((1,), F32) for s in self.global_scales}
 
+    # Why NVFP4A16 routed experts are refused.
+    experts_unplaced: ClassVar[str] = (
+        "vLLM builds input scales for them that it never loads; add the experts to the "
+        "ignore list or use a W4A4 checkpoint"
+    )
+
     def places(self, kind: str) -> bool:
         """Linear layers and, W4A4, routed experts."""
         return kind != "experts" or not self.a16
