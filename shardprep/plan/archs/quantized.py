@@ -75,8 +75,8 @@ def _logical(family: Family, config: Config, shapes: Shapes, **context: Any) -> 
     (a scheme that stores a weight under other names leaves it out of the checkpoint, one
     that packs it in place stores it under its name in another shape)."""
     expected = family.expected_shapes(config, **context)
-    weights = quantized(family, config, expected)
-    return {**expected, **shapes, **{w: expected[w] for w in weights if w in expected}}
+    packed = {n: expected[n] for n, s in shapes.items() if n in expected and expected[n] != s}
+    return {**expected, **shapes, **packed}
 
 
 def layout(
