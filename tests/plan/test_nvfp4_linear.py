@@ -298,3 +298,18 @@ def test_cli_plan_shows_the_quantization_of_each_parameter_group(
     }
     assert groups["model.layers.*.mlp.experts.routed_experts"]["w13_input_scale"] == "F32 [8, 2]"
     assert "model.layers.*.mlp.gate" not in groups
+
+
+def test_nvfp4_linear_layers_of_a_family_that_lays_out_only_its_experts_are_refused() -> None:
+    """DeepSeek's MLA layers in NVFP4 are not proven: the experts only."""
+    quant = {**TINY_NVFP4, "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    model = source("DeepseekV3ForCausalLM", quant, num_hidden_layers=2, hidden_size=256,
+                   moe_intermediate_size=96)  # fmt: skip
+    with pytest.raises(PlanError) as caught:
+        make_plan(model, tp=2, pp=1)
+    assert str(caught.value) == (
+        "cannot convert: target: compressed-tensors nvfp4 groups of 16 of linear layers is not "
+        "supported yet: the ignore list of quantization_config leaves "
+        "model.layers.*.self_attn.fused_qkv_a_proj (and 7 more) quantized; shardprep converts "
+        "such checkpoints when only their routed experts are quantized"
+    )

@@ -176,7 +176,12 @@ def quantization_problems(
     if scheme is None:
         return []
     layers = quantized_layers(family, config, layout, shapes, **context)
-    unplaced = [layer for layer in layers if not scheme.places(layer.kind)]
+    experts_only = scheme.name in family.experts_only_schemes
+    unplaced = [
+        layer
+        for layer in layers
+        if not scheme.places(layer.kind) or (experts_only and layer.kind != "experts")
+    ]
     if unplaced:
         more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
         if unplaced[0].kind == "experts":
