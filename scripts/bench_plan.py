@@ -2,7 +2,7 @@
 
     python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
         [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|kimi-k2.6|gpt-oss-120b
-                 |glm-4.5|qwen3-next ...]
+                 |glm-4.5|qwen3-next|qwen3-30b-a3b-fp4 ...]
 
 Each checkpoint has a published model's full shapes but is made of sparse files: each is a
 valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
@@ -22,6 +22,8 @@ every header, lays out every rank file and validates it all; nothing is written.
 - GLM-4.5 and Qwen3-Next-80B-A3B: their published config.json (tests/data) in bfloat16,
   with the MTP layer the checkpoint ships (the plan skips it without `--draft`), 64 and 41
   files.
+- Qwen3-30B-A3B in ModelOpt's NVFP4 (NVIDIA's `-FP4`): 48 layers, 128 experts, every linear
+  layer but lm_head and the routers packed with group scales and two scalars each, 16 files.
 
 The suite plans each published model at one topology (tests/plan); the other topologies
 it is served with plan here, e.g. `--model kimi-k2.6 --tp 16 --pp 1`.
@@ -38,7 +40,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardprep.demo.tiny import TINY_FP8, TINY_INT4, TINY_MXFP4, tiny_config
+from shardprep.demo.tiny import TINY_FP8, TINY_INT4, TINY_MODELOPT_NVFP4, TINY_MXFP4, tiny_config
 from shardprep.format.headers import TensorSpec, encode_header
 
 PLAN_CHILD = """
@@ -112,6 +114,16 @@ def gpt_oss_120b_config() -> dict:
     )  # fmt: skip
 
 
+def qwen3_30b_a3b_fp4_config() -> dict:
+    """Qwen3-30B-A3B's config.json with ModelOpt's NVFP4 (quant_method modelopt)."""
+    return tiny_config(
+        "Qwen3MoeForCausalLM", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        vocab_size=151936, torch_dtype="bfloat16", quantization_config=TINY_MODELOPT_NVFP4,
+    )  # fmt: skip
+
+
 def deepseek_v32_tensors() -> tuple[dict, dict, dict]:
     """DeepSeek-V3.2's published config.json and tensor table (tests/data/deepseek-v3.2)."""
     ranges = {"{L}": range(62), "{D}": range(3), "{M}": range(3, 62), "{E}": range(256)}
@@ -179,6 +191,9 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
         config, shapes, dtypes = kimi_k26_tensors()
     elif model in PUBLISHED_WITH_MTP:
         config, shapes, dtypes = with_mtp_tensors(PUBLISHED_WITH_MTP[model])
+    elif model == "qwen3-30b-a3b-fp4":
+        config = qwen3_30b_a3b_fp4_config()
+        shapes, dtypes = deepseek_v3_tensors(config)
     else:
         config = kimi_k2_thinking_config() if model == "kimi-k2-thinking" else deepseek_v3_config()
         shapes, dtypes = deepseek_v3_tensors(config)
@@ -213,10 +228,11 @@ DESCRIPTIONS = {
     "gpt-oss-120b": "gpt-oss-120b (mxfp4 experts, 15 files",
     "glm-4.5": "GLM-4.5 (bf16, MTP layer, 64 files",
     "qwen3-next": "Qwen3-Next-80B-A3B (bf16, MTP layer, 41 files",
+    "qwen3-30b-a3b-fp4": "Qwen3-30B-A3B (ModelOpt nvfp4, 16 files",
 }
 FILES = {
     "kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 48,
-    "glm-4.5": 64, "qwen3-next": 41,
+    "glm-4.5": 64, "qwen3-next": 41, "qwen3-30b-a3b-fp4": 16,
 }  # fmt: skip
 PUBLISHED_WITH_MTP = {"glm-4.5": "glm-4.5", "qwen3-next": "qwen3-next-80b-a3b"}
 

@@ -12,7 +12,7 @@ from shardprep.plan.records import ExpertPlan, FilePlan, ModelPlan, Plan
 
 LAYER_INDEX = re.compile(r"\.\d+\.")
 # The parameters a quantization scheme adds beside a quantized weight.
-QUANT_PARAM = re.compile(r"(_scale|_scale_inv|_packed|_shape|input_scale)$")
+QUANT_PARAM = re.compile(r"(_scale|_scale_inv|_scale_2|_packed|_shape|input_scale)$")
 
 
 @dataclass(frozen=True)

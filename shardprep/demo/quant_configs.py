@@ -44,6 +44,31 @@ TINY_NVFP4_PACK = {
 }  # fmt: skip
 
 
+# llm-compressor's `-NVFP4` quantization: every linear layer in NVFP4 (W4A4) but lm_head and
+# the MoE routers; `-NVFP4A16`: the same weights with 16-bit activations.
+TINY_NVFP4 = {**TINY_NVFP4_PACK, "ignore": ["lm_head", "re:.*mlp.gate$"]}
+TINY_NVFP4A16 = {
+    **TINY_NVFP4,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None, "weights": _NVFP4,
+        "input_activations": None,
+    }},
+}  # fmt: skip
+
+
+# ModelOpt's NVFP4 (`quant_algo: NVFP4`, W4A4) as config.json states it: every linear layer
+# but lm_head and the MoE routers.
+_FP4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+TINY_MODELOPT_NVFP4 = {
+    "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+    "producer": {"name": "modelopt", "version": "0.37.0"}, "kv_cache_scheme": None,
+    "ignore": ["lm_head", "model.layers.*.mlp.gate"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": _FP4, "input_activations": _FP4,
+    }},
+}  # fmt: skip
+
+
 # llm-compressor's `-FP8-dynamic` quantization: fp8 weights per output channel, dynamic
 # per-token activations, routers and lm_head left in the model's dtype.
 TINY_FP8_CT = {

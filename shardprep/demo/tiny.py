@@ -10,15 +10,18 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from shardprep.demo.fp4 import mxfp4_encode, nvfp4_encode
 from shardprep.demo.quant_configs import (  # noqa: F401 (the tests import them from here)
     TINY_FP8,
     TINY_FP8_CT,
     TINY_INT4,
+    TINY_MODELOPT_NVFP4,
     TINY_MXFP4,
     TINY_MXFP4_PACK,
+    TINY_NVFP4,
     TINY_NVFP4_PACK,
+    TINY_NVFP4A16,
 )
+from shardprep.demo.quantized import quantized_tensors
 from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.plan import archs
 from shardprep.plan.archs import quantized
@@ -275,7 +278,7 @@ def make_tiny_model(
         for copy, original in part.shared_copies(read).items():
             tensors[copy] = tensors[original].clone()
     if dtypes:
-        tensors.update(_quantized(tensors, dtypes, plain, seed))
+        tensors.update(quantized_tensors(tensors, dtypes, plain, seed))
     generator = torch.Generator().manual_seed(seed + 2)
     for part in families:  # index tables hold valid indices (a hash router's experts)
         for name, (low, high) in sorted(part.index_ranges(config).items()):
@@ -391,63 +394,6 @@ def _random_tensors(
         values = 1.0 + 0.1 * values if len(shape) == 1 else 0.05 * values
         tensors[name] = values.to(torch_dtype(torch, MODEL_DTYPES[dtype]))
     return tensors
-
-
-def _quantized(
-    tensors: dict[str, torch.Tensor],
-    dtypes: dict[str, str],
-    plain: dict[str, tuple[int, ...]],
-    seed: int,
-) -> dict[str, torch.Tensor]:
-    """fp8 weights of unit scale (clamped), small positive float32 scales, random
-    packed int4 values with each weight's true [N, K] beside them, random weights encoded
-    in MXFP4 or NVFP4, and other tensors that the checkpoint keeps in float32."""
-    generator = torch.Generator().manual_seed(seed + 1)
-    changed = {}
-    for name, dtype in sorted(dtypes.items()):
-        shape = tensors[name].shape
-        if name.endswith("weight_global_scale"):  # a random weight encoded in NVFP4
-            stem = name.removesuffix("global_scale")
-            rows, half = tensors[stem + "packed"].shape
-            weight = 0.05 * torch.randn(rows, 2 * half, generator=generator)
-            packed, scale, changed[name] = nvfp4_encode(weight)
-            changed[stem + "packed"], changed[stem + "scale"] = packed, scale
-        elif name.endswith("input_global_scale"):
-            changed[name] = 100.0 + 400.0 * torch.rand((1,), generator=generator)
-        elif stem_of(name) + "weight_global_scale" in dtypes:
-            pass  # written with its global scale
-        elif dtype == "F8_E4M3":
-            values = torch.randn(shape, generator=generator).clamp(-4, 4)
-            changed[name] = values.to(torch.float8_e4m3fn)
-        elif name.endswith(".weight_shape"):
-            changed[name] = torch.tensor(plain[name.removesuffix("_shape")], dtype=torch.int32)
-        elif dtype == "I32":
-            values = torch.randint(-(2**31), 2**31 - 1, tuple(shape), generator=generator)
-            changed[name] = values.to(torch.int32)
-        elif name.endswith("weight_packed") and dtype == "U8":  # two e2m1 codes a byte
-            values = torch.randint(0, 256, tuple(shape), generator=generator)
-            changed[name] = values.to(torch.uint8)
-        elif name.endswith("weight_scale") and dtype == "U8":  # e8m0 exponents
-            values = torch.randint(119, 127, tuple(shape), generator=generator)
-            changed[name] = values.to(torch.uint8)
-        elif name.endswith("_blocks"):  # a random weight [.., N, K] encoded in MXFP4
-            *lead, rows, groups, _ = shape
-            weight = 0.05 * torch.randn(*lead, rows, groups * 32, generator=generator)
-            blocks, scales = mxfp4_encode(weight)
-            changed[name] = blocks
-            changed[name.removesuffix("_blocks") + "_scales"] = scales
-        elif name.endswith("_scales"):
-            pass  # written with its blocks
-        elif name.endswith(("weight_scale_inv", ".weight_scale", ".input_scale")):
-            changed[name] = 0.01 + 0.02 * torch.rand(shape, generator=generator)
-        else:
-            changed[name] = tensors[name].float()
-    return changed
-
-
-def stem_of(name: str) -> str:
-    """`x.` of a quantized weight's stored tensor `x.weight_packed`, `x.weight_scale`..."""
-    return name.rsplit(".", 1)[0] + "."
 
 
 def _write_model(

@@ -43,7 +43,8 @@ def test_the_scheme_reads_nvfp4_pack_quantized_and_refuses_what_it_cannot_lay_ou
         "x.input_global_scale": ((1,), "F32"),
     }
     a16 = scheme_of({"quantization_config": _with_group(input_activations=None)})
-    assert a16 is not None and "no input_activations (NVFP4A16)" in a16.problem
+    assert isinstance(a16, Nvfp4PackQuant) and a16.a16 and not a16.problem
+    assert not a16.places("experts") and a16.places("column")  # see test_nvfp4_linear.py
     fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor"}
     w4a8 = scheme_of({"quantization_config": _with_group(input_activations=fp8)})
     assert w4a8 is not None and "8-bit activations (W4A8)" in w4a8.problem

@@ -61,6 +61,8 @@ class Family:
     name: ClassVar[str]
     # Quantization schemes (plan/quant) whose stored tensors this family places.
     quant_schemes: ClassVar[frozenset[str]] = frozenset()
+    # Those of them whose linear layers it does not lay out (only its routed experts).
+    experts_only_schemes: ClassVar[frozenset[str]] = frozenset()
     # Whether vLLM's attention layers of the family sit at `{layer}.self_attn.attn`, where
     # vLLM's fp8 weight mapper puts the KV-cache scales a checkpoint ships (plan/quant/
     # kv_cache.py); a family without them refuses such tensors as unknown.

@@ -205,6 +205,7 @@ class DeepseekFamily(Family):
         },
     }
     quant_schemes = frozenset({"fp8_block", "int4_pack", "mxfp4_pack", "nvfp4_pack"})
+    experts_only_schemes = frozenset({"nvfp4_pack"})  # NVFP4 MLA layers: not proven yet
 
     def dims(self, config: Config) -> Dims:
         """The sizes config.json implies."""

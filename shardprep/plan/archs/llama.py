@@ -181,7 +181,7 @@ def linear_weights(names: Iterable[str]) -> dict[str, str]:
 
 class LlamaFamily(Family):
     name = "llama"
-    quant_schemes = frozenset({"fp8_block", "fp8_tensor", "fp8_ct"})
+    quant_schemes = frozenset({"fp8_block", "fp8_tensor", "fp8_ct", "nvfp4_pack", "modelopt_fp4"})
     kv_cache_scales = True
 
     def _variant(self, config: Config) -> tuple[bool, bool]:

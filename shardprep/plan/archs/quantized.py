@@ -72,20 +72,26 @@ def _sources(family: Family, config: Config, **context: Any) -> dict[str, tuple[
 
 def _logical(family: Family, config: Config, shapes: Shapes, **context: Any) -> dict:
     """The checkpoint's shapes and those of the unquantized weights config.json implies
-    (a scheme that stores a weight under other names leaves it out of the checkpoint)."""
-    return {**family.expected_shapes(config, **context), **shapes}
+    (a scheme that stores a weight under other names leaves it out of the checkpoint, one
+    that packs it in place stores it under its name in another shape)."""
+    expected = family.expected_shapes(config, **context)
+    packed = {n: expected[n] for n, s in shapes.items() if n in expected and expected[n] != s}
+    return {**expected, **shapes, **packed}
 
 
 def layout(
     family: Family, config: Config, shapes: Shapes, topology: Topology, **context: Any
 ) -> Layout:
-    """The family's layout, each quantized weight's parameter followed by its scales'."""
-    base = family.layout(config, shapes, topology, **context)
+    """The family's layout, each quantized weight's parameter followed by its scales'.
+    The family lays out the weights a scheme stores under other names (`x.weight_packed`)
+    as if the checkpoint held them, whose parameters the scheme then replaces."""
     scheme = _scheme(config, **context)
     if scheme is None:
-        return base
+        return family.layout(config, shapes, topology, **context)
     sizes = _logical(family, config, shapes, **context)
     weights = quantized(family, config, sizes)
+    implied = {w: sizes[w] for w in weights if w not in shapes and w in sizes}
+    base = family.layout(config, {**shapes, **implied}, topology, **context)
     if not weights:
         return base
     moe_ways = 1 if context.get("expert_parallel") else topology.tp * int(context.get("dp", 1))
@@ -109,7 +115,7 @@ def layout(
         params += [Param(name, pieces, param.stages, dtype) for name, pieces, dtype in parts]
         unplaced |= left
     consumed = {piece.source for param in params for piece in param.pieces}
-    skipped = {name: why for name, why in base.skipped.items() if name not in consumed}
+    skipped = {n: why for n, why in base.skipped.items() if n not in consumed and n not in implied}
     skipped |= {name: why for name, why in unplaced.items() if name in shapes}
     return dataclasses.replace(base, params=tuple(params), skipped=skipped)
 
@@ -170,12 +176,23 @@ def quantization_problems(
     if scheme is None:
         return []
     layers = quantized_layers(family, config, layout, shapes, **context)
-    unplaced = [layer.name for layer in layers if not scheme.places(layer.kind)]
+    experts_only = scheme.name in family.experts_only_schemes
+    unplaced = [
+        layer
+        for layer in layers
+        if not scheme.places(layer.kind) or (experts_only and layer.kind != "experts")
+    ]
     if unplaced:
         more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
+        if unplaced[0].kind == "experts":
+            why = getattr(scheme, "experts_unplaced", "")
+            return [
+                f"{scheme.method} {scheme.describe} of routed experts is not supported yet "
+                f"({unplaced[0].name}{more}): {why}"
+            ]
         return [
             f"{scheme.method} {scheme.describe} of linear layers is not supported yet: the "
-            f"ignore list of quantization_config leaves {unplaced[0]}{more} quantized; "
+            f"ignore list of quantization_config leaves {unplaced[0].name}{more} quantized; "
             "shardprep converts such checkpoints when only their routed experts are quantized"
         ]
     dp = int(context.get("dp", 1))

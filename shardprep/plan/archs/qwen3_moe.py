@@ -52,7 +52,7 @@ class Qwen3MoeFamily(Family):
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {
         "qwen3_moe": {"num_experts": "num_local_experts"}
     }
-    quant_schemes = frozenset({"fp8_block", "fp8_tensor", "fp8_ct"})
+    quant_schemes = frozenset({"fp8_block", "fp8_tensor", "fp8_ct", "nvfp4_pack", "modelopt_fp4"})
     kv_cache_scales = True
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:

@@ -22,6 +22,7 @@ from shardprep.plan.quant.fp8 import BlockQuant, block_quant
 from shardprep.plan.quant.fp8_ct import FloatQuant, float_quant
 from shardprep.plan.quant.fp8_tensor import TensorQuant
 from shardprep.plan.quant.int4 import PackQuant, pack_quant
+from shardprep.plan.quant.modelopt import ModeloptNvfp4, is_modelopt, modelopt_quant
 from shardprep.plan.quant.mxfp4 import Mxfp4Pad, Mxfp4Quant, mxfp4_quant
 
 # Each scheme says what a quantized weight is stored as (`stored`, `logical`), which layers
@@ -29,7 +30,14 @@ from shardprep.plan.quant.mxfp4 import Mxfp4Pad, Mxfp4Quant, mxfp4_quant
 # and how each is cut (`params`), which layers shardprep lays out (`places`) and what vLLM
 # refuses at a tp (`refusals`).
 Scheme = (
-    BlockQuant | TensorQuant | FloatQuant | PackQuant | Mxfp4PackQuant | Nvfp4PackQuant | Mxfp4Quant
+    BlockQuant
+    | TensorQuant
+    | FloatQuant
+    | PackQuant
+    | Mxfp4PackQuant
+    | Nvfp4PackQuant
+    | Mxfp4Quant
+    | ModeloptNvfp4
 )
 # What vLLM's quantization configs give every attention layer (`BaseKVCacheMethod`): KV-cache
 # scales, left at -1 unless the checkpoint has them (which shardprep's plans never do).
@@ -56,6 +64,8 @@ def scheme_of(config: Mapping[str, Any], mxfp4_pad: str | None = None) -> Scheme
         if quant.get("format") == NVFP4_PACK:
             return nvfp4_pack_quant(quant)
         return pack_quant(quant)
+    if quant and is_modelopt(quant):
+        return modelopt_quant(quant)
     if quant and quant.get("quant_method") in ("mxfp4", "gpt_oss_mxfp4"):
         return dataclasses.replace(mxfp4_quant(quant), pad=Mxfp4Pad.parse(mxfp4_pad))
     return block_quant(config)

@@ -1,7 +1,7 @@
-"""compressed-tensors fp4 routed experts, everything else in the `ignore` list:
-`mxfp4-pack-quantized` (Kimi-K3's: e2m1 values two to a byte with one e8m0 exponent per
-group of 32) and `nvfp4-pack-quantized` (one e4m3 scale per group of 16 and float32 global
-scales per expert projection).
+"""compressed-tensors fp4: `mxfp4-pack-quantized` (Kimi-K3's routed experts: e2m1 values
+two to a byte with one e8m0 exponent per group of 32) and `nvfp4-pack-quantized` (one e4m3
+scale per group of 16 and float32 global scales per weight), on routed experts and, NVFP4,
+on linear layers too.
 
 Each quantized weight `x.weight` [N, K] is stored as `x.weight_packed` uint8 [N, K/2] and
 `x.weight_scale` uint8 [N, K/32]. vLLM's `CompressedTensorsW4A4Mxfp4MoEMethod` stacks
@@ -10,11 +10,15 @@ up rows of the rank; `w2_*`: the rank's packed or grouped K columns), without pa
 the per-rank intermediate size must be whole groups of 32.
 
 NVFP4 stores `x.weight_packed` uint8 [N, K/2], `x.weight_scale` float8_e4m3fn [N, K/16],
-`x.weight_global_scale` and `x.input_global_scale`, float32 [1] each (W4A4). vLLM's
-`CompressedTensorsW4A4Nvfp4MoEMethod` stacks the first two as above and each global scale
-as a per-tensor scale of FusedMoE (`_load_per_tensor_weight_scale`): w1's and w3's as
-[E, 2] (gate, up), w2's as [E], whole on every rank. W4A16 (NVFP4A16) is refused: vLLM
-builds the input global scales then too and loads nothing into them.
+`x.weight_global_scale` and, W4A4, `x.input_global_scale`, float32 [1] each (NVFP4A16 has
+no input scale). vLLM's `CompressedTensorsW4A4Nvfp4MoEMethod` stacks the first two as
+above and each global scale as a per-tensor scale of FusedMoE
+(`_load_per_tensor_weight_scale`): w1's and w3's as [E, 2] (gate, up), w2's as [E], whole
+on every rank. Its NVFP4A16 experts are refused: vLLM builds their input global scales too
+and loads nothing into them. A linear layer (`CompressedTensorsW4A4Fp4`) cuts
+`weight_packed` and `weight_scale` as its weight, in whole bytes and groups, and holds one
+global scale per part of a fused layer (`PerTensorScaleParameter`: `qkv_proj` 3,
+`gate_up_proj` 2, others 1) on every rank.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ NV_GROUP = 16  # values that share one e4m3 scale
 NV_FORMAT = "nvfp4-pack-quantized"
 NV_SUPPORTED = (
     "shardprep supports compressed-tensors nvfp4-pack-quantized (one config group targeting "
-    "Linear: 4-bit float weights and activations in symmetric tensor_group groups of 16)"
+    "Linear: 4-bit float weights in symmetric tensor_group groups of 16, activations the same "
+    "or none)"
 )
 E4M3 = "F8_E4M3"
 F32 = "F32"
@@ -113,9 +118,29 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
     kind: ClassVar[str] = "NVFP4"
     scale_dtype: ClassVar[str] = E4M3
 
+    a16: bool = False  # NVFP4A16: 16-bit activations, no input global scales
+
+    @property
+    def describe(self) -> str:
+        return super().describe + (" (weights only, NVFP4A16)" if self.a16 else "")
+
+    @property
+    def global_scales(self) -> tuple[str, ...]:
+        return GLOBAL_SCALES[:1] if self.a16 else GLOBAL_SCALES
+
     def stored(self, weight: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple, str]]:
         stem = weight.removesuffix("weight")
-        return super().stored(weight, shape) | {stem + s: ((1,), F32) for s in GLOBAL_SCALES}
+        return super().stored(weight, shape) | {stem + s: ((1,), F32) for s in self.global_scales}
+
+    # Why NVFP4A16 routed experts are refused.
+    experts_unplaced: ClassVar[str] = (
+        "vLLM builds input scales for them that it never loads; add the experts to the "
+        "ignore list or use a W4A4 checkpoint"
+    )
+
+    def places(self, kind: str) -> bool:
+        """Linear layers and, W4A4, routed experts."""
+        return kind != "experts" or not self.a16
 
     def params(
         self,
@@ -125,18 +150,44 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
         tp: int,
         moe_ways: int,
     ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
-        """MXFP4's two stacks, then the global scales of each expert, whole: [E, 2] of a
-        fused gate and up, [E] of a lone part."""
+        """MXFP4's two stacks or cut tensors, then the global scales: of an expert, whole
+        ([E, 2] of a fused gate and up, [E] of a lone part); of a linear layer, one per
+        part."""
         parts, unplaced = super().params(name, pieces, shapes, tp, moe_ways)
-        fused = len(pieces) > len({p.expert for p in pieces})
-        cut = Cut.REPLICATE if fused else Cut.EXPERT_SCALAR
+        if pieces[0].expert is None:
+            cut = Cut.PER_TENSOR
+        else:
+            fused = len(pieces) > len({p.expert for p in pieces})
+            cut = Cut.REPLICATE if fused else Cut.EXPERT_SCALAR
         stem = name.removesuffix("weight")
-        for scale in GLOBAL_SCALES:
+        for scale in self.global_scales:
             of = tuple(
                 Piece(p.source.removesuffix("weight") + scale, cut, expert=p.expert) for p in pieces
             )
             parts.append((stem + scale, of, F32))
         return parts, unplaced
+
+    def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
+        """The experts' sizes in whole groups, and a linear layer's input columns a rank
+        holds: vLLM sizes `weight_scale` [N, K_rank // 16] and cuts it by that many
+        groups, so a K_rank that is not whole groups gets another rank's scales."""
+        if layer.kind == "experts":
+            return super().refusals(layer, tp, moe_ways)
+        return linear_group_refusals(layer, tp, self.group, self.kind)
+
+
+def linear_group_refusals(layer: Quantized, tp: int, group: int, kind: str) -> list[str]:
+    """A linear layer's input size on a rank (split by a row-parallel layer, whole
+    otherwise) that is not whole groups of `group`."""
+    split = layer.kind == "row"
+    size = layer.input // tp if split else layer.input
+    if size % group == 0 and not (split and layer.input % tp):
+        return []
+    what = "input size per rank" if split else "input size"
+    return [
+        f"{layer.name}: {kind} linear stores its {what} ({size}) in groups of {group}, "
+        "which it does not divide."
+    ]
 
 
 def nvfp4_pack_quant(quant: Config) -> Nvfp4PackQuant:
@@ -146,7 +197,9 @@ def nvfp4_pack_quant(quant: Config) -> Nvfp4PackQuant:
     if refused:
         why = f"quantization_config is {NV_FORMAT} with {refused}; {NV_SUPPORTED}"
         return Nvfp4PackQuant(NV_GROUP, why)
-    return Nvfp4PackQuant(NV_GROUP, ignored=tuple(quant.get("ignore") or []))
+    (group,) = quant["config_groups"].values()
+    a16 = not group.get("input_activations")
+    return Nvfp4PackQuant(NV_GROUP, ignored=tuple(quant.get("ignore") or []), a16=a16)
 
 
 def mxfp4_pack_quant(quant: Config) -> Mxfp4PackQuant:
@@ -168,8 +221,6 @@ def _refusal(quant: Config, size: int = GROUP) -> str:
     inputs = group.get("input_activations")
     if inputs and inputs.get("num_bits") == 8:
         return "8-bit activations (W4A8)"
-    if size == NV_GROUP and not inputs:  # vLLM then builds input scales it never loads
-        return "no input_activations (NVFP4A16)"
     if inputs and size == NV_GROUP:  # NVFP4 activations, as vLLM's NVFP4 MoE wants
         for key, value in wanted.items():
             if inputs.get(key) != value:

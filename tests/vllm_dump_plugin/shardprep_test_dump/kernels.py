@@ -143,7 +143,56 @@ def install() -> bool:
     )
 
     nvfp4.select_nvfp4_moe_backend = or_stand_in(nvfp4.select_nvfp4_moe_backend, nvfp4_emulation)
+    from vllm.model_executor.layers.quantization import modelopt
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_nvfp4 as ct_nvfp4,
+    )
+
+    for module in (ct_nvfp4, modelopt):
+        module.init_nvfp4_linear_kernel = or_stand_in(
+            module.init_nvfp4_linear_kernel, nvfp4_linear_emulation
+        )
+    modelopt.select_nvfp4_moe_backend = or_stand_in(
+        modelopt.select_nvfp4_moe_backend, nvfp4_emulation
+    )
     return True
+
+
+def nvfp4_linear_emulation(use_a16: bool = False) -> Any:
+    """vLLM's own NVFP4 linear emulation (plain torch off CUDA), which it registers for
+    CUDA and ROCm only; weight-only (NVFP4A16) layers get the same weight decoding without
+    the input quantization."""
+    from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+
+    kind = WeightOnlyNvfp4Emulation if use_a16 else EmulationNvFp4LinearKernel
+    return kind(NvFp4LinearLayerConfig())
+
+
+class WeightOnlyNvfp4Emulation:
+    """Decodes the NVFP4 weight as vLLM's emulation does, then an ordinary linear layer."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def input_quant_key(self) -> None:
+        return None
+
+    def apply_weights(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+            dequantize_to_dtype,
+        )
+
+        weight = dequantize_to_dtype(
+            layer.weight.data.view(torch.uint8), layer.weight_scale.data,
+            layer.weight_global_scale, x.dtype, 16, swizzle=False,
+        )  # fmt: skip
+        return F.linear(x, weight, bias)
 
 
 def cpu_int4_experts(*args: Any, **kwargs: Any) -> tuple[Any, type]:
