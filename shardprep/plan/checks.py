@@ -15,6 +15,8 @@ from shardprep.plan.archs.base import Family, Layout
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.records import SourceModel
 
+UNPROVEN = "shardprep's layout of them is not proven against vLLM"
+
 
 def dp_problems(dp: int, expert_parallel: bool) -> list[str]:
     if dp > 1 and not expert_parallel:
@@ -111,9 +113,10 @@ def loading_problems(config: Mapping[str, Any], family: Family) -> list[str]:
     if scheme is not None and scheme.problem:
         problems.append(scheme.problem)
     elif scheme is not None and scheme.name not in family.quant_schemes:
+        why = family.quant_refusals.get(scheme.name) or family.quant_refusals.get("*")
         problems.append(
             f"{scheme.method} checkpoints ({scheme.name}) of the {family.name} family are not "
-            "supported yet; convert an unquantized checkpoint"
+            f"supported yet: {why or UNPROVEN}; convert an unquantized checkpoint"
         )
     substituted = expert_substitution(config)
     if substituted:

@@ -175,8 +175,8 @@ def test_a_quantization_the_family_does_not_place_is_refused_up_front() -> None:
 
     config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     assert loading_problems(config, Plain()) == [
-        "fp8 checkpoints (fp8_block) of the plain family are not supported yet; convert an "
-        "unquantized checkpoint"
+        "fp8 checkpoints (fp8_block) of the plain family are not supported yet: shardprep's "
+        "layout of them is not proven against vLLM; convert an unquantized checkpoint"
     ]
 
 

@@ -86,7 +86,9 @@ def test_the_published_fp8_and_fp4_checkpoint_is_refused_in_one_line(
         make_plan(SourceModel(published_config, tensors_of(published_config)), tp=8, pp=2)
     assert str(info.value) == (
         "cannot convert: target: fp8 checkpoints (fp8_block) of the deepseek_v4 family are not "
-        "supported yet; convert an unquantized checkpoint"
+        "supported yet: DeepSeek-V4 is published with fp8 weights and fp4 experts under its "
+        "own names (`.scale`), which shardprep does not lay out yet; convert an unquantized "
+        "checkpoint"
     )
 
 

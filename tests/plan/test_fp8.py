@@ -13,6 +13,7 @@ from shardprep.plan.quant.fp8 import (
     moe_block_problems,
     refined_block,
 )
+from shardprep.plan.quant.fp8_tensor import TensorQuant
 
 Q = BlockQuant((128, 128))
 
@@ -67,3 +68,30 @@ def test_quantization_config() -> None:
     assert block_quant({"quantization_config": fp8}) == BlockQuant((128, 128))
     other = block_quant({"quantization_config": {"quant_method": "awq"}})
     assert other is not None and "quant_method 'awq'" in other.problem
+
+
+@pytest.mark.parametrize(
+    ("layer", "parts", "skipped"),
+    [
+        # one expert's projection listed: vLLM leaves the whole FusedMoE unquantized
+        ("model.layers.1.mlp.experts", ("model.layers.1.mlp.experts.5.gate_proj",), True),
+        ("model.layers.11.mlp.experts", ("model.layers.11.mlp.experts.3.down_proj",), False),
+        # a shared expert's unfused projection: by substring, as vLLM matches it
+        ("model.layers.2.mlp.shared_experts.down_proj",) * 2 + (True,),
+        # its fused gate_up_proj: by the checkpoint names of its parts, exactly
+        ("model.layers.2.mlp.shared_experts.gate_up_proj",
+         ("model.layers.2.mlp.shared_experts.gate_proj",), False),
+        ("model.layers.0.self_attn.qkv_proj", ("model.layers.0.self_attn.q_proj",), True),
+        ("model.layers.0.self_attn.o_proj", ("model.layers.0.self_attn.o_proj",), False),
+    ],
+)  # fmt: skip
+def test_modules_to_not_convert_match_as_vllm_matches_them(
+    layer: str, parts: tuple[str, ...], skipped: bool
+) -> None:
+    listed = frozenset({
+        "model.layers.1.mlp.experts.3.down_proj",
+        "model.layers.2.mlp.shared_experts.down_proj",
+        "model.layers.0.self_attn.q_proj",
+    })  # fmt: skip
+    assert BlockQuant(Q.block, ignored=listed).skips(layer, *parts) is skipped
+    assert TensorQuant(ignored=listed).skips(layer, *parts) is skipped

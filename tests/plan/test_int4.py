@@ -249,5 +249,6 @@ def test_a_family_without_the_scheme_refuses_it_in_one_line() -> None:
         make_plan(model, tp=2, pp=1)
     assert str(caught.value) == (
         "cannot convert: target: compressed-tensors checkpoints (int4_pack) of the qwen3_moe "
-        "family are not supported yet; convert an unquantized checkpoint"
+        "family are not supported yet: shardprep's layout of them is not proven against vLLM; "
+        "convert an unquantized checkpoint"
     )

@@ -63,6 +63,9 @@ class Family:
     quant_schemes: ClassVar[frozenset[str]] = frozenset()
     # Those of them whose linear layers it does not lay out (only its routed experts).
     experts_only_schemes: ClassVar[frozenset[str]] = frozenset()
+    # Why a scheme outside `quant_schemes` is refused, by scheme name ("*": any other),
+    # where there is more to say than that its layout is not proven against vLLM.
+    quant_refusals: ClassVar[Mapping[str, str]] = {}
     # Whether vLLM's attention layers of the family sit at `{layer}.self_attn.attn`, where
     # vLLM's fp8 weight mapper puts the KV-cache scales a checkpoint ships (plan/quant/
     # kv_cache.py); a family without them refuses such tensors as unknown.

@@ -204,7 +204,7 @@ class DeepseekFamily(Family):
             "num_mtp_layers": "num_nextn_predict_layers",
         },
     }
-    quant_schemes = frozenset({"fp8_block", "int4_pack", "mxfp4_pack", "nvfp4_pack"})
+    quant_schemes = frozenset({"fp8_block", "fp8_ct", "int4_pack", "mxfp4_pack", "nvfp4_pack"})
     experts_only_schemes = frozenset({"nvfp4_pack"})  # NVFP4 MLA layers: not proven yet
 
     def dims(self, config: Config) -> Dims:

@@ -39,7 +39,7 @@ def mtp_layers(config: Config) -> range:
 
 class DeepseekMtpDraft(DraftFamily):
     name = "deepseek_mtp"
-    quant_schemes = frozenset({"fp8_block", "int4_pack", "mxfp4_pack", "nvfp4_pack"})
+    quant_schemes = frozenset({"fp8_block", "fp8_ct", "int4_pack", "mxfp4_pack", "nvfp4_pack"})
     experts_only_schemes = frozenset({"nvfp4_pack"})  # NVFP4 MLA layers: not proven yet
     standalone = False  # it comes inside its target, never with --draft
     # The target family whose decoder layers the MTP layers are.

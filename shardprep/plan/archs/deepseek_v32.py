@@ -36,7 +36,7 @@ from shardprep.plan.archs.deepseek import F32, LAYER, DeepseekFamily, Dims
 from shardprep.plan.archs.deepseek_mtp import DeepseekMtpDraft
 from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.quant import scheme_of
-from shardprep.plan.quant.fp8 import FP8, SCALE_DTYPE, scale_name
+from shardprep.plan.quant.fp8 import FP8, SCALE_DTYPE, BlockQuant, scale_name
 from shardprep.plan.topology import Topology
 
 INDEXER = "self_attn.indexer."
@@ -105,6 +105,11 @@ class V32Dims(Dims):
 
 class DeepseekV32Family(DeepseekFamily):
     name = "deepseek_v32"
+    # Not compressed-tensors fp8: the indexer's `wk` is laid out for fp8 blocks only.
+    quant_schemes = frozenset({"fp8_block", "int4_pack", "mxfp4_pack", "nvfp4_pack"})
+    quant_refusals: ClassVar[Mapping[str, str]] = {
+        "*": "the indexer's wk, which vLLM dequantizes while loading, is read from fp8 blocks only"
+    }
     # vLLM reads a deepseek_v32 config with transformers' DeepseekV3Config.
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {
         "deepseek_v32": DeepseekFamily.attribute_maps["deepseek_v3"]
@@ -239,11 +244,13 @@ def read_dequantized(layout: Layout, shapes: Shapes) -> Layout:
 
 def _fp8_block(config: Config) -> tuple[int, int] | None:
     scheme = scheme_of(config)
-    return scheme.block if scheme is not None and not scheme.problem else None
+    return scheme.block if isinstance(scheme, BlockQuant) and not scheme.problem else None
 
 
 class DeepseekV32MtpDraft(DeepseekMtpDraft):
     name = "deepseek_v32_mtp"
+    quant_schemes = DeepseekV32Family.quant_schemes
+    quant_refusals = DeepseekV32Family.quant_refusals
     target = DeepseekV32Family
     attribute_maps = DeepseekV32Family.attribute_maps
 

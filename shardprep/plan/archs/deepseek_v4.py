@@ -32,9 +32,9 @@ the target skips them. The published fp8 + fp4 checkpoint (`quantization_config`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes, config_int
@@ -207,6 +207,10 @@ def expert_shapes(d: V4Dims) -> dict[str, tuple[int, int]]:
 
 class DeepseekV4Family(Family):
     name = "deepseek_v4"
+    quant_refusals: ClassVar[Mapping[str, str]] = {
+        "*": "DeepSeek-V4 is published with fp8 weights and fp4 experts under its own names "
+        "(`.scale`), which shardprep does not lay out yet"
+    }
 
     def dims(self, config: Config) -> V4Dims:
         return V4Dims.of(config)

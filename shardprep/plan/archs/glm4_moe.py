@@ -21,12 +21,12 @@ target's: those are not written.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, DraftFamily, Family, Layout, Param, Shapes
-from shardprep.plan.archs.llama import Dims, layer_params
+from shardprep.plan.archs.llama import Dims, layer_params, linear_weights
 from shardprep.plan.archs.moe import ExpertNames, expert_params, moe_problems
 from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.topology import Topology
@@ -140,6 +140,21 @@ class GlmDims(Dims):
         )
 
 
+def quantized_weights(names: Iterable[str], layers: Iterable[int]) -> dict[str, str]:
+    """{source weight: vLLM layer} of the layers vLLM builds with the model's quantization
+    in decoder layers `layers` (an MTP layer's decoder block keeps its checkpoint prefix):
+    attention, dense and shared-expert MLPs, routed experts. The router (`GateLinear`,
+    float32) and the MTP layer's `eh_proj` (`nn.Linear`) never take it."""
+    wanted = {f"model.layers.{i}." for i in layers}
+    names = [n for n in names if (m := LAYER.match(n)) and f"model.layers.{m[1]}." in wanted]
+    shared = {
+        name: name.rsplit(".", 2)[0] + (".down_proj" if ".down_proj." in name else ".gate_up_proj")
+        for name in names
+        if SHARED in name and name.endswith("_proj.weight")
+    }
+    return linear_weights(names) | EXPERTS.weights(names) | shared
+
+
 def _is_plain(suffix: str) -> bool:
     """A tensor that Llama's rules place: attention, norms and the dense MLP."""
     return not suffix.startswith(("mlp.gate.", SHARED, "mlp.experts."))
@@ -153,6 +168,15 @@ def mtp_layers(config: Config) -> range:
 class Glm4MoeFamily(Family):
     name = "glm4_moe"
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = ATTRIBUTE_MAPS
+    quant_schemes = frozenset({"fp8_block"})
+    quant_refusals: ClassVar[Mapping[str, str]] = {
+        "*": "GLM-4.5 is published with fp8 blocks (quant_method fp8, weight_block_size), "
+        "which shardprep converts"
+    }
+    kv_cache_scales = True
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        return quantized_weights(shapes, range(GlmDims(config).layers))
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         d = GlmDims(config)
@@ -208,6 +232,13 @@ class Glm4MoeMtpDraft(DraftFamily):
     name = "glm4_moe_mtp"
     standalone = False  # it comes inside its target, never with --draft
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = ATTRIBUTE_MAPS
+    # `Glm4MoeMTP.load_weights` maps no KV-cache scale: a checkpoint whose MTP layer ships
+    # them cannot be loaded by vLLM, and its tensors are refused as unknown.
+    quant_schemes = Glm4MoeFamily.quant_schemes
+    quant_refusals = Glm4MoeFamily.quant_refusals
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        return quantized_weights(shapes, mtp_layers(config))
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         d, names = GlmDims(config), context.get("draft_names")

@@ -83,6 +83,10 @@ class GptOssDims(Dims):
 class GptOssFamily(Family):
     name = "gpt_oss"
     quant_schemes = frozenset({"mxfp4"})
+    quant_refusals: ClassVar[Mapping[str, str]] = {
+        "*": "gpt-oss is published with MXFP4 experts (quant_method mxfp4), which shardprep "
+        "converts"
+    }
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {
         "gpt_oss": {"num_experts": "num_local_experts"}
     }

@@ -182,6 +182,8 @@ def vision_config_problems(config: Config) -> list[str]:
 
 class KimiK25Family(DeepseekFamily):
     name = "kimi_k25"
+    # As published (int4 experts), and fp8 blocks as Kimi-K2; not compressed-tensors fp8.
+    quant_schemes = frozenset({"fp8_block", "int4_pack", "mxfp4_pack", "nvfp4_pack"})
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {}
 
     def read_config(self, config: Config) -> dict[str, Any]:

@@ -32,7 +32,8 @@ class MixtralFamily(Family):
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {
         "mixtral": {"num_experts": "num_local_experts"}
     }
-    quant_schemes = frozenset({"fp8_block"})
+    quant_schemes = frozenset({"fp8_block", "fp8_tensor", "fp8_ct"})
+    kv_cache_scales = True
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         """Attention and experts; vLLM builds the router without the quantization."""

@@ -30,12 +30,12 @@ target's at any pp and the embedding at pp = 1: those are not written.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, DraftFamily, Family, Layout, Param, Shapes
-from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params
+from shardprep.plan.archs.llama import LAYER_TENSORS, LINEAR_SUFFIXES, Dims, layer_params
 from shardprep.plan.archs.moe import ExpertNames, expert_params, moe_problems
 from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.topology import Topology
@@ -52,6 +52,22 @@ SHARED = "mlp.shared_expert."
 ROUTED = "mlp.experts.routed_experts."
 LLAMA_RULES = frozenset(hf for hf, _, _ in LAYER_TENSORS)  # attention, dense MLP, norms
 MTP_OWN = ("norm.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.weight")
+# The linear layers of a decoder layer that vLLM builds with the model's quantization,
+# by the checkpoint's suffix, and their vLLM layer; `conv1d`, the router (`GateLinear`) and
+# `shared_expert_gate` are built without it.
+QUANTIZED = {
+    **{hf: vllm.removesuffix(".weight") for hf, vllm, _ in LAYER_TENSORS if hf in LINEAR_SUFFIXES},
+    "linear_attn.in_proj_qkvz.weight": "linear_attn.in_proj_qkvz",
+    "linear_attn.in_proj_ba.weight": "linear_attn.in_proj_ba",
+    "linear_attn.out_proj.weight": "linear_attn.out_proj",
+    f"{SHARED}gate_proj.weight": f"{SHARED}gate_up_proj",
+    f"{SHARED}up_proj.weight": f"{SHARED}gate_up_proj",
+    f"{SHARED}down_proj.weight": f"{SHARED}down_proj",
+}
+ANY_LAYER = re.compile(r"^((?:model|mtp)\.layers\.\d+\.)(.+)$")
+ANY_EXPERT = re.compile(
+    r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.\d+\.(?:gate|up|down)_proj\.weight$"
+)
 
 
 class NextDims(Dims):
@@ -197,6 +213,21 @@ class NextDims(Dims):
         )
 
 
+def quantized_weights(names: Iterable[str], prefix: str) -> dict[str, str]:
+    """{source weight: vLLM layer} of the quantized weights of the decoder layers under
+    `prefix` (`model.layers.`, or the MTP draft's `mtp.layers.`, which vLLM's layers keep
+    as their names), routed experts included."""
+    found = {}
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        if match := ANY_EXPERT.match(name):
+            found[name] = match[1]
+        elif (match := ANY_LAYER.match(name)) and match[2] in QUANTIZED:
+            found[name] = match[1] + QUANTIZED[match[2]]
+    return found
+
+
 def _layer_types(config: Config, layers: int) -> list[str]:
     """`layer_types`, or transformers' default from `full_attention_interval`."""
     types = config.get("layer_types")
@@ -213,6 +244,15 @@ def _layer_types(config: Config, layers: int) -> list[str]:
 
 class Qwen3NextFamily(Family):
     name = "qwen3_next"
+    quant_schemes = frozenset({"fp8_block"})
+    quant_refusals: ClassVar[Mapping[str, str]] = {
+        "*": "Qwen3-Next is published with fp8 blocks (quant_method fp8, weight_block_size), "
+        "which shardprep converts"
+    }
+    kv_cache_scales = True
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        return quantized_weights(shapes, "model.layers.")
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         d = NextDims(config)
@@ -259,6 +299,13 @@ class Qwen3NextFamily(Family):
 class Qwen3NextMtpDraft(DraftFamily):
     name = "qwen3_next_mtp"
     standalone = False  # it comes inside its target, never with --draft
+    quant_schemes = Qwen3NextFamily.quant_schemes
+    quant_refusals = Qwen3NextFamily.quant_refusals
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        """The MTP layers' and `mtp.fc` (a column-parallel layer with the quantization)."""
+        fc = {"mtp.fc.weight": "mtp.fc"} if "mtp.fc.weight" in shapes else {}
+        return quantized_weights(shapes, "mtp.layers.") | fc
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         d, names = NextDims(config), context.get("draft_names")

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from shardprep.plan.layout import Cut, Piece, ScaleOf
 from shardprep.plan.quant.fp8_tensor import TensorQuant, tensor_quant
+from shardprep.plan.quant.ignore import not_converted
 from shardprep.plan.quant.layer import Quantized
 from shardprep.plan.topology import kv_heads_of_rank
 
@@ -40,7 +41,7 @@ class BlockQuant:
     def skips(self, *layers: str) -> bool:
         """Whether vLLM leaves a layer unquantized; `layers`: its names (vLLM's fused
         name, then the checkpoint's names of its parts)."""
-        return any(layer in self.ignored for layer in layers)
+        return not_converted(self.ignored, *layers)
 
     @property
     def describe(self) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.quant.ignore import not_converted
 from shardprep.plan.quant.layer import Quantized
 
 Config = Mapping[str, Any]
@@ -51,7 +52,7 @@ class TensorQuant:
     def skips(self, *layers: str) -> bool:
         """Whether vLLM leaves a layer unquantized; `layers`: its names (vLLM's fused
         name, then the checkpoint's names of its parts)."""
-        return any(layer in self.ignored for layer in layers)
+        return not_converted(self.ignored, *layers)
 
     def logical(self, source: str) -> str:
         """The weight a stored tensor holds: an fp8 weight is stored under its own name."""

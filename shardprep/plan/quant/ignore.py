@@ -39,6 +39,20 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern
 
 
+def not_converted(names: frozenset[str], layer: str, *parts: str) -> bool:
+    """Whether vLLM's `Fp8Config` leaves a layer unquantized (`is_layer_skipped`, exact
+    mode): `layer` (vLLM's name of it) or one of its `parts` (a fused layer's checkpoint
+    names) among `names`; an unfused layer whose name holds "experts" (a FusedMoE, a
+    shared expert's projection) when any listed name that holds "experts" contains it,
+    so that one expert's projection listed leaves the whole FusedMoE unquantized."""
+    if layer in names or any(part in names for part in parts):
+        return True
+    fused = bool(parts) and not layer.endswith(".experts") and layer not in parts
+    if "experts" not in layer or fused:
+        return False
+    return any(layer in name for name in names if "experts" in name)
+
+
 def config_group(quant: Config, wanted: Config) -> tuple[Config, Config, str]:
     """The one config group of a compressed-tensors `quantization_config` and its weights,
     with what of them shardprep does not lay out ("" when nothing): several groups, none
