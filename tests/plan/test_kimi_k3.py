@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardprep.convert.run import Options, convert
+from shardprep.demo.quant_configs import TINY_MXFP4_PACK
 from shardprep.demo.tiny import make_tiny_model, tiny_config
 from shardprep.errors import ConfigError, PlanError
 from shardprep.format.manifest import read_manifest
@@ -92,6 +93,10 @@ def test_what_vllm_would_pad_or_this_project_does_not_place_is_refused_in_one_li
     gdn["text_config"]["linear_attn_config"]["use_full_rank_gate"] = False
     with pytest.raises(PlanError, match="full-rank gate only"):
         make_plan(implied(gdn), tp=2, pp=1)
+    # The published MXFP4 experts (compressed-tensors `mxfp4-pack-quantized`): not yet.
+    mxfp4 = tiny_config(KIMI, quantization_config=TINY_MXFP4_PACK)
+    with pytest.raises(PlanError, match=r"\(mxfp4_pack\) of the kimi_k3 family are not supported"):
+        make_plan(SourceModel(mxfp4, tiny.tensors), tp=2, pp=1)
     with pytest.raises((ConfigError, PlanError), match="draft for Kimi-K3"):
         make_plan(tiny, tp=2, pp=1, draft=tiny, draft_method="dspark")
 
