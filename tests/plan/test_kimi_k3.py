@@ -148,3 +148,42 @@ def test_a_config_saved_by_vllms_class_under_transformers_5_converts_the_same(
     ):
         assert a.path == b.path
         assert (tmp_path / "a" / a.path).read_bytes() == (tmp_path / "b" / b.path).read_bytes()
+
+
+def test_after_fill_redoes_the_kda_decode_copies_vllms_weight_loaders_make() -> None:
+    """vLLM's own weight loaders (`kda.py`, which a GPU's fused decode kernel selects) fill
+    `decode_conv1d_weight` and `decode_norm_weight` as they load; after `sharded-fast`
+    copied the rank's parameters, the family's hook leaves the same bytes."""
+    from vllm.models.kimi_k3.nvidia import kda
+
+    projection, kernel, tp, rank, head_dim = 48, 4, 2, 1, 16
+    local = projection // tp
+
+    def layer() -> torch.nn.Module:
+        module = torch.nn.Module()
+        module.conv1d = torch.nn.Module()
+        module.conv1d.weight = torch.nn.Parameter(torch.zeros(3 * local, 1, kernel))
+        module.o_norm = torch.nn.Module()
+        module.o_norm.weight = torch.nn.Parameter(torch.zeros(head_dim, dtype=torch.bfloat16))
+        module.register_buffer("decode_conv1d_weight", torch.zeros(3, kernel, local))
+        module.register_buffer("decode_norm_weight", torch.zeros(head_dim))
+        return module
+
+    generator = torch.Generator().manual_seed(3)
+    parts = [torch.randn(projection, 1, kernel, generator=generator) for _ in range(3)]
+    norm = torch.randn(head_dim, generator=generator).to(torch.bfloat16)
+    vllm = layer()
+    conv_loader = kda._make_decode_conv1d_weight_loader(
+        [projection] * 3, tp, rank, vllm.decode_conv1d_weight
+    )
+    for shard, part in enumerate(parts):
+        conv_loader(vllm.conv1d.weight, part, shard)
+    kda._make_decode_norm_weight_loader(vllm.decode_norm_weight)(vllm.o_norm.weight, norm)
+    ours = layer()
+    with torch.no_grad():
+        ours.conv1d.weight.copy_(vllm.conv1d.weight)  # what sharded-fast copies in
+        ours.o_norm.weight.copy_(vllm.o_norm.weight)
+    archs.target_family_of(KIMI).after_fill(ours, {"conv1d.weight", "o_norm.weight"})
+    assert vllm.decode_conv1d_weight.any()
+    assert torch.equal(ours.decode_conv1d_weight, vllm.decode_conv1d_weight)
+    assert torch.equal(ours.decode_norm_weight, vllm.decode_norm_weight)

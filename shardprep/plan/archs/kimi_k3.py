@@ -380,3 +380,19 @@ class KimiK3Family(Family):
             params += [Param(name, (Piece(name, Cut.REPLICATE),), (last,)) for name in OUT_RES]
         params += VisionTower.of(config).params(topology.tp, tuple(range(topology.pp)))
         return Layout(tuple(params), {}, num_experts=d.experts)
+
+    def after_fill(self, model: Any, filled: set[str]) -> None:
+        """What the KDA layers' weight loaders do besides copying: when vLLM chose a fused
+        decode kernel (not on the CPU build) it keeps a [3, kernel, P/tp] copy of each of
+        the q, k, v parts of `conv1d` (`decode_conv1d_weight`) and a float32 copy of
+        `o_norm` (`decode_norm_weight`), filled as the weights load."""
+        for module in model.modules():
+            conv = getattr(module, "decode_conv1d_weight", None)
+            if conv is not None:
+                weight = module.conv1d.weight
+                part = weight.shape[0] // 3
+                for i in range(3):
+                    conv[i].copy_(weight[i * part : (i + 1) * part].squeeze(1).transpose(0, 1))
+            norm = getattr(module, "decode_norm_weight", None)
+            if norm is not None:
+                norm.copy_(module.o_norm.weight)
