@@ -22,12 +22,15 @@ from shardprep.demo.quant_configs import (  # noqa: F401 (the tests import them 
     TINY_NVFP4A16,
 )
 from shardprep.demo.quantized import quantized_tensors
+from shardprep.demo.tiny_kimi_k3 import KIMI_K3, kimi_k3_config
 from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.plan import archs
 from shardprep.plan.archs import quantized
 
 
 def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dict[str, Any]:
+    if architecture == KIMI_K3:
+        return kimi_k3_config(**overrides)
     if architecture in KIMI_K25:
         return _kimi_k25_config(architecture, **overrides)
     config: dict[str, Any] = {

@@ -54,6 +54,8 @@ CUTS += ("qkv_rows",)
 CUTS += ("per_tensor", "scalar")
 # ... and one value of an expert (an NVFP4 global scale), stacked into a vector.
 CUTS += ("expert_scalar",)
+# ... and zero rows that a fused layer pads its output with, read from no source.
+CUTS += ("zero_rows",)
 
 
 @dataclass(frozen=True)

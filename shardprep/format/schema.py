@@ -191,10 +191,11 @@ def _piece(value: Any, field: str) -> None:
     if len(value) == 3:
         _PIECE_EXTRA(value[2], f"{field}[2]")
     extra = value[2] if len(value) == 3 else {}
-    if (value[1] in ("kv_heads", "parts_rows", "qkv_rows")) != ("heads" in extra):
+    if (value[1] in ("kv_heads", "parts_rows", "qkv_rows", "zero_rows")) != ("heads" in extra):
         raise _Bad(
             field,
-            f"{field}: a kv_heads, parts_rows or qkv_rows piece, and only one, names its heads",
+            f"{field}: a kv_heads, parts_rows, qkv_rows or zero_rows piece, and only one, "
+            "names its heads",
         )
     if (value[1] in ("block_scale", "packed", *MX_CUTS)) != ("scale_of" in extra):
         raise _Bad(

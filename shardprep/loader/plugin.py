@@ -40,7 +40,7 @@ from shardprep.loader.reader import read_rank
 from shardprep.loader.regroup import check_served, load_regrouped, running_split
 
 if TYPE_CHECKING:
-    from shardprep.plan.archs.base import DraftFamily
+    from shardprep.plan.archs.base import DraftFamily, Family
     from shardprep.plan.topology import ExpertSplit
 
 LOAD_FORMAT = "sharded-fast"
@@ -145,7 +145,7 @@ class ShardedFastLoader(BaseModelLoader):
             dp_rank=place.dp_rank,
         )  # fmt: skip
         where = f"{artifact} ({role}, rank pp{place.pp_rank} tp{place.tp_rank})"
-        family = draft_family(manifest, entry)
+        family = draft_family(manifest, entry) or target_family(entry)
         if family is not None:
             family.before_fill(
                 model, set(entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank))
@@ -282,6 +282,16 @@ def draft_family(manifest: Manifest, entry: ModelEntry) -> DraftFamily | None:
     from shardprep.plan import archs  # pure data, but only a draft needs it
 
     return archs.draft_family(entry.method, archs.target_family_of(target.architecture).name)
+
+
+def target_family(entry: ModelEntry) -> Family | None:
+    """The target's family, for the hooks that redo what vLLM's `load_weights` does besides
+    copying (Kimi-K3's copies of the KDA conv and norm weights for its decode kernels)."""
+    if entry.role != "target":
+        return None
+    from shardprep.plan import archs  # pure data
+
+    return archs.target_family_of(entry.architecture)
 
 
 def _device_of(model: nn.Module) -> str:

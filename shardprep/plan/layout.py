@@ -66,6 +66,10 @@ class Cut(Enum):
     # One value of one expert ([1] or [], an NVFP4 global scale), whole on every rank: a
     # stack of them is a vector [experts].
     EXPERT_SCALAR = "expert_scalar"
+    # `heads` zero rows of the source's width, on every rank: rows a fused layer pads its
+    # output with and never loads (Kimi-K3's `in_proj_qkvgfab`); nothing of the source
+    # is read.
+    ZERO_ROWS = "zero_rows"
 
 
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose
@@ -187,6 +191,8 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
     rows = shape[0] if shape else 1
     if piece.cut in (Cut.REPLICATE, Cut.EXPERT_SCALAR):
         return (Block(piece.source, (0, rows)),)
+    if piece.cut is Cut.ZERO_ROWS:
+        return (Block(None, (0, piece.heads)),)
     if piece.cut in (Cut.PER_TENSOR, Cut.SCALAR):
         if rows != 1 or len(shape) > 1:
             raise PlanError(

@@ -43,8 +43,8 @@ FAMILIES = {
 # (`_CONFIG_REGISTRY` in vllm/transformers_utils/config.py).
 VLLM_CONFIG_CLASSES = {"deepseek_v32": "DeepseekV3Config"}
 # Model types vLLM reads with a config class of its own, and that class's attribute_map:
-# vLLM's `DeepseekV4Config` (transformers_utils/configs/deepseek_v4.py) maps nothing.
-VLLM_OWN_CONFIG_MAPS: dict[str, dict[str, str]] = {"deepseek_v4": {}}
+# vLLM's `DeepseekV4Config` and `KimiK3Config` (transformers_utils/configs/) map nothing.
+VLLM_OWN_CONFIG_MAPS: dict[str, dict[str, str]] = {"deepseek_v4": {}, "kimi_k3": {}}
 
 
 def saved_by_transformers(model: Path, out: Path) -> dict:

@@ -31,6 +31,7 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeFamily"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssFamily"),
     "KimiK25ForConditionalGeneration": ("kimi_k25", "KimiK25Family"),
+    "KimiK3ForConditionalGeneration": ("kimi_k3", "KimiK3Family"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextFamily"),
 }
 # (vLLM's speculative `method`, target family name or ANY_TARGET) -> (module, class)

@@ -121,6 +121,14 @@ class Family:
         scales)}. convert computes them as vLLM does (convert/dequantize.py)."""
         return {}
 
+    # -- inside a vLLM worker: what vLLM's own load_weights does besides copying ----------
+
+    def before_fill(self, model: Any, names: set[str]) -> None:
+        """Before the rank's tensors are copied in (`names`: the rank's parameters)."""
+
+    def after_fill(self, model: Any, filled: set[str]) -> None:
+        """After every tensor was copied in (`filled`: the parameter names)."""
+
 
 class DraftFamily(Family):
     """A speculative-decoding draft, registered per (method, target family)."""
@@ -153,14 +161,6 @@ class DraftFamily(Family):
     def example_tables(self, config: Config, *, target_config: Config, seed: int) -> dict:
         """Valid non-random tensors (index tables) for a tiny model of this draft."""
         return {}
-
-    # -- inside a vLLM worker: what vLLM's own load_weights does besides copying ----------
-
-    def before_fill(self, model: Any, names: set[str]) -> None:
-        """Before the rank's tensors are copied in (`names`: the rank's parameters)."""
-
-    def after_fill(self, model: Any, filled: set[str]) -> None:
-        """After every tensor was copied in (`filled`: the parameter names)."""
 
 
 def config_int(config: Config, key: str, default: int | None = None) -> int:

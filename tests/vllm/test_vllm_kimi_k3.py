@@ -1,0 +1,80 @@
+"""Kimi-K3 (`KimiK3ForConditionalGeneration`) in a real vLLM (CPU build), bfloat16.
+
+One tiny checkpoint in the published naming (`language_model.model.layers.*`: KDA layers
+1 and 3, MLA layers 2 and 4 with the output gate, a dense layer 0 and latent experts,
+attention residuals; a two-block MoonViT-3D under `vision_tower.`, the projector's
+`mm_projector.proj.0/2`), served with one image prompt allowed so that vLLM builds the
+tower, prefix caching off and `VLLM_KIMI_K3_GEMM_AR=0`, at tp2 x pp2:
+
+- every rank file equals what vLLM's default loader leaves in memory, byte for byte: the
+  fused `in_proj_qkvgfab` (q, k, v, g rows of the rank, `f_a_proj` whole, `b_proj` rows,
+  then zero rows up to a multiple of 16), the float32 `conv1d`, `dt_bias` and `A_log`,
+  `fused_qkv_a_g_proj` (latents whole, gate rows), the expert stacks over the latent
+  width, the vision tower split by tp on both stages;
+- `sharded-fast`, with every collective refused while each rank loads, leaves the same
+  state.
+
+vLLM's CPU build cannot run this model after loading (its MLA backend refuses the KV
+cache block size the hybrid model aligns to), so both runs stop once every rank has
+dumped its state: no tokens are compared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import vllm_env
+from test_vllm_moe import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
+
+from shardprep.convert.run import Options, convert
+from shardprep.demo.tiny import make_tiny_model
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
+]
+KIMI = "KimiK3ForConditionalGeneration"
+ENGINE = {
+    "attention_config": {"backend": "CPU_MLA"},
+    "limit_mm_per_prompt": {"image": 1},
+    "enable_prefix_caching": False,
+}
+ENV = {"VLLM_KIMI_K3_GEMM_AR": "0"}
+LAYERS = "language_model.model.layers."
+
+
+def test_kimi_k3_rank_files_equal_vllm_at_tp2_pp2(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "model", KIMI, torch_dtype="bfloat16")
+    artifact = tmp_path / "artifact"
+    convert(str(model), artifact, Options(tp=2, pp=2), progress=False)
+    run = {"dtype": "bfloat16", "allow_engine_failure": True, "engine": ENGINE}
+    dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", env=ENV, **run)
+    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
+    for (_, p, _), path in dumps.items():
+        state, meta = vllm_env.read_dump(path)
+        assert meta["model_class"] == KIMI
+        kda = f"{LAYERS}{2 * p}.self_attn."  # layer 0 (stage 0) and 2 (stage 1) are KDA
+        # q, k, v, g: 4 x 32 rows of the rank, f_a 16, b 2, then 14 zero rows (to 160).
+        fused = state[kda + "in_proj_qkvgfab.weight"]
+        assert tuple(fused.shape) == (160, 64)
+        assert not fused[146:].any()
+        for name in ("conv1d.weight", "dt_bias", "A_log"):
+            assert state[kda + name].dtype == torch.float32
+        mla = f"{LAYERS}{2 * p + 1}.self_attn."
+        # q_a 32 and kv_a 48 whole, the gate's 32 rows of the rank.
+        assert tuple(state[mla + "fused_qkv_a_g_proj.weight"].shape) == (112, 64)
+        moe = f"{LAYERS}{2 * p + 1}.block_sparse_moe."
+        assert tuple(state[moe + "experts.routed_experts.w13_weight"].shape) == (8, 32, 32)
+        assert state[moe + "gate.e_score_correction_bias"].dtype == torch.float32
+        assert tuple(state["vision_tower.encoder.blocks.1.wqkv.weight"].shape) == (144, 64)
+        assert ("language_model.model.embed_tokens.weight" in state) == (p == 0)
+        assert ("language_model.lm_head.weight" in state) == (p == 1)
+    assert_rank_files_equal_dumps(artifact, dumps)
+    fast = vllm_env.dump_state(
+        artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
+        env=ENV | TRAP, **run,
+    )  # fmt: skip
+    assert_same_dumps(fast, dumps)
