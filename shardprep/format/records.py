@@ -54,6 +54,8 @@ CUTS += ("qkv_rows",)
 CUTS += ("per_tensor", "scalar")
 # ... and one value of an expert (an NVFP4 global scale), stacked into a vector.
 CUTS += ("expert_scalar",)
+# ... of an expert stack stored as vLLM stacks it (transformers 5's fused experts).
+CUTS += ("expert_halves_rows", "expert_cols")
 
 
 @dataclass(frozen=True)
