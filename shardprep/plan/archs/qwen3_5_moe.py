@@ -77,7 +77,8 @@ class Qwen35Dims(NextDims):
     """Qwen3-Next's sizes, with Qwen3.5-MoE's projections, experts and MTP count."""
 
     def __init__(self, config: Config) -> None:
-        super().__init__(config)
+        # No layer has a dense MLP, and config.json no `intermediate_size`: Dims reads one.
+        super().__init__({"intermediate_size": 1, **config})
         self.mtp = int(config.get("mtp_num_hidden_layers", 1) or 0)
         self.sparse_step, self.mlp_only = 1, set()  # every layer holds experts
 
