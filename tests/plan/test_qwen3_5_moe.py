@@ -13,6 +13,7 @@ The rank bytes of a tiny checkpoint are checked against the rules read from vLLM
 - the vision tower: `Qwen2_5_VisionAttention.qkv` is a QKVParallelLinear given the fused
   `attn.qkv` (the rank's rows of q, of k, of v); `Qwen3_VisionMLP.linear_fc1` column- and
   `linear_fc2` row-parallel, a RowParallelLinear's bias whole;
+- lm_head: `Qwen3_5ForCausalLMBase` builds it on the last stage only;
 - the MTP draft: `Qwen3_5MTP.load_weights` renames `mtp.` to `model.` and reads
   `model.language_model.embed_tokens.weight` as `model.embed_tokens.weight`.
 And the published config of Qwen3.6-35B-A3B plans at tp8 x pp2, tp8 x pp4 and tp16."""
@@ -93,12 +94,13 @@ def test_qwen3_5_moe_plans_at_the_topologies_it_is_served_with(
     experts = DST + "mlp.experts.routed_experts."
     assert first[experts + "w13_weight"] == ("BF16", (256, 1024 // tp, 2048))
     assert first[experts + "w2_weight"] == ("BF16", (256, 2048, 512 // tp))
-    for stage in (first, last):  # the vision tower and the vocabulary on every stage
+    for stage in (first, last):  # the vision tower and the embedding on every stage
         assert stage["visual.blocks.0.attn.qkv.weight"] == ("BF16", (3456 // tp, 1152))
         assert stage["visual.pos_embed.weight"] == ("BF16", (2304, 1152))
         assert stage["language_model.model.embed_tokens.weight"] == ("BF16", (248320 // tp, 2048))
-        assert stage["language_model.lm_head.weight"] == ("BF16", (248320 // tp, 2048))
-    assert ("language_model.model.norm.weight" in first) == (pp == 1)
+    assert last["language_model.lm_head.weight"] == ("BF16", (248320 // tp, 2048))
+    for name in ("language_model.model.norm.weight", "language_model.lm_head.weight"):
+        assert (name in first) == (pp == 1)  # the last stage's only
     layers = {int(n.split(".")[3]) for n in last if n.startswith("language_model.model.layers.")}
     assert max(layers) == 39 and len(layers) == 40 // pp
     draft = shapes_of(plan, "draft", pp - 1, 0)
@@ -224,3 +226,6 @@ def test_the_mtp_draft_is_on_the_last_stage_with_the_text_models_embedding(
     first, last = rank_file(out, "target", 0, 0), rank_file(out, "target", 1, 0)
     assert "visual.merger.norm.weight" in first and "visual.merger.norm.weight" in last
     assert DST + "input_layernorm.weight" in first and DST + "input_layernorm.weight" not in last
+    head = source["lm_head.weight"]
+    assert "language_model.lm_head.weight" not in first
+    assert torch.equal(last["language_model.lm_head.weight"][:512], head[:512])

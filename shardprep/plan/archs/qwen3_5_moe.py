@@ -18,6 +18,8 @@ The text model is Qwen3-Next's (`Qwen3NextFamily`'s rules) as published: under
   `in_proj_qkv` and 3 from `in_proj_z` (`Qwen3_5Model.hf_to_vllm_mapper`), so a rank holds
   its q rows, k rows, v rows, then its z rows; `in_proj_ba` [V heads, V heads] holds its
   b rows, then its a rows;
+- lm_head is built on the last stage only (the embedding on every stage, as for
+  Qwen3-Next);
 - the MTP draft is `mtp.*` as for Qwen3-Next (`Qwen3_5MTP.load_weights`: `mtp.` becomes
   `model.`), its embedding read from `model.language_model.embed_tokens.weight`;
   `mtp_num_hidden_layers` says how many layers it has.
@@ -257,7 +259,13 @@ class Qwen35MoeFamily(Qwen3NextFamily):
         return {_to_published(name): shape for name, shape in text.items()} | vision
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
-        return super().check(config, tp, **context) + VisionDims.of(config).problems(tp)
+        problems = super().check(config, tp, **context) + VisionDims.of(config).problems(tp)
+        if config.get("layer_scale"):
+            problems.append(
+                "layer_scale is true: vLLM then gives each layer scales that shardprep does "
+                "not place for Qwen3.5-MoE; convert a checkpoint without layer_scale"
+            )
+        return problems
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
         text_shapes = {
@@ -273,6 +281,8 @@ class Qwen35MoeFamily(Qwen3NextFamily):
                 pieces=tuple(
                     dataclasses.replace(p, source=_to_published(p.source)) for p in param.pieces
                 ),
+                # `Qwen3_5ForCausalLMBase` builds lm_head on the last stage only.
+                stages=(topology.last_stage,) if param.name == HEAD else param.stages,
             )
             for param in text.params
         ]
