@@ -78,6 +78,8 @@ VISION_DEFAULTS: Mapping[str, Any] = {
 class Qwen35Dims(NextDims):
     """Qwen3-Next's sizes, with Qwen3.5-MoE's projections, experts and MTP count."""
 
+    label = "Qwen3.5-MoE"
+
     def __init__(self, config: Config) -> None:
         # No layer has a dense MLP, and config.json no `intermediate_size`: Dims reads one.
         super().__init__({"intermediate_size": 1, **config})
@@ -252,6 +254,13 @@ class Qwen35MoeFamily(Qwen3NextFamily):
 
     def read_config(self, config: Config) -> dict[str, Any]:
         return read_text_config(config)
+
+    def internal_draft(self, config: Config) -> str | None:
+        """The `mtp` draft when `mtp_num_hidden_layers` (vLLM's default: 1) is not 0; the
+        config as published or already read."""
+        return super().internal_draft(
+            read_text_config(config) if "text_config" in config else config
+        )
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         text = super().expected_shapes(config, **context)

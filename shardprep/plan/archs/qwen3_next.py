@@ -57,6 +57,8 @@ MTP_OWN = ("norm.weight", "pre_fc_norm_hidden.weight", "pre_fc_norm_embedding.we
 class NextDims(Dims):
     """The sizes config.json implies, with Qwen3NextConfig's defaults."""
 
+    label = "Qwen3-Next"  # the family's name in messages
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.experts = int(config.get("num_experts") or 0)
@@ -173,10 +175,10 @@ class NextDims(Dims):
     def problems(self, tp: int, context: Mapping[str, Any]) -> list[str]:
         problems = self.check_attention(tp) + self.check_vocab(tp)
         if self.tied:
-            problems.append("tie_word_embeddings is not supported for Qwen3-Next models")
+            problems.append(f"tie_word_embeddings is not supported for {self.label} models")
         if context.get("attention_bias"):
             problems.append(
-                "attention_bias is true, but vLLM builds Qwen3-Next's attention without "
+                f"attention_bias is true, but vLLM builds {self.label}'s attention without "
                 "biases; this checkpoint cannot be served by vLLM"
             )
         linear_heads = {
@@ -196,7 +198,7 @@ class NextDims(Dims):
         wrong = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
         if wrong:
             problems.append(
-                f"layer_types holds {', '.join(wrong)}; Qwen3-Next layers are {LINEAR} or {FULL}"
+                f"layer_types holds {', '.join(wrong)}; {self.label} layers are {LINEAR} or {FULL}"
             )
         if any(not self.is_moe(i) for i in range(self.layers)):
             problems += self.check_intermediate(tp)
@@ -286,7 +288,7 @@ class Qwen3NextMtpDraft(DraftFamily):
         d, names = self.dims(config), context.get("draft_names")
         if names is not None and not any(n.startswith("mtp.") for n in names):
             raise ConfigError(
-                "vLLM serves Qwen3-Next's MTP draft from the checkpoint's mtp.* tensors, and "
+                f"vLLM serves {d.label}'s MTP draft from the checkpoint's mtp.* tensors, and "
                 "this checkpoint holds none; convert with --no-mtp to leave the draft out"
             )
         shapes: dict[str, tuple[int, ...]] = {"mtp.fc.weight": (d.hidden, 2 * d.hidden)}
