@@ -33,6 +33,8 @@ def tiny_config(architecture: str = "LlamaForCausalLM", **overrides: Any) -> dic
         return kimi_k3_config(**overrides)
     if architecture in KIMI_K25:
         return _kimi_k25_config(architecture, **overrides)
+    if architecture == QWEN35_MOE:
+        return _qwen3_5_moe_config(**overrides)
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": _MODEL_TYPES[architecture],
@@ -116,6 +118,36 @@ def _kimi_k25_config(architecture: str, **overrides: Any) -> dict[str, Any]:
     if "quantization_config" in top:
         config["quantization_config"] = top["quantization_config"]
     return config
+
+
+# Qwen3.5-MoE as published: Qwen3-Next's tiny text model (every layer with experts, the
+# separate DeltaNet projections, `mtp_num_hidden_layers`) in `text_config`, a tiny vision tower.
+QWEN35_MOE = "Qwen3_5MoeForConditionalGeneration"
+TINY_QWEN3_VL = {
+    "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "in_channels": 3,
+    "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 128,
+    "num_position_embeddings": 16, "deepstack_visual_indexes": [],
+    "hidden_act": "gelu_pytorch_tanh",
+}  # fmt: skip
+
+
+def _qwen3_5_moe_config(**overrides: Any) -> dict[str, Any]:
+    vision = overrides.pop("vision_config", TINY_QWEN3_VL)
+    text = tiny_config("Qwen3NextForCausalLM", **overrides)
+    for key in (
+        "architectures",
+        "num_nextn_predict_layers",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    ):
+        text.pop(key, None)
+    text.update(model_type="qwen3_5_moe_text", mtp_num_hidden_layers=1)
+    return {
+        "architectures": [QWEN35_MOE], "model_type": "qwen3_5_moe", "text_config": text,
+        "vision_config": vision, "tie_word_embeddings": False, "torch_dtype": text["torch_dtype"],
+        "image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 7,
+        "vision_end_token_id": 8,
+    }  # fmt: skip
 
 
 _MODEL_TYPES = {

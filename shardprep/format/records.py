@@ -56,6 +56,8 @@ CUTS += ("per_tensor", "scalar")
 CUTS += ("expert_scalar",)
 # ... and zero rows that a fused layer pads its output with, read from no source.
 CUTS += ("zero_rows",)
+# ... of an expert stack stored as vLLM stacks it (transformers 5's fused experts).
+CUTS += ("expert_halves_rows", "expert_cols")
 
 
 @dataclass(frozen=True)

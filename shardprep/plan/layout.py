@@ -47,6 +47,10 @@ class Cut(Enum):
     EXPERT_ROWS_T = "expert_rows_t"  # [A, B]: rows split evenly, transposed to [B, A/tp]
     EXPERT_ROW = "expert_row"  # [B]: split evenly
     EXPERT_ROW_FIRST = "expert_row_first"  # [B]: whole on rank 0, zeros on the others
+    # [A, B], not transposed (an expert stack stored as vLLM stacks it, transformers 5's
+    # `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]):
+    EXPERT_HALVES_ROWS = "expert_halves_rows"  # the rank's rows of each half of A, in order
+    EXPERT_COLS = "expert_cols"  # columns split evenly
     # A weight stored `block[1]` columns to an element (int4 values 8 to an int32, group
     # scales one per group): its cut, in whole elements along the columns.
     PACKED = "packed"
@@ -75,9 +79,11 @@ class Cut(Enum):
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose
 # expert stack is [experts, B] (a vector per expert) rather than [experts, rows, cols].
 MX_CUTS = frozenset({Cut.MX_W13, Cut.MX_W2, Cut.MX_W13_BIAS, Cut.MX_W2_BIAS})
+EXPERT_MATRICES = frozenset({Cut.EXPERT_HALVES_ROWS, Cut.EXPERT_COLS})
 EXPERT_INDEXED = (
     frozenset({Cut.EXPERT_COLS_T, Cut.EXPERT_ROWS_T, Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST})
     | MX_CUTS
+    | EXPERT_MATRICES
 )
 EXPERT_VECTORS = frozenset(
     {Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST, Cut.MX_W13_BIAS, Cut.MX_W2_BIAS, Cut.EXPERT_SCALAR}
@@ -232,6 +238,8 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
         return _vocab_blocks(piece.source, rows, 1, 0)
     if piece.cut in MX_CUTS:
         return (_mx_block(piece, shape, tp, rank),)
+    if piece.cut in EXPERT_MATRICES:
+        return _expert_matrix_blocks(piece, shape, tp, rank)
     if piece.cut in EXPERT_INDEXED:
         return (_expert_block(piece, shape, tp, rank),)
     return _vocab_blocks(piece.source, rows, tp, rank)
@@ -258,6 +266,29 @@ def _expert_block(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> B
         _check_divisible(piece.source, shape[1], tp, "rows per expert")
         rows = rank_range(shape[1], tp, rank)
     return Block(piece.source, (0, 1), matrix=(rows, cols))
+
+
+def _expert_matrix_blocks(
+    piece: Piece, shape: tuple[int, ...], tp: int, rank: int
+) -> tuple[Block, ...]:
+    """Expert 0's blocks of an `EXPERT_HALVES_ROWS` or `EXPERT_COLS` cut: parts of its
+    [A, B] matrix, not transposed (`Block.slab` with no padding)."""
+    if len(shape) != 3:
+        raise PlanError(
+            f"{piece.source} has shape {list(shape)}; its cut ({piece.cut.value}) needs "
+            "3 dimensions, the first one the experts"
+        )
+    a, b = shape[1], shape[2]
+    if piece.cut is Cut.EXPERT_COLS:
+        _check_divisible(piece.source, b, tp, "columns per expert")
+        start, end = rank_range(b, tp, rank)
+        return (Block(piece.source, (0, 1), slab=((0, a), (start, end), (a, end - start))),)
+    _check_divisible(piece.source, a, 2 * tp, "rows per expert (two halves)")
+    start, end = rank_range(a // 2, tp, rank)
+    return tuple(
+        Block(piece.source, (0, 1), slab=((h + start, h + end), (0, b), (end - start, b)))
+        for h in (0, a // 2)
+    )
 
 
 def mx_range(intermediate: int, tp: int, rank: int) -> tuple[int, int]:

@@ -37,6 +37,7 @@ FAMILIES = {
     "DeepseekV32ForCausalLM": {"num_nextn_predict_layers": 1},
     "KimiK25ForConditionalGeneration": {},  # the text model nested in text_config
     "Qwen3NextForCausalLM": {},
+    "Qwen3_5MoeForConditionalGeneration": {},  # text_config and vision_config nested
 }
 
 # Model types vLLM reads with another transformers class than transformers' own

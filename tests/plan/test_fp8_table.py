@@ -58,6 +58,8 @@ TABLE: dict[str, tuple[set[str], str]] = {
     "glm4_moe": ({"fp8 blocks"}, f"GLM-4.5 {PUBLISHED_BLOCKS}"),
     "qwen3_next": ({"fp8 blocks"}, f"Qwen3-Next {PUBLISHED_BLOCKS}"),
     "gpt_oss": (set(), "gpt-oss is published with MXFP4 experts"),
+    "kimi_k3": (set(), UNPROVEN),
+    "qwen3_5_moe": (set(), UNPROVEN),
 }
 # MTP drafts inside a target checkpoint follow their target's row.
 INTERNAL_DRAFTS = {"deepseek": "deepseek_mtp", "deepseek_v32": "deepseek_v32_mtp",

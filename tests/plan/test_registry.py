@@ -58,6 +58,7 @@ def test_every_family_is_a_declared_plug_in_with_a_layout_revision() -> None:
         "eagle", "eagle3", "dflash", "dspark", "deepseek_mtp", "glm4_moe_mtp",
         "gpt_oss", "deepseek_v32_mtp", "deepseek_v4", "kimi_k25", "kimi_k3",
         "qwen3_next", "qwen3_next_mtp",
+        "qwen3_5_moe", "qwen3_5_moe_mtp",
     }  # fmt: skip
     newest = RANGES[-1].revisions
     for family in families:

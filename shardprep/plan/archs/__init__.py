@@ -33,6 +33,7 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "KimiK25ForConditionalGeneration": ("kimi_k25", "KimiK25Family"),
     "KimiK3ForConditionalGeneration": ("kimi_k3", "KimiK3Family"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextFamily"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "Qwen35MoeFamily"),
 }
 # (vLLM's speculative `method`, target family name or ANY_TARGET) -> (module, class)
 _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
@@ -44,6 +45,7 @@ _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
     ("mtp", "deepseek_v32"): ("deepseek_v32", "DeepseekV32MtpDraft"),
     ("mtp", "glm4_moe"): ("glm4_moe", "Glm4MoeMtpDraft"),
     ("mtp", "qwen3_next"): ("qwen3_next", "Qwen3NextMtpDraft"),
+    ("mtp", "qwen3_5_moe"): ("qwen3_5_moe", "Qwen35MoeMtpDraft"),
 }
 
 

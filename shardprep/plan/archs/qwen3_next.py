@@ -73,6 +73,8 @@ ANY_EXPERT = re.compile(
 class NextDims(Dims):
     """The sizes config.json implies, with Qwen3NextConfig's defaults."""
 
+    label = "Qwen3-Next"  # the family's name in messages
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.experts = int(config.get("num_experts") or 0)
@@ -105,9 +107,8 @@ class NextDims(Dims):
         else:
             shapes = {k: v for k, v in shapes.items() if not k.startswith("self_attn.")}
             key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+            shapes |= self.projection_shapes()
             shapes |= {
-                "linear_attn.in_proj_qkvz.weight": (2 * key + 2 * value, self.hidden),
-                "linear_attn.in_proj_ba.weight": (2 * self.v_heads, self.hidden),
                 "linear_attn.conv1d.weight": (2 * key + value, 1, self.kernel),
                 "linear_attn.dt_bias": (self.v_heads,),
                 "linear_attn.A_log": (self.v_heads,),
@@ -126,8 +127,32 @@ class NextDims(Dims):
                 f"{SHARED}down_proj.weight": (self.hidden, self.shared),
                 "mlp.shared_expert_gate.weight": (1, self.hidden),
             }
-        return shapes | EXPERTS.shapes(
-            "mlp.experts.", self.experts, self.moe_intermediate, self.hidden
+        return shapes | self.expert_shapes()
+
+    def projection_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A DeltaNet's input projections in the checkpoint: Qwen3-Next's two fused ones,
+        each grouped per key head."""
+        key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        return {
+            "linear_attn.in_proj_qkvz.weight": (2 * key + 2 * value, self.hidden),
+            "linear_attn.in_proj_ba.weight": (2 * self.v_heads, self.hidden),
+        }
+
+    def projection_params(self, hf_prefix: str, vllm_prefix: str, stage: int) -> list[Param]:
+        """vLLM's `in_proj_qkvz` and `in_proj_ba`: one column-parallel output each
+        (`gqa_interleaved_layout`), so a rank holds a contiguous 1/tp of the rows."""
+        return [
+            Param(vllm_prefix + s, (Piece(hf_prefix + s, Cut.ROWS),), (stage,))
+            for s in ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")
+        ]
+
+    def expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The routed experts of one layer, one tensor per expert and projection."""
+        return EXPERTS.shapes("mlp.experts.", self.experts, self.moe_intermediate, self.hidden)
+
+    def expert_stack_params(self, hf_prefix: str, vllm_prefix: str, stage: int) -> list[Param]:
+        return expert_params(
+            EXPERTS, f"{hf_prefix}mlp.experts.", vllm_prefix + ROUTED, self.experts, stage
         )
 
     def layer_params_of(
@@ -143,8 +168,7 @@ class NextDims(Dims):
             params.append(Param(vllm_prefix + suffix, (piece,), (stage,), dtype))
 
         if kind == LINEAR:
-            add("linear_attn.in_proj_qkvz.weight", Cut.ROWS)
-            add("linear_attn.in_proj_ba.weight", Cut.ROWS)
+            params += self.projection_params(hf_prefix, vllm_prefix, stage)
             add("linear_attn.conv1d.weight", Cut.QKV_ROWS, heads=self.k_heads * self.k_dim)
             add("linear_attn.dt_bias", Cut.ROWS)
             add("linear_attn.A_log", Cut.ROWS, F32)
@@ -162,18 +186,15 @@ class NextDims(Dims):
             params.append(Param(f"{vllm_prefix}{SHARED}gate_up_proj.weight", gate_up, (stage,)))
             params.append(Param(f"{vllm_prefix}{SHARED}down_proj.weight", (down,), (stage,)))
             add("mlp.shared_expert_gate.weight", Cut.REPLICATE)
-        params += expert_params(
-            EXPERTS, f"{hf_prefix}mlp.experts.", vllm_prefix + ROUTED, self.experts, stage
-        )
-        return params
+        return params + self.expert_stack_params(hf_prefix, vllm_prefix, stage)
 
     def problems(self, tp: int, context: Mapping[str, Any]) -> list[str]:
         problems = self.check_attention(tp) + self.check_vocab(tp)
         if self.tied:
-            problems.append("tie_word_embeddings is not supported for Qwen3-Next models")
+            problems.append(f"tie_word_embeddings is not supported for {self.label} models")
         if context.get("attention_bias"):
             problems.append(
-                "attention_bias is true, but vLLM builds Qwen3-Next's attention without "
+                f"attention_bias is true, but vLLM builds {self.label}'s attention without "
                 "biases; this checkpoint cannot be served by vLLM"
             )
         linear_heads = {
@@ -193,7 +214,7 @@ class NextDims(Dims):
         wrong = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
         if wrong:
             problems.append(
-                f"layer_types holds {', '.join(wrong)}; Qwen3-Next layers are {LINEAR} or {FULL}"
+                f"layer_types holds {', '.join(wrong)}; {self.label} layers are {LINEAR} or {FULL}"
             )
         if any(not self.is_moe(i) for i in range(self.layers)):
             problems += self.check_intermediate(tp)
@@ -244,6 +265,7 @@ def _layer_types(config: Config, layers: int) -> list[str]:
 
 class Qwen3NextFamily(Family):
     name = "qwen3_next"
+    dims: ClassVar[type[NextDims]] = NextDims
     quant_schemes = frozenset({"fp8_block"})
     quant_refusals: ClassVar[Mapping[str, str]] = {
         "*": "Qwen3-Next is published with fp8 blocks (quant_method fp8, weight_block_size), "
@@ -255,7 +277,7 @@ class Qwen3NextFamily(Family):
         return quantized_weights(shapes, "model.layers.")
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
-        d = NextDims(config)
+        d = self.dims(config)
         shapes = {
             f"model.layers.{i}.{suffix}": shape
             for i, kind in enumerate(d.layer_types)
@@ -269,14 +291,14 @@ class Qwen3NextFamily(Family):
     def internal_draft(self, config: Config) -> str | None:
         """vLLM serves the `mtp.*` layers as the `mtp` draft; it assumes one MTP layer when
         config.json names none (`num_nextn_predict_layers`)."""
-        return "mtp" if NextDims(config).mtp else None
+        return "mtp" if self.dims(config).mtp else None
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         extra = {"attention_bias": bool(config.get("attention_bias", False))}
-        return NextDims(config).problems(tp, {**context, **extra})
+        return self.dims(config).problems(tp, {**context, **extra})
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        d = NextDims(config)
+        d = self.dims(config)
         params: list[Param] = []
         for layer, kind in enumerate(d.layer_types):
             prefix = f"model.layers.{layer}."
@@ -299,6 +321,8 @@ class Qwen3NextFamily(Family):
 class Qwen3NextMtpDraft(DraftFamily):
     name = "qwen3_next_mtp"
     standalone = False  # it comes inside its target, never with --draft
+    dims: ClassVar[type[NextDims]] = NextDims
+    embed_source = EMBED  # the target's embedding, in the checkpoint
     quant_schemes = Qwen3NextFamily.quant_schemes
     quant_refusals = Qwen3NextFamily.quant_refusals
 
@@ -308,10 +332,10 @@ class Qwen3NextMtpDraft(DraftFamily):
         return quantized_weights(shapes, "mtp.layers.") | fc
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
-        d, names = NextDims(config), context.get("draft_names")
+        d, names = self.dims(config), context.get("draft_names")
         if names is not None and not any(n.startswith("mtp.") for n in names):
             raise ConfigError(
-                "vLLM serves Qwen3-Next's MTP draft from the checkpoint's mtp.* tensors, and "
+                f"vLLM serves {d.label}'s MTP draft from the checkpoint's mtp.* tensors, and "
                 "this checkpoint holds none; convert with --no-mtp to leave the draft out"
             )
         shapes: dict[str, tuple[int, ...]] = {"mtp.fc.weight": (d.hidden, 2 * d.hidden)}
@@ -326,7 +350,7 @@ class Qwen3NextMtpDraft(DraftFamily):
         return []
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        d, last = NextDims(config), topology.last_stage
+        d, last = self.dims(config), topology.last_stage
         params: list[Param] = []
         for i in range(d.mtp):
             params += d.layer_params_of(i, FULL, f"mtp.layers.{i}.", f"model.layers.{i}.", last)
@@ -335,7 +359,7 @@ class Qwen3NextMtpDraft(DraftFamily):
             params.append(Param(f"model.{name}", (Piece(f"mtp.{name}", Cut.REPLICATE),), (last,)))
         shared = {HEAD}  # loaded from lm_head.weight, then the target's
         if topology.pp > 1:  # the draft, on the last stage, keeps its own embedding
-            params.append(Param(EMBED, (Piece(EMBED, Cut.VOCAB),), (last,)))
+            params.append(Param(EMBED, (Piece(self.embed_source, Cut.VOCAB),), (last,)))
         else:
             shared.add(EMBED)
         used = {piece.source for param in params for piece in param.pieces}
