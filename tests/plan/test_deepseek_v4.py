@@ -60,7 +60,9 @@ def rank(plan: Plan, pp: int, tp: int) -> dict[str, TensorPlan]:
 
 def test_the_published_config_implies_the_native_names(published_config: dict) -> None:
     family = archs.target_family(published_config)[1]
-    assert family.name == "deepseek_v4" and archs.internal_draft_method(published_config) is None
+    assert family.name == "deepseek_v4"
+    # dspark_target_layer_ids: the mtp.* stages are the DSpark draft vLLM serves
+    assert archs.internal_draft_method(published_config) == "dspark"
     shapes, dtypes = tensors_of(published_config), family.source_dtypes(published_config)
     # 43 layers: 21 of compress ratio 4 (compressor and indexer), 20 of 128, 2 sliding-window.
     assert len([n for n in shapes if n.endswith(".indexer.wq_b.weight")]) == 21
@@ -97,7 +99,7 @@ def test_deepseek_v4_plans_at_the_topologies_it_is_served_with(
     plan = make_plan(bf16, tp=tp, pp=pp)
     assert [m.family for m in plan.models] == ["deepseek_v4"]
     skipped = dict(plan.models[0].skipped)
-    assert "built-in DSpark draft" in skipped["mtp.0.main_proj.weight"]
+    assert "which vLLM's target does not load" in skipped["mtp.0.main_proj.weight"]
     first, last = rank(plan, 0, tp - 1), rank(plan, pp - 1, 0)
     a = "model.layers.2.attn."
     assert first[a + "fused_wqa_wkv.weight"].shape == (1024 + 512, 4096)
@@ -190,9 +192,12 @@ def test_a_tiny_checkpoint_converts_to_what_vllm_loads(tmp_path: Path) -> None:
     assert int(stored["layers.0.ffn.gate.tid2eid"].max()) < 4  # valid expert ids
     convert(str(model), tmp_path / "a", Options(tp=2, pp=2), progress=False)
     manifest = read_manifest(tmp_path / "a")
-    assert [(m.role, m.architecture) for m in manifest.models] == [("target", V4)]
+    assert [(m.role, m.architecture) for m in manifest.models] == [
+        ("target", V4),
+        ("draft", "dspark"),  # the built-in DSpark draft, in draft/
+    ]
     seen = set()
-    for f in manifest.files:
+    for f in (f for f in manifest.files if f.role == "target"):
         state = load_file(tmp_path / "a" / f.path)
         assert torch.equal(state["model.hc_head_fn"], stored["hc_head_fn"])
         for name, value in state.items():
@@ -230,7 +235,10 @@ def test_the_plan_command_names_the_family(
     model = make_tiny_model(tmp_path / "m", V4)
     assert main(["plan", str(model), "--tp", "2", "--pp", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [(m["role"], m["architecture"]) for m in data["models"]] == [("target", V4)]
+    assert [(m["role"], m["architecture"]) for m in data["models"]] == [
+        ("target", V4),
+        ("draft", "dspark"),
+    ]
 
 
 def test_a_config_saved_by_transformers_deepseek_v4_config_is_refused_in_one_line(
