@@ -182,7 +182,8 @@ class DeepseekV4DSparkDraft(DraftFamily):
         params: list[Param] = []
         for i in range(n):
             tensors = block_tensors(d, 1, hashed=d.layers + i < d.hash_layers)
-            params += fused_params(block_params(d, tensors, f"mtp.{i}.", f"model.layers.{i}."), last)
+            entries = block_params(d, tensors, f"mtp.{i}.", f"model.layers.{i}.")
+            params += fused_params(entries, last)
         context_wkv = tuple(Piece(f"mtp.{i}.attn.wkv.weight", Cut.REPLICATE) for i in range(n))
         params.append(Param(CONTEXT_WKV, context_wkv, (last,)))
         stages = head_stages(config, sorted(shapes))
