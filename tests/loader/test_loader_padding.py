@@ -130,3 +130,22 @@ def test_the_v4_families_name_the_sinks_and_nothing_else() -> None:
 )
 def test_fits_padded_on_odd_shapes(stored: tuple, built: tuple, fits: bool) -> None:
     assert fits_padded(stored, built) is fits
+
+
+@pytest.mark.vllm  # imports vLLM's NVIDIA attention classes (importable on the CPU build)
+def test_the_padding_rule_here_is_vllm_s() -> None:
+    """The head counts these tests pad to are FlashMLA's own, and the padded counts of
+    both NVIDIA backends leave the rank's heads a front to fill."""
+    pytest.importorskip("vllm")
+    from vllm.models.deepseek_v4.nvidia.flashinfer_sparse import (
+        DeepseekV4FlashInferMLAAttention,
+    )
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
+
+    for heads in range(1, 129):
+        flashmla = DeepseekV4FlashMLAAttention.get_padded_num_q_heads(heads)
+        flashinfer = DeepseekV4FlashInferMLAAttention.get_padded_num_q_heads(heads)
+        assert flashmla == flashmla_heads(heads)
+        assert fits_padded((heads,), (flashmla,)) and fits_padded((heads,), (flashinfer,))
+    with pytest.raises(ValueError, match="does not support 129 heads"):
+        DeepseekV4FlashMLAAttention.get_padded_num_q_heads(129)
