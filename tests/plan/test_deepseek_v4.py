@@ -29,10 +29,15 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "deepseek-v4-flash"
 V4 = "DeepseekV4ForCausalLM"
 
 
-def tensors_of(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    family = archs.target_family(config)[1]
-    dtypes = family.source_dtypes(config)
-    return {n: (dtypes.get(n, "BF16"), s) for n, s in family.expected_shapes(config).items()}
+def tensors_of(config: dict[str, Any], *, draft: bool = False) -> dict[str, tuple[str, tuple]]:
+    families = [archs.target_family(config)[1]]
+    if draft:
+        families.append(archs.draft_family("dspark", "deepseek_v4"))
+    found = {}
+    for family in families:
+        dtypes = family.source_dtypes(config)
+        found |= {n: (dtypes.get(n, "BF16"), s) for n, s in family.expected_shapes(config).items()}
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +49,14 @@ def published_config() -> dict[str, Any]:
 def bf16(published_config: dict[str, Any]) -> SourceModel:
     """The published sizes in bfloat16 (no quantization_config), with the DSpark stages."""
     config = {k: v for k, v in published_config.items() if k != "quantization_config"}
-    tensors = tensors_of(config)
-    tensors["mtp.0.main_proj.weight"] = ("BF16", (4096, 3 * 4096))  # one of the draft's
-    return SourceModel(config, tensors)
+    return SourceModel(config, tensors_of(config, draft=True))
+
+
+@pytest.fixture(scope="module")
+def published_plan(bf16: SourceModel) -> Plan:
+    """The one topology of the published config planned in the suite (tp8 x pp4 and tp16
+    are timed by scripts/bench_plan.py), with the built-in DSpark draft."""
+    return make_plan(bf16, tp=8, pp=2, draft=bf16, draft_method="dspark")
 
 
 def source(**overrides: Any) -> SourceModel:
@@ -54,8 +64,10 @@ def source(**overrides: Any) -> SourceModel:
     return SourceModel(config, tensors_of(config))
 
 
-def rank(plan: Plan, pp: int, tp: int) -> dict[str, TensorPlan]:
-    return {t.name: t for f in plan.files if (f.pp, f.tp) == (pp, tp) for t in f.tensors}
+def rank(plan: Plan, pp: int, tp: int, role: str = "target") -> dict[str, TensorPlan]:
+    return {
+        t.name: t for f in plan.files if (f.role, f.pp, f.tp) == (role, pp, tp) for t in f.tensors
+    }
 
 
 def test_the_published_config_implies_the_native_names(published_config: dict) -> None:
@@ -92,14 +104,13 @@ def test_the_published_fp8_and_fp4_checkpoint_is_refused_in_one_line(
     )
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(8, 2), (8, 4)])
-def test_deepseek_v4_plans_at_the_topologies_it_is_served_with(
-    bf16: SourceModel, tp: int, pp: int
-) -> None:
-    plan = make_plan(bf16, tp=tp, pp=pp)
-    assert [m.family for m in plan.models] == ["deepseek_v4"]
+def test_deepseek_v4_plans_at_tp8_pp2(published_plan: Plan) -> None:
+    plan, tp, pp = published_plan, 8, 2
+    assert [m.family for m in plan.models] == ["deepseek_v4", "deepseek_v4_dspark"]
     skipped = dict(plan.models[0].skipped)
-    assert "which vLLM's target does not load" in skipped["mtp.0.main_proj.weight"]
+    assert skipped["mtp.0.main_proj.weight"] == (
+        "a tensor of the DSpark draft, written to the draft's files"
+    )
     first, last = rank(plan, 0, tp - 1), rank(plan, pp - 1, 0)
     a = "model.layers.2.attn."
     assert first[a + "fused_wqa_wkv.weight"].shape == (1024 + 512, 4096)
@@ -139,6 +150,34 @@ def test_deepseek_v4_plans_at_the_topologies_it_is_served_with(
     assert "model.embed_tokens.weight" not in last or pp == 1
     layers = {int(n.split(".")[2]) for n in last if n.startswith("model.layers.")}
     assert max(layers) == 42
+
+
+def test_the_published_draft_plans_on_the_last_stage(published_plan: Plan) -> None:
+    """DeepSeek-V4-Flash's config.json (bfloat16 sizes): three DSpark stages (no
+    n_mtp_layers, so vLLM's default), main_proj over the three target layers 40-42, the
+    heads in stage 2; the draft on stage 1 only."""
+    plan = published_plan
+    assert [(m.role, m.family) for m in plan.models] == [
+        ("target", "deepseek_v4"),
+        ("draft", "deepseek_v4_dspark"),
+    ]
+    assert {f.pp for f in plan.files if f.role == "draft"} == {1}
+    held = rank(plan, 1, 7, role="draft")
+    assert held["model.main_proj.weight"].shape == (4096, 3 * 4096)
+    assert held["model.context_wkv_proj.weight"].shape == (3 * 512, 4096)
+    assert [b.source for b in held["model.context_wkv_proj.weight"].blocks] == [
+        f"mtp.{i}.attn.wkv.weight" for i in range(3)
+    ]
+    assert held["model.markov_head.markov_w2.weight"].shape == (129280, 256)
+    assert held["model.confidence_head.proj.weight"].shape == (1, 4096 + 256)
+    a = "model.layers.2.attn."
+    assert held[a + "attn_sink"].shape == (8,) and held[a + "attn_sink"].blocks[0].rows == (56, 64)
+    assert held[a + "fused_wqa_wkv.weight"].shape == (1024 + 512, 4096)
+    assert held[a + "wo_a.weight"].shape == (1024, 4096)
+    f = "model.layers.2.ffn."
+    assert held[f + "experts.routed_experts.w13_weight"].shape == (256, 2 * 2048 // 8, 4096)
+    assert held[f + "gate.e_score_correction_bias"].dtype == "F32"
+    assert not any(".compressor." in n for n in held)
 
 
 def test_tp16_is_refused_because_the_output_groups_do_not_divide(bf16: SourceModel) -> None:
