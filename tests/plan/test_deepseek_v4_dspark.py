@@ -139,6 +139,12 @@ def test_the_rank_files_hold_the_parameters_vllm_s_load_weights_fills(
     # nothing of the target in the draft's files, nothing of the draft in the target's
     target = {n for f in manifest.files if f.role == "target" for n in load_file(artifact / f.path)}
     assert "model.main_proj.weight" not in target and "model.context_wkv_proj.weight" not in target
+    # at pp > 1 the NVIDIA target builds its embedding on the last stage for the draft
+    # (`spec_decode_needs_target_embed`); a run without the draft skips it there
+    target_entry = manifest.model("target")
+    assert target_entry is not None
+    assert list(target_entry.spec_decode_only) == [("model.embed_tokens.weight", 1)]
+    assert "model.embed_tokens.weight" in target_entry.rank_params(1, 0)
 
 
 def test_every_draft_tensor_is_what_the_weight_loaders_make_of_the_source(

@@ -314,13 +314,18 @@ class DeepseekV4Family(Family):
             entries = block_params(d, tensors, f"layers.{layer}.", f"model.layers.{layer}.")
             params += fused_params(entries, stage)
         every = tuple(range(topology.pp))
+        # With a DSpark draft at pp > 1, vLLM's NVIDIA target builds and loads the embedding
+        # on the last stage too, for the draft to share (`spec_decode_needs_target_embed`).
+        draft_embed = bool(context.get("with_draft")) and topology.pp > 1
+        embed_stages = (0, last) if draft_embed else (0,)
         params += [
-            Param("model.embed_tokens.weight", (Piece("embed.weight", Cut.VOCAB),), (0,)),
+            Param("model.embed_tokens.weight", (Piece("embed.weight", Cut.VOCAB),), embed_stages),
             Param("model.norm.weight", (Piece("norm.weight", Cut.REPLICATE),), (last,)),
             Param("lm_head.weight", (Piece("head.weight", Cut.VOCAB),), (last,)),
             *(Param("model." + n, (Piece(n, Cut.REPLICATE),), every, F32) for n in HC_HEAD),
         ]
-        return Layout(tuple(params), skipped, num_experts=d.experts)
+        spec_only = frozenset({("model.embed_tokens.weight", last)} if draft_embed else ())
+        return Layout(tuple(params), skipped, spec_decode_only=spec_only, num_experts=d.experts)
 
 
 def block_params(
