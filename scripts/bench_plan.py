@@ -13,7 +13,8 @@ every header, lays out every rank file and validates it all; nothing is written.
   `pack-quantized`: `weight_packed`, `weight_scale`, `weight_shape` per projection),
   everything else bf16, 62 files;
 - DeepSeek-V4: DeepSeek-V4-Flash's published config.json (tests/data/deepseek-v4-flash) in
-  bfloat16 (its fp8 + fp4 quantization left out), 43 layers, 256 experts, 48 files;
+  bfloat16 (its fp8 + fp4 quantization left out), 43 layers, 256 experts, and its built-in
+  DSpark draft of 3 stages (`mtp.*`, planned into draft/), 48 files;
 - gpt-oss-120b: 36 layers, 128 experts in MXFP4 (`*_blocks`, `*_scales`), the rest bf16,
   15 files; planned with the default `--mxfp4-pad` (64);
 - Kimi-K2.6 (as Kimi-K2.5 is published, tests/data/kimi-k2.5): Kimi-K2-Thinking's text
@@ -158,14 +159,18 @@ def published_tensors(folder: str, ranges: dict[str, range]) -> tuple[dict, dict
 
 def deepseek_v4_tensors() -> tuple[dict, dict, dict]:
     """DeepSeek-V4-Flash's published config.json in bfloat16 and the native tensors it
-    implies (the family's own table)."""
+    implies, its DSpark draft's included (the families' own tables)."""
     from shardprep.plan import archs
 
     data = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek-v4-flash"
     published = json.loads((data / "config.json").read_text())
     config = {k: v for k, v in published.items() if k != "quantization_config"}
-    family = archs.target_family(config)[1]
-    return config, family.expected_shapes(config), family.source_dtypes(config)
+    shapes: dict = {}
+    dtypes: dict = {}
+    for family in (archs.target_family(config)[1], archs.draft_family("dspark", "deepseek_v4")):
+        shapes |= family.expected_shapes(config)
+        dtypes |= family.source_dtypes(config)
+    return config, shapes, dtypes
 
 
 def with_mtp_tensors(folder: str) -> tuple[dict, dict, dict]:

@@ -200,7 +200,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     # DeepSeek-V4's native config keys at tiny sizes: head_dim 512 and index_head_dim 128
     # (the only sizes vLLM's compressor implements), one hash-routed layer, layers of
-    # compress ratio 0 (sliding window), 4 (compressor and indexer) and 128; bfloat16.
+    # compress ratio 0 (sliding window), 4 (compressor and indexer) and 128, and a DSpark
+    # draft of two stages; bfloat16.
     "DeepseekV4ForCausalLM": {
         "hidden_size": 256,
         "num_attention_heads": 4,
@@ -238,6 +239,12 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 64,
         },
         "num_nextn_predict_layers": 0,
+        # its built-in DSpark draft (mtp.0 and mtp.1), as the published config names it
+        "dspark_target_layer_ids": [1, 2],
+        "dspark_markov_rank": 16,
+        "dspark_block_size": 3,
+        "dspark_noise_token_id": 999,
+        "n_mtp_layers": 2,
         "torch_dtype": "bfloat16",
     },
     # gpt-oss's features at tiny sizes: attention sinks, biases everywhere, 4 fused experts

@@ -1,9 +1,15 @@
 """Copying the tensors read into the model vLLM built: every parameter exactly once, with
-its exact shape and dtype, or one error that lists every problem."""
+its exact shape and dtype, or one error that lists every problem.
+
+One exception, which the family names (`Family.padded_at_load`): a parameter that vLLM
+builds longer along dim 0 on some devices than the rank's share (DeepSeek-V4's
+`attn_sink`, padded to the head count of the GPU attention kernel) gets the rank file's
+rows at its front and keeps the rest as vLLM initialized it, which is what vLLM's own
+loader leaves (`param[:n].copy_(...)`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -66,18 +72,22 @@ def fill_parameters(
     may_lack: set[str],
     where: str,
     layout: str = "",
+    padded: Callable[[str], bool] = lambda name: False,
 ) -> list[str]:
     """Copy each tensor into the parameter of the same name (tied aliases count as the
     parameter they alias); every parameter must be filled exactly once with the exact
     shape and dtype, except those in `may_lack`. A tensor may also fill a buffer (e.g.
     attention scales), which is never required. Tensors in `ignorable` that the model
-    lacks are skipped. Returns the names filled; raises one error listing every problem."""
+    lacks are skipped. A parameter for which `padded(name)` holds may be longer along dim
+    0 than its tensor (`fits_padded`): the tensor fills its front. Returns the names
+    filled; raises one error listing every problem."""
     params, canonical = _parameters(model)
     required = {name for name, _ in model.named_parameters()}
     problems, filled, seen = Problems(), {}, set()
     for name, tensor in tensors:
         if name in params:
-            if _fill_one(name, tensor, params[name], canonical[name] in seen, problems):
+            seen_before = canonical[name] in seen
+            if _fill_one(name, tensor, params[name], seen_before, problems, padded(name)):
                 filled[canonical[name]] = name
             seen.add(canonical[name])
         elif name not in ignorable:
@@ -97,19 +107,33 @@ def fill_parameters(
     return list(filled.values())
 
 
+def fits_padded(stored: tuple[int, ...], built: tuple[int, ...]) -> bool:
+    """A stored tensor that fills the front of a parameter padded along dim 0: the same
+    other dims, at most as many rows."""
+    return len(stored) == len(built) >= 1 and stored[1:] == built[1:] and stored[0] <= built[0]
+
+
 def _fill_one(
-    name: str, tensor: torch.Tensor, target: torch.Tensor, seen: bool, problems: Problems
+    name: str,
+    tensor: torch.Tensor,
+    target: torch.Tensor,
+    seen: bool,
+    problems: Problems,
+    padded: bool = False,
 ) -> bool:
-    """Copy one tensor if it fits; else record why not."""
+    """Copy one tensor if it fits; else record why not. A `padded` parameter longer along
+    dim 0 gets the tensor at its front; its other rows keep vLLM's initial value."""
+    shape, built = tuple(tensor.shape), tuple(target.shape)
     if seen:
         problems.twice.append(name)
-    elif tuple(tensor.shape) != tuple(target.shape):
-        problems.shape.append(f"{name}: file {tuple(tensor.shape)}, model {tuple(target.shape)}")
+    elif shape != built and not (padded and fits_padded(shape, built)):
+        problems.shape.append(f"{name}: file {shape}, model {built}")
     elif tensor.dtype != target.dtype:
         problems.dtype.append(f"{name}: file {tensor.dtype}, model {target.dtype}")
     else:
-        if tensor.data_ptr() != target.data_ptr():  # else it was read straight into it
-            target.data.copy_(tensor)
+        dest = target.data if shape == built else target.data[: shape[0]]
+        if tensor.data_ptr() != dest.data_ptr():  # else it was read straight into it
+            dest.copy_(tensor)
         return True
     return False
 

@@ -132,6 +132,7 @@ class ShardedFastLoader(BaseModelLoader):
                 verify=self.options.verify,
                 family=draft_family(manifest, entry),
                 may_lack=_may_lack(manifest, entry, model),
+                padded=padded_at_load(manifest, entry),
             )  # fmt: skip
             logger.info("shardprep loaded %s in %.2f s", artifact, time.perf_counter() - started)
             return
@@ -153,7 +154,7 @@ class ShardedFastLoader(BaseModelLoader):
         filled = fill_parameters(
             model, tensors, ignorable=_ignorable(entry, place),
             may_lack=_may_lack(manifest, entry, model), where=where,
-            layout=manifest.vllm_layout.id,
+            layout=manifest.vllm_layout.id, padded=padded_at_load(manifest, entry),
         )  # fmt: skip
         if family is not None:
             family.after_fill(model, set(filled))
@@ -292,6 +293,24 @@ def target_family(entry: ModelEntry) -> Family | None:
     from shardprep.plan import archs  # pure data
 
     return archs.target_family_of(entry.architecture)
+
+
+def padded_at_load(manifest: Manifest, entry: ModelEntry) -> Callable[[str], bool]:
+    """Which parameters vLLM may build padded along dim 0 on this device, filling only the
+    front (`Family.padded_at_load`: DeepSeek-V4's `attn_sink` on NVIDIA GPUs)."""
+    from shardprep.plan import archs  # pure data
+
+    if entry.role == "draft":
+        family = draft_family(manifest, entry)
+        return family.padded_at_load if family is not None else _never
+    try:
+        return archs.target_family_of(entry.architecture).padded_at_load
+    except ConfigError:  # a family this shardprep does not know: nothing is padded
+        return _never
+
+
+def _never(name: str) -> bool:
+    return False
 
 
 def _device_of(model: nn.Module) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -70,6 +70,7 @@ def load_regrouped(
     verify: bool,
     family: DraftFamily | None,
     may_lack: set[str],
+    padded: Callable[[str], bool] = lambda name: False,
 ) -> None:
     """Fill the model from an artifact of another topology (vLLM's layer `partition`):
     the draft family's hooks around the copy, as at the artifact's own topology."""
@@ -99,7 +100,7 @@ def load_regrouped(
         tensors = _device_layout_checked(artifact, entry, model, tensors)
     filled = fill_parameters(
         model, tensors, ignorable=set(), may_lack=may_lack, where=where,
-        layout=manifest.vllm_layout.id,
+        layout=manifest.vllm_layout.id, padded=padded,
     )  # fmt: skip
     if family is not None:
         family.after_fill(model, set(filled))

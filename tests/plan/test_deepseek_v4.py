@@ -29,10 +29,15 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "deepseek-v4-flash"
 V4 = "DeepseekV4ForCausalLM"
 
 
-def tensors_of(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    family = archs.target_family(config)[1]
-    dtypes = family.source_dtypes(config)
-    return {n: (dtypes.get(n, "BF16"), s) for n, s in family.expected_shapes(config).items()}
+def tensors_of(config: dict[str, Any], *, draft: bool = False) -> dict[str, tuple[str, tuple]]:
+    families = [archs.target_family(config)[1]]
+    if draft:
+        families.append(archs.draft_family("dspark", "deepseek_v4"))
+    found = {}
+    for family in families:
+        dtypes = family.source_dtypes(config)
+        found |= {n: (dtypes.get(n, "BF16"), s) for n, s in family.expected_shapes(config).items()}
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +49,14 @@ def published_config() -> dict[str, Any]:
 def bf16(published_config: dict[str, Any]) -> SourceModel:
     """The published sizes in bfloat16 (no quantization_config), with the DSpark stages."""
     config = {k: v for k, v in published_config.items() if k != "quantization_config"}
-    tensors = tensors_of(config)
-    tensors["mtp.0.main_proj.weight"] = ("BF16", (4096, 3 * 4096))  # one of the draft's
-    return SourceModel(config, tensors)
+    return SourceModel(config, tensors_of(config, draft=True))
+
+
+@pytest.fixture(scope="module")
+def published_plan(bf16: SourceModel) -> Plan:
+    """The one topology of the published config planned in the suite (tp8 x pp4 and tp16
+    are timed by scripts/bench_plan.py), with the built-in DSpark draft."""
+    return make_plan(bf16, tp=8, pp=2, draft=bf16, draft_method="dspark")
 
 
 def source(**overrides: Any) -> SourceModel:
@@ -54,13 +64,17 @@ def source(**overrides: Any) -> SourceModel:
     return SourceModel(config, tensors_of(config))
 
 
-def rank(plan: Plan, pp: int, tp: int) -> dict[str, TensorPlan]:
-    return {t.name: t for f in plan.files if (f.pp, f.tp) == (pp, tp) for t in f.tensors}
+def rank(plan: Plan, pp: int, tp: int, role: str = "target") -> dict[str, TensorPlan]:
+    return {
+        t.name: t for f in plan.files if (f.role, f.pp, f.tp) == (role, pp, tp) for t in f.tensors
+    }
 
 
 def test_the_published_config_implies_the_native_names(published_config: dict) -> None:
     family = archs.target_family(published_config)[1]
-    assert family.name == "deepseek_v4" and archs.internal_draft_method(published_config) is None
+    assert family.name == "deepseek_v4"
+    # dspark_target_layer_ids: the mtp.* stages are the DSpark draft vLLM serves
+    assert archs.internal_draft_method(published_config) == "dspark"
     shapes, dtypes = tensors_of(published_config), family.source_dtypes(published_config)
     # 43 layers: 21 of compress ratio 4 (compressor and indexer), 20 of 128, 2 sliding-window.
     assert len([n for n in shapes if n.endswith(".indexer.wq_b.weight")]) == 21
@@ -92,16 +106,13 @@ def test_the_published_fp8_and_fp4_checkpoint_is_refused_in_one_line(
     )
 
 
-# One topology in the suite (planning a published model takes seconds); tp8 x pp2 plan
-# with scripts/bench_plan.py --model deepseek-v4.
-@pytest.mark.parametrize(("tp", "pp"), [(8, 4)])
-def test_deepseek_v4_plans_at_the_topologies_it_is_served_with(
-    bf16: SourceModel, tp: int, pp: int
-) -> None:
-    plan = make_plan(bf16, tp=tp, pp=pp)
-    assert [m.family for m in plan.models] == ["deepseek_v4"]
+def test_deepseek_v4_plans_at_tp8_pp2(published_plan: Plan) -> None:
+    plan, tp, pp = published_plan, 8, 2
+    assert [m.family for m in plan.models] == ["deepseek_v4", "deepseek_v4_dspark"]
     skipped = dict(plan.models[0].skipped)
-    assert "built-in DSpark draft" in skipped["mtp.0.main_proj.weight"]
+    assert skipped["mtp.0.main_proj.weight"] == (
+        "a tensor of the DSpark draft, written to the draft's files"
+    )
     first, last = rank(plan, 0, tp - 1), rank(plan, pp - 1, 0)
     a = "model.layers.2.attn."
     assert first[a + "fused_wqa_wkv.weight"].shape == (1024 + 512, 4096)
@@ -138,9 +149,40 @@ def test_deepseek_v4_plans_at_the_topologies_it_is_served_with(
         held = rank(plan, stage, 0)
         assert held["model.hc_head_fn"].shape == (4, 16384)
         assert ("lm_head.weight" in held) == ("model.norm.weight" in held) == (stage == pp - 1)
-    assert "model.embed_tokens.weight" not in last or pp == 1
+    # with the DSpark draft at pp > 1, vLLM's NVIDIA target also builds (and loads) the
+    # embedding on the last stage, for the draft to share; only when a draft runs
+    assert last["model.embed_tokens.weight"].shape == (129280 // tp, 4096)
+    assert ("model.embed_tokens.weight", 1) in plan.models[0].spec_decode_only
     layers = {int(n.split(".")[2]) for n in last if n.startswith("model.layers.")}
     assert max(layers) == 42
+
+
+def test_the_published_draft_plans_on_the_last_stage(published_plan: Plan) -> None:
+    """DeepSeek-V4-Flash's config.json (bfloat16 sizes): three DSpark stages (no
+    n_mtp_layers, so vLLM's default), main_proj over the three target layers 40-42, the
+    heads in stage 2; the draft on stage 1 only."""
+    plan = published_plan
+    assert [(m.role, m.family) for m in plan.models] == [
+        ("target", "deepseek_v4"),
+        ("draft", "deepseek_v4_dspark"),
+    ]
+    assert {f.pp for f in plan.files if f.role == "draft"} == {1}
+    held = rank(plan, 1, 7, role="draft")
+    assert held["model.main_proj.weight"].shape == (4096, 3 * 4096)
+    assert held["model.context_wkv_proj.weight"].shape == (3 * 512, 4096)
+    assert [b.source for b in held["model.context_wkv_proj.weight"].blocks] == [
+        f"mtp.{i}.attn.wkv.weight" for i in range(3)
+    ]
+    assert held["model.markov_head.markov_w2.weight"].shape == (129280, 256)
+    assert held["model.confidence_head.proj.weight"].shape == (1, 4096 + 256)
+    a = "model.layers.2.attn."
+    assert held[a + "attn_sink"].shape == (8,) and held[a + "attn_sink"].blocks[0].rows == (56, 64)
+    assert held[a + "fused_wqa_wkv.weight"].shape == (1024 + 512, 4096)
+    assert held[a + "wo_a.weight"].shape == (1024, 4096)
+    f = "model.layers.2.ffn."
+    assert held[f + "experts.routed_experts.w13_weight"].shape == (256, 2 * 2048 // 8, 4096)
+    assert held[f + "gate.e_score_correction_bias"].dtype == "F32"
+    assert not any(".compressor." in n for n in held)
 
 
 def test_tp16_is_refused_because_the_output_groups_do_not_divide(bf16: SourceModel) -> None:
@@ -194,9 +236,12 @@ def test_a_tiny_checkpoint_converts_to_what_vllm_loads(tmp_path: Path) -> None:
     assert int(stored["layers.0.ffn.gate.tid2eid"].max()) < 4  # valid expert ids
     convert(str(model), tmp_path / "a", Options(tp=2, pp=2), progress=False)
     manifest = read_manifest(tmp_path / "a")
-    assert [(m.role, m.architecture) for m in manifest.models] == [("target", V4)]
+    assert [(m.role, m.architecture) for m in manifest.models] == [
+        ("target", V4),
+        ("draft", "dspark"),  # the built-in DSpark draft, in draft/
+    ]
     seen = set()
-    for f in manifest.files:
+    for f in (f for f in manifest.files if f.role == "target"):
         state = load_file(tmp_path / "a" / f.path)
         assert torch.equal(state["model.hc_head_fn"], stored["hc_head_fn"])
         for name, value in state.items():
@@ -234,7 +279,10 @@ def test_the_plan_command_names_the_family(
     model = make_tiny_model(tmp_path / "m", V4)
     assert main(["plan", str(model), "--tp", "2", "--pp", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [(m["role"], m["architecture"]) for m in data["models"]] == [("target", V4)]
+    assert [(m["role"], m["architecture"]) for m in data["models"]] == [
+        ("target", V4),
+        ("draft", "dspark"),
+    ]
 
 
 def test_a_config_saved_by_transformers_deepseek_v4_config_is_refused_in_one_line(

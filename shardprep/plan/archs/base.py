@@ -107,6 +107,12 @@ class Family:
         """The draft method of a draft the checkpoint carries inside itself (MTP layers)."""
         return None
 
+    def padded_at_load(self, name: str) -> bool:
+        """Whether vLLM may build parameter `name` longer along dim 0 than the rank file's
+        tensor on some devices, fill only its front and leave the rest as it initialized
+        it (DeepSeek-V4's `attn_sink` on NVIDIA GPUs); the loader then does the same."""
+        return False
+
     def index_ranges(self, config: Config) -> dict[str, tuple[int, int]]:
         """Integer tensors that index something (a hash router's expert table): {source
         name: [low, high)}, the values a tiny model of the family must hold."""

@@ -24,14 +24,17 @@ its weights mapper (`layers.` -> `model.layers.`, `embed.weight` ->
   a dense MLP (`w1`/`w3` fused into `gate_up_proj`, `w2` as `down_proj`);
 - the embedding on the first stage, the final norm and `lm_head` on the last.
 
-The checkpoint's `mtp.*` tensors hold the built-in DSpark draft, which shardprep does not
-write (vLLM's CPU build has no DSpark nor MTP model for DeepSeek-V4 to prove it against);
-the target skips them. The published fp8 + fp4 checkpoint (`quantization_config` with
-`expert_dtype: fp4`) is refused by the quantization check: no scheme of this family.
+The checkpoint's `mtp.*` tensors hold the built-in DSpark draft (`deepseek_v4_dspark.py`),
+which the target's `load_weights` drops. On NVIDIA GPUs vLLM builds `attn_sink` longer than
+the rank's heads (`PADDED_AT_LOAD`); the loader fills the rank's heads first and leaves the
+rest as vLLM initialized it, as vLLM's own loader does. The published fp8 + fp4 checkpoint
+(`quantization_config` with `expert_dtype: fp4`) is refused by the quantization check: no
+scheme of this family.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -46,6 +49,9 @@ from shardprep.plan.topology import Topology, pad_vocab
 I32 = "I32"
 # The model's hyper-connection head, built on every stage (`model.` + the source name)
 HC_HEAD = ("hc_head_fn", "hc_head_base", "hc_head_scale")
+# Parameters vLLM may build longer than the rank's share along dim 0 and fill only at the
+# front (`attn_sink`: one -inf per padded head, `get_padded_num_q_heads`).
+PADDED_AT_LOAD = re.compile(r"\.attn\.attn_sink$")
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,8 @@ def compressor_tensors(prefix: str, ratio: int, head_dim: int, hidden: int) -> l
     ]
 
 
-def attention_tensors(d: V4Dims, layer: int) -> list[Tensor]:
+def attention_tensors(d: V4Dims, ratio: int) -> list[Tensor]:
+    """A layer's attention, for its compress ratio (1: sliding window only)."""
     a, hd = "attn.", d.head_dim
     fused = a + "fused_wqa_wkv.weight"
     found = [
@@ -158,7 +165,6 @@ def attention_tensors(d: V4Dims, layer: int) -> list[Tensor]:
         Tensor(a + "wo_b.weight", (d.hidden, d.o_groups * d.o_lora), Cut.COLS),
         Tensor(a + "attn_sink", (d.heads,), Cut.ROWS, dtype=F32),
     ]
-    ratio = d.ratio(layer)
     if ratio > 1:
         found += compressor_tensors(a + "compressor.", ratio, hd, d.hidden)
     if ratio == 4:
@@ -173,6 +179,12 @@ def attention_tensors(d: V4Dims, layer: int) -> list[Tensor]:
 
 def layer_tensors(d: V4Dims, layer: int) -> list[Tensor]:
     """Every tensor of one layer but the routed experts, in vLLM's fusion order."""
+    return block_tensors(d, d.ratio(layer), hashed=layer < d.hash_layers)
+
+
+def block_tensors(d: V4Dims, ratio: int, *, hashed: bool) -> list[Tensor]:
+    """A decoder layer's tensors but the routed experts, for its compress ratio and
+    whether it routes by token id (`hashed`)."""
     mix = (2 + d.hc_mult) * d.hc_mult
     hc = [
         Tensor(f"hc_{part}_{name}", shape, Cut.REPLICATE, dtype=F32)
@@ -182,7 +194,7 @@ def layer_tensors(d: V4Dims, layer: int) -> list[Tensor]:
     norms = [Tensor(n + ".weight", (d.hidden,), Cut.REPLICATE) for n in ("attn_norm", "ffn_norm")]
     f = "ffn."
     ffn = [Tensor(f + "gate.weight", (d.experts, d.hidden), Cut.REPLICATE)]
-    if layer < d.hash_layers:
+    if hashed:
         table = (d.vocab, d.experts_per_token)
         ffn.append(Tensor(f + "gate.tid2eid", table, Cut.REPLICATE, dtype=I32))
     elif d.noaux_bias:
@@ -196,7 +208,7 @@ def layer_tensors(d: V4Dims, layer: int) -> list[Tensor]:
             Tensor(s + "w3.weight", (width, d.hidden), Cut.ROWS, gate_up),
             Tensor(s + "w2.weight", (d.hidden, width), Cut.COLS, s + "down_proj.weight"),
         ]
-    return [*attention_tensors(d, layer), *norms, *hc, *ffn]
+    return [*attention_tensors(d, ratio), *norms, *hc, *ffn]
 
 
 def expert_shapes(d: V4Dims) -> dict[str, tuple[int, int]]:
@@ -275,36 +287,62 @@ class DeepseekV4Family(Family):
             if size % tp
         ]
 
+    def internal_draft(self, config: Config) -> str | None:
+        """The `mtp.*` stages are a DSpark draft when config.json names the target layers
+        it reads (`dspark_target_layer_ids`); vLLM serves them with method `dspark`."""
+        if not config.get("dspark_target_layer_ids"):
+            return None
+        try:
+            self.dims(config)
+        except ConfigError:
+            return None  # the target's own planning names what config.json lacks
+        return "dspark"
+
+    def padded_at_load(self, name: str) -> bool:
+        return PADDED_AT_LOAD.search(name) is not None
+
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
         d = self.dims(config)
         last = topology.last_stage
-        skipped = {
-            name: "the built-in DSpark draft (mtp.*), which shardprep does not write for "
-            "DeepSeek-V4 yet; vLLM's target does not load it"
-            for name in shapes
-            if name.startswith("mtp.")
-        }
+        why = (
+            "a tensor of the DSpark draft, written to the draft's files"
+            if context.get("draft_method") == "dspark"
+            else "a tensor of the built-in DSpark draft (mtp.*), which vLLM's target does not "
+            "load; --no-mtp or config.json without dspark_target_layer_ids leaves it out"
+        )
+        skipped = {name: why for name in shapes if name.startswith("mtp.")}
         params: list[Param] = []
         for layer in range(d.layers):
             stage = topology.stage_of_layer(layer)
-            params += fused_params(self._layer_params(d, layer), stage)
+            tensors = layer_tensors(d, layer)
+            entries = block_params(d, tensors, f"layers.{layer}.", f"model.layers.{layer}.")
+            params += fused_params(entries, stage)
         every = tuple(range(topology.pp))
+        # With a DSpark draft at pp > 1, vLLM's NVIDIA target builds and loads the embedding
+        # on the last stage too, for the draft to share (`spec_decode_needs_target_embed`).
+        draft_embed = bool(context.get("with_draft")) and topology.pp > 1
+        embed_stages = (0, last) if draft_embed else (0,)
         params += [
-            Param("model.embed_tokens.weight", (Piece("embed.weight", Cut.VOCAB),), (0,)),
+            Param("model.embed_tokens.weight", (Piece("embed.weight", Cut.VOCAB),), embed_stages),
             Param("model.norm.weight", (Piece("norm.weight", Cut.REPLICATE),), (last,)),
             Param("lm_head.weight", (Piece("head.weight", Cut.VOCAB),), (last,)),
             *(Param("model." + n, (Piece(n, Cut.REPLICATE),), every, F32) for n in HC_HEAD),
         ]
-        return Layout(tuple(params), skipped, num_experts=d.experts)
+        spec_only = frozenset({("model.embed_tokens.weight", last)} if draft_embed else ())
+        return Layout(tuple(params), skipped, spec_decode_only=spec_only, num_experts=d.experts)
 
-    def _layer_params(self, d: V4Dims, layer: int) -> Iterator[tuple[str, Piece, str | None]]:
-        """(vLLM name, piece, fixed dtype) in stacking order; pieces of one name fuse."""
-        source, prefix = f"layers.{layer}.", f"model.layers.{layer}."
-        for t in layer_tensors(d, layer):
-            yield prefix + (t.vllm or t.source), Piece(source + t.source, t.cut), t.dtype
-        experts, routed = f"{source}ffn.experts.", f"{prefix}ffn.experts.routed_experts."
-        gate_up = [(f"{experts}{e}.w1.weight", f"{experts}{e}.w3.weight") for e in range(d.experts)]
-        for piece in w13_pieces(gate_up):
-            yield routed + "w13_weight", piece, None
-        for piece in w2_pieces([f"{experts}{e}.w2.weight" for e in range(d.experts)]):
-            yield routed + "w2_weight", piece, None
+
+def block_params(
+    d: V4Dims, tensors: list[Tensor], source: str, prefix: str
+) -> Iterator[tuple[str, Piece, str | None]]:
+    """(vLLM name, piece, fixed dtype) of one decoder layer whose checkpoint tensors sit
+    under `source` and whose parameters under `prefix`, in stacking order; pieces of one
+    name fuse."""
+    for t in tensors:
+        yield prefix + (t.vllm or t.source), Piece(source + t.source, t.cut), t.dtype
+    experts, routed = f"{source}ffn.experts.", f"{prefix}ffn.experts.routed_experts."
+    gate_up = [(f"{experts}{e}.w1.weight", f"{experts}{e}.w3.weight") for e in range(d.experts)]
+    for piece in w13_pieces(gate_up):
+        yield routed + "w13_weight", piece, None
+    for piece in w2_pieces([f"{experts}{e}.w2.weight" for e in range(d.experts)]):
+        yield routed + "w2_weight", piece, None
