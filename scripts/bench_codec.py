@@ -359,6 +359,10 @@ def load_baseline_package(root: Path) -> tuple[ModuleType, ModuleType]:
     try:
         package = importlib.import_module("shardprep.codec")
         streams = importlib.import_module("shardprep.codec.streams")
+        # Its compiled joins are imported on first use: now, or they would be this one's.
+        reassembly = importlib.import_module("shardprep.codec.reassembly")
+        if hasattr(reassembly, "compiled"):
+            reassembly.compiled()
     finally:
         sys.path.remove(str(root))
         for name in [n for n in sys.modules if n.split(".")[0] == "shardprep"]:
