@@ -3,9 +3,9 @@
 Source files are read one after the other; a file that is not hashed here is read in the
 order of its tensors' destinations (`_landing`). A tensor whose rank slices are whole rows
 of the same dtype goes from file to file inside the kernel (`copy_file_range`), unless its
-bytes are needed here anyway to hash the source; other tensors are read in bounded chunks into two
-reused buffers and scattered (columns gathered, dtypes cast) to every rank file that
-needs them. Rank files are hashed while they are written (`rankfiles.py`).
+bytes are needed here anyway to hash the source; other tensors are read in bounded chunks
+into two reused buffers and scattered (columns gathered, dtypes cast) to every rank file
+that needs them. Rank files are hashed while they are written (`rankfiles.py`).
 
 A source file that lives in the Hugging Face cache is a blob named by its sha256, and one
 that `hf download --local-dir` fetched has its sha256 recorded beside it: that sha256 is
@@ -223,8 +223,8 @@ def _scatter_file(
 ) -> str | None:
     """Read one source file (all of it in file order, hashed, when `hash_it`; else only the
     tensors this plan needs, in the order of their destinations: `_landing`) and move every
-    tensor's blocks to their rank files. `bar`
-    counts the whole file when `whole` (a full convert), else the tensors written only."""
+    tensor's blocks to their rank files. `bar` counts the whole file when `whole` (a full
+    convert), else the tensors written only."""
     tensors = sorted(
         (t for t in checkpoint.tensors.values() if t.file == file), key=lambda t: t.info.offset
     )
