@@ -34,6 +34,7 @@ import importlib.metadata
 import importlib.util
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -358,6 +359,10 @@ def load_baseline_package(root: Path) -> tuple[ModuleType, ModuleType]:
     try:
         package = importlib.import_module("shardprep.codec")
         streams = importlib.import_module("shardprep.codec.streams")
+        # Its compiled joins are imported on first use: now, or they would be this one's.
+        reassembly = importlib.import_module("shardprep.codec.reassembly")
+        if hasattr(reassembly, "compiled"):
+            reassembly.compiled()
     finally:
         sys.path.remove(str(root))
         for name in [n for n in sys.modules if n.split(".")[0] == "shardprep"]:
@@ -506,8 +511,10 @@ def main(argv: list[str] | None = None) -> int:
         "single-file codec.py (git show REV:shardprep/codec.py > /tmp/codec_before.py)",
     )
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()
     rows = run(args)
     config = settings(args)
+    config["load_average"] = f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after"
     if args.json:
         print(json.dumps({"settings": config, "rows": [asdict(r) for r in rows]}, indent=2))
     else:

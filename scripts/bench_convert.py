@@ -332,6 +332,7 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
         return
     shutil.rmtree(root, ignore_errors=True)
+    load_before = os.getloadavg()[0]
     try:
         source = build_source(root / "source", llama_config(parse_size(args.size)))
         rows = measure(args, source, root)
@@ -342,6 +343,7 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
     else:
         print_rows(rows, source, args)
+        print(f"load average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
 
 
 if __name__ == "__main__":

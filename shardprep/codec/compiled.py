@@ -6,17 +6,40 @@ explicit, so everything compiles once, on import (about a second per loop; `cach
 keeps the machine code on disk for the next process), and never again halfway through a
 file: inputs are read-only C arrays (writable ones convert), outputs may be unaligned.
 The callers check every size first: these loops do not check bounds.
+
+The arithmetic is done in u32 (`_W`): numba widens u8 and u16 operands to int64, which
+LLVM vectorises four lanes at a time; in u32 it takes eight or sixteen, and a join runs
+about four times faster (2 Mi bf16 elements in cache: 0.12 ms against 0.48 ms here).
 """
 
 from __future__ import annotations
 
 import numba
+import numpy as np
 from numba import types
 
 _U8_IN = types.Array(types.uint8, 1, "C", readonly=True)
 _U16_OUT = types.Array(types.uint16, 1, "C", aligned=False)
 _U32_OUT = types.Array(types.uint32, 1, "C", aligned=False)
 _JIT = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
+_W = np.uint32
+
+
+@numba.njit(types.uint32(types.uint32, types.uint32, types.uint32), inline="always", **_JIT)
+def _high(sym, rem, offset):  # type: ignore[no-untyped-def]
+    """A bf16 word from its symbol and its remainder byte 's00mmmmm'."""
+    return ((sym << _W(5)) + offset) | ((rem & _W(0x80)) << _W(8)) | (rem & _W(0x1F))
+
+
+@numba.njit(types.uint32(types.uint32, types.uint32, types.uint32), inline="always", **_JIT)
+def _tail_rem(a, b, c):  # type: ignore[no-untyped-def]
+    """The remainder byte of a tail element, from bits 5-6 of its three carriers."""
+    return (
+        ((a >> _W(5)) & _W(0x03))
+        | ((b >> _W(3)) & _W(0x0C))
+        | ((c >> _W(1)) & _W(0x10))
+        | ((c << _W(1)) & _W(0x80))
+    )
 
 
 @numba.njit(types.void(_U16_OUT, _U8_IN, _U8_IN, types.int64), **_JIT)
@@ -25,21 +48,20 @@ def join_bf16(out, sym, packed, base):  # type: ignore[no-untyped-def]
     packed.size == out.size // 4 * 3)."""
     quarter = out.size // 4
     head = 3 * quarter
-    offset = base << 7
+    offset = _W(base << 7)
     for i in range(head):
-        rem = packed[i]
-        out[i] = ((sym[i] << 5) + offset) | ((rem & 0x80) << 8) | (rem & 0x1F)
+        out[i] = _high(_W(sym[i]), _W(packed[i]), offset)
     for j in range(quarter):
-        a, b, c = packed[j], packed[quarter + j], packed[2 * quarter + j]
-        rem = ((a >> 5) & 0x03) | ((b >> 3) & 0x0C) | ((c >> 1) & 0x10) | ((c << 1) & 0x80)
-        out[head + j] = ((sym[head + j] << 5) + offset) | ((rem & 0x80) << 8) | (rem & 0x1F)
+        rem = _tail_rem(_W(packed[j]), _W(packed[quarter + j]), _W(packed[2 * quarter + j]))
+        out[head + j] = _high(_W(sym[head + j]), rem, offset)
 
 
 @numba.njit(types.void(_U16_OUT, _U8_IN, _U8_IN), **_JIT)
 def join_f16(out, sym, rem):  # type: ignore[no-untyped-def]
     """`reassembly.join_f16` (all three the same size)."""
     for i in range(out.size):
-        out[i] = (sym[i] << 7) | ((rem[i] & 0x80) << 8) | (rem[i] & 0x7F)
+        r = _W(rem[i])
+        out[i] = (_W(sym[i]) << _W(7)) | ((r & _W(0x80)) << _W(8)) | (r & _W(0x7F))
 
 
 @numba.njit(types.void(_U32_OUT, _U8_IN, _U8_IN, types.int64, _U8_IN, _U8_IN), **_JIT)
@@ -47,14 +69,12 @@ def join_f32(out, sym, packed, base, byte1, byte0):  # type: ignore[no-untyped-d
     """`reassembly.join_f32`: the high halves as `join_bf16`, the low ones as they are."""
     quarter = out.size // 4
     head = 3 * quarter
-    offset = base << 7
+    offset = _W(base << 7)
     for i in range(head):
-        rem = packed[i]
-        high = ((sym[i] << 5) + offset) | ((rem & 0x80) << 8) | (rem & 0x1F)
-        out[i] = (high << 16) | (byte1[i] << 8) | byte0[i]
+        high = _high(_W(sym[i]), _W(packed[i]), offset)
+        out[i] = (high << _W(16)) | (_W(byte1[i]) << _W(8)) | _W(byte0[i])
     for j in range(quarter):
-        a, b, c = packed[j], packed[quarter + j], packed[2 * quarter + j]
-        rem = ((a >> 5) & 0x03) | ((b >> 3) & 0x0C) | ((c >> 1) & 0x10) | ((c << 1) & 0x80)
         i = head + j
-        high = ((sym[i] << 5) + offset) | ((rem & 0x80) << 8) | (rem & 0x1F)
-        out[i] = (high << 16) | (byte1[i] << 8) | byte0[i]
+        rem = _tail_rem(_W(packed[j]), _W(packed[quarter + j]), _W(packed[2 * quarter + j]))
+        high = _high(_W(sym[i]), rem, offset)
+        out[i] = (high << _W(16)) | (_W(byte1[i]) << _W(8)) | _W(byte0[i])

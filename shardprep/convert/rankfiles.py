@@ -28,7 +28,9 @@ from shardprep.format.dtypes import DTYPE_SIZES
 from shardprep.format.headers import encode_header, numel
 from shardprep.plan.records import FilePlan
 
-HASH_STEP = 32 * 1024**2  # a rank file's sha256 is fed in steps of this many bytes
+# A rank file's sha256 is fed in steps of at least this many bytes: small enough that the
+# 16-odd files of a conversion do not hold back hundreds of MB complete but not yet hashed.
+HASH_STEP = 8 * 1024**2
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Moving the bytes of a plan: every source byte read once, every output byte written once.
 
-Source files are read in order. A tensor whose rank slices are whole rows of the same
-dtype goes from file to file inside the kernel (`copy_file_range`), unless its bytes are
-needed here anyway to hash the source; other tensors are read in bounded chunks into two
-reused buffers and scattered (columns gathered, dtypes cast) to every rank file that
-needs them. Rank files are hashed while they are written (`rankfiles.py`).
+Source files are read one after the other; a file that is not hashed here is read in the
+order of its tensors' destinations (`_landing`). A tensor whose rank slices are whole rows
+of the same dtype goes from file to file inside the kernel (`copy_file_range`), unless its
+bytes are needed here anyway to hash the source; other tensors are read in bounded chunks
+into two reused buffers and scattered (columns gathered, dtypes cast) to every rank file
+that needs them. Rank files are hashed while they are written (`rankfiles.py`).
 
 A source file that lives in the Hugging Face cache is a blob named by its sha256, and one
 that `hf download --local-dir` fetched has its sha256 recorded beside it: that sha256 is
@@ -220,18 +221,22 @@ def _scatter_file(
     bar: tqdm,
     whole: bool,
 ) -> str | None:
-    """Read one source file in order (all of it, hashed, when `hash_it`; else only the
-    tensors this plan needs) and move every tensor's blocks to their rank files. `bar`
-    counts the whole file when `whole` (a full convert), else the tensors written only."""
+    """Read one source file (all of it in file order, hashed, when `hash_it`; else only the
+    tensors this plan needs, in the order of their destinations: `_landing`) and move every
+    tensor's blocks to their rank files. `bar` counts the whole file when `whole` (a full
+    convert), else the tensors written only."""
     tensors = sorted(
         (t for t in checkpoint.tensors.values() if t.file == file), key=lambda t: t.info.offset
     )
     digest = hashlib.sha256() if hash_it else None
+    header_size = tensors[0].info.offset if tensors else None
+    if digest is None:
+        tensors.sort(key=lambda t: _landing(_targets(writes, roles, t.name), t.info.offset))
     path = checkpoint.root / file
     fd = os.open(path, os.O_RDONLY)
     _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
     try:
-        header_size = tensors[0].info.offset if tensors else path.stat().st_size
+        header_size = path.stat().st_size if header_size is None else header_size
         if digest is not None:
             reader.hash_bytes(digest, os.pread(fd, header_size, 0))
         bar.update(header_size if whole else 0)
@@ -250,6 +255,18 @@ def _scatter_file(
         reader.close()
         os.close(fd)
     return reader.hexdigest(digest) if digest is not None else None
+
+
+def _landing(targets: list[Write], offset: int) -> tuple[int, int]:
+    """Where a tensor's bytes land first in the rank files (their byte offset), so that a
+    source file that is not hashed is read in the order of its destinations: each rank
+    file's prefix then grows tensor by tensor and is hashed while the rest is copied (in
+    source order, a fused tensor such as qkv_proj, first in its rank file, is complete only
+    when its last part, late in the source, is written). Unneeded tensors keep their
+    place (`offset`) after the needed ones."""
+    if not targets:
+        return (1, offset)
+    return (0, min(t.row_offset + t.dest_row * t.row_bytes for t in targets))
 
 
 def _copy_whole_rows(mover: Mover, fd: int, info: TensorInfo, targets: list[Write]) -> bool:

@@ -64,15 +64,25 @@ def test_recorded_sha256_is_trusted_and_rows_move_in_the_kernel(
         real = hashlib.sha256((local / name).read_bytes()).hexdigest()
         assert read_download_metadata(local, name).etag == real
         assert local_dir_sha256(local, name) == real
-    kernel_copies = []
+    kernel_copies: list[tuple[int, int, int]] = []  # (source inode, rank file inode, offset)
     real_copy = os.copy_file_range
-    monkeypatch.setattr(
-        os, "copy_file_range", lambda *a: kernel_copies.append(a[2]) or real_copy(*a)
-    )
+
+    def copy(*a: int) -> int:
+        kernel_copies.append((os.fstat(a[0]).st_ino, os.fstat(a[1]).st_ino, a[4]))
+        return real_copy(*a)
+
+    monkeypatch.setattr(os, "copy_file_range", copy)
     options = Options(tp=2, pp=2)
     from_local = convert(str(local), tmp_path / "local-out", options, progress=False)
     # Whole-row slices only go file to file when the source is not hashed here.
     assert kernel_copies, "a source with a recorded sha256 should not be read for hashing"
+    # ...and in the order of their destinations, so that each rank file's prefix grows (and
+    # is hashed) tensor by tensor: in file order, o_proj and the MLP (after q/k/v in the
+    # source's sorted names) would land past qkv_proj, which its v_proj completes last.
+    per_pair: dict[tuple[int, int], list[int]] = {}
+    for source, rank_file, offset in kernel_copies:
+        per_pair.setdefault((source, rank_file), []).append(offset)
+    assert all(offsets == sorted(offsets) for offsets in per_pair.values()), per_pair
     plain = convert(str(model), tmp_path / "plain-out", options, progress=False)
     assert [(f.path, f.sha256) for f in from_local.files] == [
         (f.path, f.sha256) for f in plain.files
