@@ -22,7 +22,7 @@ from shardprep.demo.quant_configs import (  # noqa: F401 (the tests import them 
     TINY_NVFP4A16,
 )
 from shardprep.demo.quantized import quantized_tensors
-from shardprep.demo.tiny_kimi_k3 import KIMI_K3, kimi_k3_config
+from shardprep.demo.tiny_kimi_k3 import KIMI_K3, k3_dspark_config, kimi_k3_config
 from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.plan import archs
 from shardprep.plan.archs import quantized
@@ -341,10 +341,31 @@ def make_tiny_draft(
     omit: tuple[str, ...] = (),
     **overrides: Any,
 ) -> Path:
-    """An EAGLE, EAGLE3, DFlash or DSpark head for the tiny model in `target`, without
-    the optional tensors named in `omit` (a DFlash-style draft never holds the mask
-    embedding, which comes from a side file, nor vocabulary tables for a full vocabulary)."""
+    """An EAGLE, EAGLE3, DFlash or DSpark head (Kimi-K3's own DSpark draft for a Kimi-K3
+    target) for the tiny model in `target`, without the optional tensors named in `omit`
+    (a DFlash-style draft never holds the mask embedding, which comes from a side file,
+    nor vocabulary tables for a full vocabulary; Kimi-K3's, as published, no lm_head)."""
     target_config = json.loads((target / "config.json").read_text())
+    if method == "dspark" and KIMI_K3 in (target_config.get("architectures") or []):
+        config = k3_dspark_config(target_config, **overrides)
+        omit = (*omit, "lm_head.weight")  # as published: the embedding only
+    else:
+        config = _draft_config(target_config, method, overrides)
+    family = archs.draft_family(method, archs.target_family(target_config)[1].name)
+    shapes = family.expected_shapes(config, target_config=target_config)
+    if method in _DFLASH_STYLE:
+        omit = (*omit, "mask_embedding", "d2t", "t2d")
+    shapes = {name: shape for name, shape in shapes.items() if name not in omit}
+    tensors = _random_tensors(shapes, config["torch_dtype"], seed)
+    tensors.update(family.example_tables(config, target_config=target_config, seed=seed))
+    _write_model(folder, config, tensors, 1)
+    return folder
+
+
+def _draft_config(
+    target_config: dict[str, Any], method: str, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """config.json of a Llama-style EAGLE, EAGLE3, DFlash or DSpark head."""
     config = {
         key: target_config[key]
         for key in (
@@ -383,15 +404,7 @@ def make_tiny_draft(
         # vLLM's default (2, L // 2, L - 3) collapses for tiny targets; name three layers.
         config["eagle_aux_hidden_state_layer_ids"] = [max(0, layers - 3 + i) for i in range(3)]
     config.update(overrides)
-    family = archs.draft_family(method, archs.target_family(target_config)[1].name)
-    shapes = family.expected_shapes(config, target_config=target_config)
-    if method in _DFLASH_STYLE:
-        omit = (*omit, "mask_embedding", "d2t", "t2d")
-    shapes = {name: shape for name, shape in shapes.items() if name not in omit}
-    tensors = _random_tensors(shapes, config["torch_dtype"], seed)
-    tensors.update(family.example_tables(config, target_config=target_config, seed=seed))
-    _write_model(folder, config, tensors, 1)
-    return folder
+    return config
 
 
 _DFLASH_STYLE: dict[str, dict[str, Any]] = {

@@ -61,3 +61,43 @@ def kimi_k3_config(**overrides: Any) -> dict[str, Any]:
         "eos_token_id": 2,
         "media_placeholder_token_id": 250,
     }
+
+
+# The published draft's own keys (Inferact/Kimi-K3-DSpark), at tiny sizes.
+DSPARK: dict[str, Any] = {
+    "architectures": ["K3DSparkModel"], "model_type": "k3_dspark",
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "mla_use_nope": False, "mla_use_output_gate": False, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096, "rope_theta": 50000.0, "mask_token_id": 253,
+    "markov_rank": 16, "markov_head_type": "vanilla", "enable_confidence_head": True,
+    "confidence_head_with_markov": True, "tie_word_embeddings": False,
+    "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+        "rope_theta": 50000.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}  # fmt: skip
+
+
+def k3_dspark_config(target: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """config.json of a tiny DSpark draft (`K3DSparkModel`) for the Kimi-K3 `target`
+    (its config.json): the published keys, the target's hidden size and vocabulary, two
+    layers fed by the target's layers 1 and 2."""
+    text = target["text_config"]
+    ids = [1, 2]
+    config = copy.deepcopy(DSPARK) | {
+        "hidden_size": text["hidden_size"],
+        "vocab_size": text["vocab_size"],
+        "draft_vocab_size": text["vocab_size"],
+        "target_hidden_size": text["hidden_size"],
+        "target_num_hidden_layers": text["num_hidden_layers"],
+        "target_layer_ids": ids,
+        "num_target_layers": len(ids),
+        "bos_token_id": text["bos_token_id"],
+        "eos_token_id": text["eos_token_id"],
+        "pad_token_id": target.get("pad_token_id", 0),
+        "torch_dtype": target.get("torch_dtype", "float32"),
+    }
+    return config | overrides

@@ -42,6 +42,7 @@ _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
     ("dflash", ANY_TARGET): ("dflash", "DFlashDraft"),
     ("dspark", ANY_TARGET): ("dflash", "DSparkDraft"),
     ("dspark", "deepseek_v4"): ("deepseek_v4_dspark", "DeepseekV4DSparkDraft"),
+    ("dspark", "kimi_k3"): ("kimi_k3_dspark", "KimiK3DSparkDraft"),
     ("mtp", "deepseek"): ("deepseek_mtp", "DeepseekMtpDraft"),
     ("mtp", "deepseek_v32"): ("deepseek_v32", "DeepseekV32MtpDraft"),
     ("mtp", "glm4_moe"): ("glm4_moe", "Glm4MoeMtpDraft"),

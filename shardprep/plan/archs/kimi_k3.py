@@ -30,7 +30,8 @@ MLP (`mlp.`) otherwise. vLLM names every parameter as the checkpoint does, under
   `mlp_res_norm` and the [1, H] projections `self_attention_res_proj`, `mlp_res_proj`,
   whole; on the last stage `output_attn_res_norm` and `output_attn_res_proj`.
 
-vLLM puts the embedding on the first stage, the final norm and lm_head on the last.
+vLLM puts the embedding on the first stage (and on the last too for a DSpark draft at
+pp > 1, `kimi_k3_dspark.py`), the final norm and lm_head on the last.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes, config_int
 from shardprep.plan.archs.deepseek import F32, Tensor, fused_params, mlp_tensors
+from shardprep.plan.archs.kimi_k3_dspark import target_draft_problems, target_embed_stages
 from shardprep.plan.archs.kimi_k3_vision import VisionTower
 from shardprep.plan.experts import w2_pieces, w13_pieces
 from shardprep.plan.layout import Cut, Piece
@@ -351,13 +353,7 @@ class KimiK3Family(Family):
                 "(vLLM's KimiK3MTPModel) are not supported yet; set it to 0 to convert the "
                 "target alone"
             )
-        if context.get("with_draft"):
-            problems.append(
-                "a speculative draft for Kimi-K3 (its DSpark draft K3DSparkModel or any "
-                "other) is not supported yet: vLLM then builds the embedding on every stage "
-                "and the draft derives parameters inside its load_weights; convert the "
-                "target without --draft"
-            )
+        problems += target_draft_problems(context)
         if context.get("expert_parallel"):
             problems.append(
                 "--enable-expert-parallel is not supported for Kimi-K3 yet: vLLM then runs "
@@ -373,13 +369,15 @@ class KimiK3Family(Family):
             params += fused_params(
                 d.layer_params(layer, topology.tp), topology.stage_of_layer(layer)
             )
-        params.append(Param(EMBED, (Piece(EMBED, Cut.VOCAB),), (0,)))
+        embed = target_embed_stages(topology, context)  # the DSpark draft's too
+        params.append(Param(EMBED, (Piece(EMBED, Cut.VOCAB),), embed))
         params.append(Param(NORM, (Piece(NORM, Cut.REPLICATE),), (last,)))
         params.append(Param(HEAD, (Piece(HEAD, Cut.VOCAB),), (last,)))
         if d.attn_res:
             params += [Param(name, (Piece(name, Cut.REPLICATE),), (last,)) for name in OUT_RES]
         params += VisionTower.of(config).params(topology.tp, tuple(range(topology.pp)))
-        return Layout(tuple(params), {}, num_experts=d.experts)
+        spec_only = frozenset({(EMBED, last)} if len(embed) > 1 else ())
+        return Layout(tuple(params), {}, spec_decode_only=spec_only, num_experts=d.experts)
 
     def after_fill(self, model: Any, filled: set[str]) -> None:
         """What the KDA layers' weight loaders do besides copying: when vLLM chose a fused

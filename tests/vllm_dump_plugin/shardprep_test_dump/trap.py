@@ -57,7 +57,10 @@ def collectives_refused() -> Iterator[RefusedCalls]:
     for owner, names in targets:
         for name in names:
             if hasattr(owner, name):
-                saved.append((owner, name, getattr(owner, name)))
+                # The raw entry (a pybind11 method's descriptor, which getattr would
+                # unwrap into a function that no longer binds `self`), or None when the
+                # name is inherited and restoring means removing the patch.
+                saved.append((owner, name, vars(owner).get(name)))
                 setattr(owner, name, refusing(f"{getattr(owner, '__name__', owner)}.{name}"))
     try:
         with contextlib.suppress(RuntimeError):
@@ -69,4 +72,7 @@ def collectives_refused() -> Iterator[RefusedCalls]:
         yield calls
     finally:
         for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
