@@ -2,7 +2,7 @@
 
     python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
         [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|kimi-k2.6|kimi-k3
-                 |gpt-oss-120b|glm-4.5|qwen3-next|qwen3-30b-a3b-fp4 ...]
+                 |kimi-k3-dspark|gpt-oss-120b|glm-4.5|qwen3-next|qwen3-30b-a3b-fp4 ...]
 
 Each checkpoint has a published model's full shapes but is made of sparse files: each is a
 valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
@@ -23,6 +23,9 @@ every header, lays out every rank file and validates it all; nothing is written.
 - Kimi-K3: its published config.json (tests/data/kimi-k3) in bfloat16 (its MXFP4 experts
   left out), 93 layers (69 KDA, 24 MLA), 896 latent experts, a vision tower of 27 blocks,
   the 249,924 tensors the family implies (about 2.78T parameters), 96 files;
+- Kimi-K3 with its DSpark draft (`kimi-k3-dspark`): the above and, as its own folder
+  planned with `--draft DIR --draft-method dspark`, Inferact/Kimi-K3-DSpark's published
+  config.json and 68 tensors (tests/data/kimi-k3-dspark), one file;
 - GLM-4.5 and Qwen3-Next-80B-A3B: their published config.json (tests/data) in bfloat16,
   with the MTP layer the checkpoint ships (the plan skips it without `--draft`), 64 and 41
   files.
@@ -51,7 +54,8 @@ PLAN_CHILD = """
 import json, resource, sys, time
 from shardprep.cli import main
 t = time.perf_counter()
-code = main(["plan", "--tp", sys.argv[2], "--pp", sys.argv[3], "--quiet", sys.argv[1]])
+code = main(["plan", "--tp", sys.argv[2], "--pp", sys.argv[3], "--quiet", *sys.argv[4:],
+             sys.argv[1]])
 seconds = time.perf_counter() - t
 print(json.dumps({"code": code, "seconds": seconds,
                   "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
@@ -199,9 +203,24 @@ def kimi_k3_tensors() -> tuple[dict, dict, dict]:
     return config, family.expected_shapes(read), family.source_dtypes(read)
 
 
+def kimi_k3_dspark_tensors() -> tuple[dict, dict, dict]:
+    """Kimi-K3's DSpark draft as published: its config.json and its 68 tensors."""
+    data = Path(__file__).resolve().parents[1] / "tests" / "data" / "kimi-k3-dspark"
+    config = json.loads((data / "config.json").read_text())
+    table = json.loads((data / "tensors.json").read_text())
+    shapes, dtypes = {}, {}
+    for pattern, (dtype, shape) in table["groups"].items():
+        for layer in range(config["num_hidden_layers"]) if "{L}" in pattern else (None,):
+            name = pattern.replace("{L}", str(layer))
+            shapes[name], dtypes[name] = tuple(shape), dtype
+    return config, shapes, dtypes
+
+
 def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deepseek-v3") -> int:
     """Headers only: each file is a valid safetensors header followed by a hole."""
-    if model == "kimi-k3":
+    if model == "kimi-k3-dspark":
+        config, shapes, dtypes = kimi_k3_dspark_tensors()
+    elif model == "kimi-k3":
         config, shapes, dtypes = kimi_k3_tensors()
     elif model == "deepseek-v3.2":
         config, shapes, dtypes = deepseek_v32_tensors()
@@ -253,6 +272,7 @@ DESCRIPTIONS = {
     "qwen3-next": "Qwen3-Next-80B-A3B (bf16, MTP layer, 41 files",
     "qwen3-30b-a3b-fp4": "Qwen3-30B-A3B (ModelOpt nvfp4, 16 files",
     "kimi-k3": "Kimi-K3 (bf16, vision tower, 96 files",
+    "kimi-k3-dspark": "Kimi-K3 (bf16, vision tower, 96 files) with its DSpark draft (1 file",
 }
 FILES = {
     "kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 48,
@@ -264,17 +284,27 @@ PUBLISHED_WITH_MTP = {"glm-4.5": "glm-4.5", "qwen3-next": "qwen3-next-80b-a3b"}
 def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-v3") -> None:
     source = root / model
     shutil.rmtree(source, ignore_errors=True)
-    files = FILES.get(model, 163)
-    total = write_sparse_deepseek_v3(source, files, model)
-    on_disk = sum(p.stat().st_blocks * 512 for p in source.iterdir())
+    folders, extra = [source], []
+    if model == "kimi-k3-dspark":  # the target, and the draft as its own folder
+        total = write_sparse_deepseek_v3(source, FILES["kimi-k3"], "kimi-k3")
+        draft = root / f"{model}-draft"
+        shutil.rmtree(draft, ignore_errors=True)
+        total += write_sparse_deepseek_v3(draft, 1, model)
+        folders.append(draft)
+        extra = ["--draft", str(draft), "--draft-method", "dspark"]
+    else:
+        total = write_sparse_deepseek_v3(source, FILES.get(model, 163), model)
+    on_disk = sum(p.stat().st_blocks * 512 for f in folders for p in f.iterdir())
     result = subprocess.run(
-        [sys.executable, "-c", PLAN_CHILD, str(source), str(tp), str(pp)],
+        [sys.executable, "-c", PLAN_CHILD, str(source), str(tp), str(pp), *extra],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     run = json.loads(result.stdout.strip().splitlines()[-1])
-    shutil.rmtree(source, ignore_errors=True)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
     print(f"{DESCRIPTIONS[model]}, {total / 1e9:.0f} GB apparent, "
-          f"{on_disk / 1e6:.1f} MB on disk): shardprep plan --tp {tp} --pp {pp}")  # fmt: skip
+          f"{on_disk / 1e6:.1f} MB on disk): shardprep plan --tp {tp} --pp {pp} "
+          f"{'--draft DRAFT --draft-method dspark' if extra else ''}".rstrip())  # fmt: skip
     print(f"  exit status {run['code']}, {run['seconds']:.2f} s, "
           f"peak RSS {run['max_rss'] / 1e6:.0f} MB")  # fmt: skip
 

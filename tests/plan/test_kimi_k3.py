@@ -97,8 +97,8 @@ def test_what_vllm_would_pad_or_this_project_does_not_place_is_refused_in_one_li
     mxfp4 = tiny_config(KIMI, quantization_config=TINY_MXFP4_PACK)
     with pytest.raises(PlanError, match=r"\(mxfp4_pack\) of the kimi_k3 family are not supported"):
         make_plan(SourceModel(mxfp4, tiny.tensors), tp=2, pp=1)
-    with pytest.raises((ConfigError, PlanError), match="draft for Kimi-K3"):
-        make_plan(tiny, tp=2, pp=1, draft=tiny, draft_method="dspark")
+    with pytest.raises((ConfigError, PlanError), match="draft of method 'eagle3' for Kimi-K3"):
+        make_plan(tiny, tp=2, pp=1, draft=tiny, draft_method="eagle3")
 
 
 def test_kda_and_mla_cuts_on_real_bytes(tmp_path: Path) -> None:

@@ -178,7 +178,7 @@ def test_a_draft_for_another_target_or_tp_is_refused_in_one_line() -> None:
 def test_another_draft_kind_for_kimi_k3_is_refused_in_one_line(tmp_path: Path) -> None:
     target = make_tiny_model(tmp_path / "t", KIMI)
     draft = make_tiny_draft(tmp_path / "d", target, "dspark")
-    with pytest.raises(PlanError, match="a eagle3 draft for Kimi-K3 is not supported"):
+    with pytest.raises(PlanError, match="a draft of method 'eagle3' for Kimi-K3 is not supported"):
         convert(str(target), tmp_path / "a", Options(tp=1, pp=1, draft=str(draft),
                 draft_method="eagle3"), progress=False)  # fmt: skip
 

@@ -285,6 +285,7 @@ def target_draft_problems(context: dict[str, Any]) -> list[str]:
     if not context.get("with_draft") or context.get("draft_method") == "dspark":
         return []
     return [
-        f"a {context.get('draft_method')} draft for Kimi-K3 is not supported: only its DSpark "
-        f"draft ({ARCHITECTURE}, --draft-method dspark) is; convert the target without --draft"
+        f"a draft of method {context.get('draft_method')!r} for Kimi-K3 is not supported: only "
+        f"its DSpark draft ({ARCHITECTURE}, --draft-method dspark) is; convert the target "
+        "without --draft"
     ]
