@@ -70,7 +70,7 @@ DSPARK: dict[str, Any] = {
     "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
     "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
     "mla_use_nope": False, "mla_use_output_gate": False, "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 4096, "rope_theta": 50000.0, "mask_token_id": 253,
+    "max_position_embeddings": 4096, "rope_theta": 50000.0,
     "markov_rank": 16, "markov_head_type": "vanilla", "enable_confidence_head": True,
     "confidence_head_with_markov": True, "tie_word_embeddings": False,
     "rope_parameters": {
@@ -94,6 +94,7 @@ def k3_dspark_config(target: dict[str, Any], **overrides: Any) -> dict[str, Any]
         "target_hidden_size": text["hidden_size"],
         "target_num_hidden_layers": text["num_hidden_layers"],
         "target_layer_ids": ids,
+        "mask_token_id": text["vocab_size"] - 3,  # as published: near the end
         "num_target_layers": len(ids),
         "bos_token_id": text["bos_token_id"],
         "eos_token_id": text["eos_token_id"],

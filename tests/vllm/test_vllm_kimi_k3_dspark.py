@@ -13,7 +13,8 @@ published naming:
   stage, and the last stage holds the embedding too (`spec_decode_needs_target_embed`,
   for the draft to alias); every stage's state equals the target's rank files of the
   tp1 x pp2 artifact, byte for byte;
-- the draft at tp2 (vLLM builds it with pp = 1, on the last stage): vLLM's default
+- the draft at tp2 (vLLM builds it with pp = 1, on the last stage; 250 tokens, so that
+  `markov_w2` is padded to 256 rows): vLLM's default
   loader (its `load_weights`, with `_duplicate_context_kv_weights` and the mapper that
   drops the embedding) leaves on each rank exactly the draft's rank files of the
   tp2 x pp1 artifact, and of the last stage of the tp2 x pp2 artifact, byte for byte;
@@ -141,6 +142,7 @@ def run_worker(args: argparse.Namespace) -> int:
         assert_same_state(ours, rank_tensors(root / "tp2-pp2", "draft", 1, rank))
         assert default.model.embed_tokens is None and default.lm_head is None
         found["draft_params"] = sorted(state(default))
+        found["markov_w2"] = list(default.model.markov_head.markov_w2.weight.shape)
     print(RESULT + json.dumps(found), flush=True)
     return 0
 
@@ -154,7 +156,8 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 
     root = tmp_path_factory.mktemp("k3-dspark")
-    target = make_tiny_model(root / "target", KIMI, torch_dtype="bfloat16")
+    # 250 tokens: the embedding and markov_w2 padded to 256 rows.
+    target = make_tiny_model(root / "target", KIMI, torch_dtype="bfloat16", vocab_size=250)
     draft = make_tiny_draft(root / "draft", target, "dspark")
     for tp, pp in ((1, 2), (2, 1), (2, 2)):
         options = Options(tp=tp, pp=pp, draft=str(draft), draft_method="dspark")
@@ -203,6 +206,7 @@ def test_k3_dspark_rank_files_equal_vllm_module_state(prepared: Path) -> None:
     params = by_rank[0]["draft_params"]
     assert params == by_rank[1]["draft_params"]
     assert "model.context_kv_proj.weight" in params
+    assert by_rank[0]["markov_w2"] == by_rank[1]["markov_w2"] == [256, 16]
     assert not any("embed_tokens" in n or "lm_head" in n for n in params)
 
 
