@@ -181,6 +181,10 @@ def test_another_draft_kind_for_kimi_k3_is_refused_in_one_line(tmp_path: Path) -
     with pytest.raises(PlanError, match="a draft of method 'eagle3' for Kimi-K3 is not supported"):
         convert(str(target), tmp_path / "a", Options(tp=1, pp=1, draft=str(draft),
                 draft_method="eagle3"), progress=False)  # fmt: skip
+    qwen3 = make_tiny_draft(tmp_path / "q", make_tiny_model(tmp_path / "l"), "dspark")
+    with pytest.raises(PlanError, match=r"\['Qwen3DSparkModel'\] .* not K3DSparkModel"):
+        convert(str(target), tmp_path / "b", Options(tp=1, pp=1, draft=str(qwen3),
+                draft_method="dspark"), progress=False)  # fmt: skip
 
 
 def test_the_rules_on_the_bytes_of_a_tiny_draft(tmp_path: Path) -> None:

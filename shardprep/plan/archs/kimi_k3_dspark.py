@@ -199,6 +199,12 @@ class KimiK3DSparkDraft(DraftFamily):
         return ARCHITECTURE in archs or config.get("model_type") == MODEL_TYPE
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+        if not self.recognizes(config, []):
+            raise ConfigError(
+                f"the draft's config.json names {config.get('architectures')} (model_type "
+                f"{config.get('model_type')!r}), not {ARCHITECTURE}: a Kimi-K3 target takes "
+                "only its own DSpark draft"
+            )
         d = DraftDims.of(config)
         shapes = {f"layers.{i}.{t.hf}": t.shape for i in range(d.layers) for t in d.layer_tensors()}
         shapes |= d.head_shapes()
