@@ -27,6 +27,7 @@ Not run yet: no GPU machine was at hand when it was written.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -54,13 +55,10 @@ def prepare(root: Path, tp: int, pp: int, draft: bool) -> tuple[Path, Path | Non
 
     overrides: dict = {"hidden_act": "situ", "torch_dtype": "bfloat16"}
     model = make_tiny_model(root / "model", KIMI, **overrides)
-    if tp == 1:  # vLLM's own threshold: nothing to pad at tp 1
-        config = (
-            (model / "config.json")
-            .read_text()
-            .replace('"min_moe_intermediate_per_partition": 16, ', "")
-        )
-        (model / "config.json").write_text(config)
+    if tp == 1:  # vLLM's own threshold (256): nothing to pad at tp 1
+        config = json.loads((model / "config.json").read_text())
+        del config["text_config"]["min_moe_intermediate_per_partition"]
+        (model / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     folder = make_tiny_draft(root / "draft", model, "dspark") if draft else None
     artifact = root / "artifact"
     options = Options(tp=tp, pp=pp, draft=str(folder) if folder else None)

@@ -63,6 +63,13 @@ def test_it_prepares_kimi_k3_with_its_dspark_draft_in_the_published_naming(
     assert {(f.pp, f.tp) for f in manifest.files if f.role == "draft"} == {(1, 0), (1, 1)}
 
 
+def test_at_tp1_it_leaves_vllms_own_expert_threshold(script: ModuleType, tmp_path: Path) -> None:
+    model, draft, artifact = script.prepare(tmp_path, 1, 1, False)
+    text = json.loads((model / "config.json").read_text())["text_config"]
+    assert "min_moe_intermediate_per_partition" not in text
+    assert draft is None and read_manifest(artifact).model("draft") is None
+
+
 def test_its_runs_serve_the_draft_from_the_source_then_from_the_artifact(
     script: ModuleType, prepared: tuple
 ) -> None:
