@@ -28,3 +28,8 @@ def rank_tensors(plan: Plan, pp: int, tp: int, role: str | None = None) -> dict[
         if (f.pp, f.tp) == (pp, tp) and role in (None, f.role)
         for t in f.tensors
     }
+
+
+def rank_shapes(plan: Plan, role: str, pp: int, tp: int) -> dict[str, tuple[str, tuple]]:
+    """The dtype and shape of each tensor of one rank file of `role`."""
+    return {name: (t.dtype, t.shape) for name, t in rank_tensors(plan, pp, tp, role).items()}
