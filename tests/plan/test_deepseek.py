@@ -4,33 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import pytest
+from plans import rank_tensors as rank
+from plans import tiny_source as source
 from schema import SCHEMA
 
 from shardprep.cli import main
-from shardprep.demo.tiny import TINY_FP8, make_tiny_model, tiny_config
+from shardprep.demo.tiny import TINY_FP8, make_tiny_model
 from shardprep.errors import PlanError
-from shardprep.plan import archs
-from shardprep.plan.archs import quantized
 from shardprep.plan.make import make_plan
-from shardprep.plan.records import Plan, SourceModel, TensorPlan
+from shardprep.plan.records import SourceModel
 
 V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
-
-
-def source(architecture: str, **overrides: Any) -> SourceModel:
-    config = tiny_config(architecture, **overrides)
-    _, family = archs.target_family(config)
-    dtypes = quantized.source_dtypes(family, config)
-    shapes = quantized.expected_shapes(family, config)
-    return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
-
-
-def rank(plan: Plan, pp: int, tp: int) -> dict[str, TensorPlan]:
-    return {t.name: t for f in plan.files if (f.pp, f.tp) == (pp, tp) for t in f.tensors}
 
 
 def test_v3_mla_fuses_q_a_and_kv_a_and_splits_heads() -> None:

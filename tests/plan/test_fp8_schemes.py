@@ -12,21 +12,21 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from plans import rank_tensors as rank
+from plans import tiny_source
 from safetensors.torch import load_file, save_file
 from schema import SCHEMA
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
-from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, make_tiny_model, tiny_config
+from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, make_tiny_model
 from shardprep.errors import PlanError
-from shardprep.plan import archs
-from shardprep.plan.archs import quantized
 from shardprep.plan.make import make_plan
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.fp8_ct import FloatQuant, float_quant
 from shardprep.plan.quant.fp8_tensor import TensorQuant
-from shardprep.plan.records import Plan, SourceModel, TensorPlan
+from shardprep.plan.records import SourceModel
 
 MOE = "Qwen3MoeForCausalLM"
 PER_TENSOR = {"quant_method": "fp8", "activation_scheme": "static"}
@@ -44,15 +44,7 @@ def ct(strategy: str, inputs: dict[str, Any] | None = None, **weights: Any) -> d
 
 
 def source(architecture: str, quant: dict, **overrides: Any) -> SourceModel:
-    config = tiny_config(architecture, quantization_config=quant, **overrides)
-    _, family = archs.target_family(config)
-    dtypes = quantized.source_dtypes(family, config)
-    shapes = quantized.expected_shapes(family, config)
-    return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
-
-
-def rank(plan: Plan, pp: int, tp: int) -> dict[str, TensorPlan]:
-    return {t.name: t for f in plan.files if (f.pp, f.tp) == (pp, tp) for t in f.tensors}
+    return tiny_source(architecture, quantization_config=quant, **overrides)
 
 
 def test_the_schemes_read_config_json() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import rank_shapes as shapes_of
 from safetensors.torch import load_file, save_file
 
 from shardprep.cli import main
@@ -18,7 +19,7 @@ from shardprep.errors import PlanError
 from shardprep.format.manifest import read_manifest
 from shardprep.plan import archs
 from shardprep.plan.make import make_plan
-from shardprep.plan.records import Plan, SourceModel
+from shardprep.plan.records import SourceModel
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "glm-4.5"
 GLM = "Glm4MoeForCausalLM"
@@ -32,15 +33,6 @@ def published() -> SourceModel:
     shapes = family.expected_shapes(config) | draft.expected_shapes(config)
     dtypes = family.source_dtypes(config)
     return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
-
-
-def shapes_of(plan: Plan, role: str, pp: int, tp: int) -> dict[str, tuple[str, tuple]]:
-    return {
-        t.name: (t.dtype, t.shape)
-        for f in plan.files
-        if (f.role, f.pp, f.tp) == (role, pp, tp)
-        for t in f.tensors
-    }
 
 
 @pytest.fixture(scope="module")

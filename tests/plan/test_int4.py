@@ -11,6 +11,8 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from plans import rank_tensors as rank
+from plans import tiny_source
 from schema import SCHEMA
 
 from shardprep.cli import main
@@ -22,7 +24,7 @@ from shardprep.plan.layout import Block, Cut, Piece, ScaleOf, block_shape, piece
 from shardprep.plan.make import make_plan
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.int4 import PackQuant, pack_quant
-from shardprep.plan.records import Plan, SourceModel, TensorPlan
+from shardprep.plan.records import SourceModel
 
 V3 = "DeepseekV3ForCausalLM"
 EXPERTS = "model.layers.1.mlp.experts."
@@ -55,14 +57,14 @@ def test_packing_then_cutting_is_cutting_then_packing(
     stored = pack(values)
     piece = Piece("w.weight_packed", Cut.PACKED, scale_of=ScaleOf(shape, cut, (1, 8)))
     plain = Piece("w.weight", cut)
-    for rank in range(tp):
-        (block,) = piece_blocks(piece, tuple(stored.shape), tp, rank)
-        (part,) = piece_blocks(plain, shape, tp, rank)
+    for r in range(tp):
+        (block,) = piece_blocks(piece, tuple(stored.shape), tp, r)
+        (part,) = piece_blocks(plain, shape, tp, r)
         cols = block.cols or (0, stored.shape[1])
         got = stored[block.rows[0] : block.rows[1], cols[0] : cols[1]]
         want_cols = part.cols or (0, shape[1])
         want = values[part.rows[0] : part.rows[1], want_cols[0] : want_cols[1]]
-        assert torch.equal(got, pack(want)), rank
+        assert torch.equal(got, pack(want)), r
         assert block_shape(block, tuple(stored.shape)) == tuple(got.shape)
 
 
@@ -113,15 +115,7 @@ def test_the_ignore_list_is_matched_as_vllm_matches_it() -> None:
 
 
 def source(**overrides: Any) -> SourceModel:
-    config = tiny_config(V3, quantization_config=TINY_INT4, **overrides)
-    _, family = archs.target_family(config)
-    dtypes = quantized.source_dtypes(family, config)
-    shapes = quantized.expected_shapes(family, config)
-    return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
-
-
-def rank(plan: Plan, pp: int, tp: int) -> dict[str, TensorPlan]:
-    return {t.name: t for f in plan.files if (f.pp, f.tp) == (pp, tp) for t in f.tensors}
+    return tiny_source(V3, quantization_config=TINY_INT4, **overrides)
 
 
 def test_routed_experts_become_packed_stacks_with_their_full_shapes() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import rank_tensors as rank
 from safetensors.torch import load_file
 
 from shardprep.cli import main
@@ -25,7 +26,7 @@ from shardprep.plan.archs import quantized
 from shardprep.plan.archs.kimi_k25 import NO_MTP, VisionDims
 from shardprep.plan.layout import Cut
 from shardprep.plan.make import make_plan
-from shardprep.plan.records import Plan, SourceModel, TensorPlan
+from shardprep.plan.records import SourceModel
 from shardprep.plan.topology import Topology
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "kimi-k2.5"
@@ -62,10 +63,6 @@ def rank_tensors(artifact: Path, role: str, pp: int, tp: int) -> dict[str, torch
     for entry in read_manifest(artifact).rank_files(role, pp, tp):
         tensors.update(load_file(artifact / entry.path))
     return tensors
-
-
-def rank(plan: Plan, pp: int, tp: int) -> dict[str, TensorPlan]:
-    return {t.name: t for f in plan.files if (f.pp, f.tp) == (pp, tp) for t in f.tensors}
 
 
 def test_the_family_implies_the_published_tensors(published: SourceModel) -> None:

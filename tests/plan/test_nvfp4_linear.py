@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from plans import rank_tensors as rank
+from plans import tiny_source
 from safetensors.torch import load_file
 
 from shardprep.cli import main
@@ -22,16 +24,13 @@ from shardprep.demo.tiny import (
     TINY_NVFP4,
     TINY_NVFP4A16,
     make_tiny_model,
-    tiny_config,
 )
 from shardprep.errors import PlanError
-from shardprep.plan import archs
-from shardprep.plan.archs import quantized
 from shardprep.plan.make import make_plan
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.fp4 import Nvfp4PackQuant
 from shardprep.plan.quant.modelopt import ModeloptNvfp4, excluded, expand
-from shardprep.plan.records import Plan, SourceModel, TensorPlan
+from shardprep.plan.records import SourceModel
 
 MOE = "Qwen3MoeForCausalLM"
 LLAMA = "LlamaForCausalLM"
@@ -45,15 +44,7 @@ MODELOPT = {"packed": "weight", "scale": "weight_scale", "global": "weight_scale
 
 
 def source(architecture: str, quant: dict, **overrides: Any) -> SourceModel:
-    config = tiny_config(architecture, quantization_config=quant, **overrides)
-    _, family = archs.target_family(config)
-    dtypes = quantized.source_dtypes(family, config)
-    shapes = quantized.expected_shapes(family, config)
-    return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
-
-
-def rank(plan: Plan, pp: int, tp: int) -> dict[str, TensorPlan]:
-    return {t.name: t for f in plan.files if (f.pp, f.tp) == (pp, tp) for t in f.tensors}
+    return tiny_source(architecture, quantization_config=quant, **overrides)
 
 
 def test_the_schemes_read_config_json() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import rank_shapes as shapes_of
 from safetensors.torch import load_file, save_file
 
 from shardprep.cli import main
@@ -20,7 +21,7 @@ from shardprep.format.manifest import read_manifest
 from shardprep.plan import archs
 from shardprep.plan.layout import Block, Cut, Piece, piece_blocks
 from shardprep.plan.make import make_plan
-from shardprep.plan.records import Plan, SourceModel
+from shardprep.plan.records import SourceModel
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "qwen3-next-80b-a3b"
 NEXT = "Qwen3NextForCausalLM"
@@ -34,15 +35,6 @@ def published() -> SourceModel:
     draft = archs.draft_family("mtp", family.name)
     shapes = family.expected_shapes(config) | draft.expected_shapes(config)
     return SourceModel(config, {n: ("BF16", s) for n, s in shapes.items()})
-
-
-def shapes_of(plan: Plan, role: str, pp: int, tp: int) -> dict[str, tuple[str, tuple]]:
-    return {
-        t.name: (t.dtype, t.shape)
-        for f in plan.files
-        if (f.role, f.pp, f.tp) == (role, pp, tp)
-        for t in f.tensors
-    }
 
 
 @pytest.fixture(scope="module")

@@ -459,10 +459,11 @@ class _Handler(BaseHTTPRequestHandler):
             blob.seek(part.start)
             while remaining > 0:
                 chunk = blob.read(min(IO_CHUNK, remaining))
-                self.wfile.write(chunk)
-                remaining -= len(chunk)
+                # Counted before it is written: a client that has read it sees the count.
                 if part.count_as is not None:
                     self.server.hub._count_served(part.count_as, len(chunk))
+                self.wfile.write(chunk)
+                remaining -= len(chunk)
         if part.cut_after is not None:
             self.wfile.flush()
             if part.stall is not None:

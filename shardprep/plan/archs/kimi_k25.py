@@ -140,14 +140,7 @@ class VisionDims:
         return found
 
     def params(self, tp: int, stages: tuple[int, ...]) -> list[Param]:
-        """vLLM's parameters of the tower and the projector (`proj.0/2` as `linear_1/2`)."""
-        split = self.split(tp)
-        params = []
-        for name, (_, cut) in self.tensors().items():
-            piece = Piece(name, cut if split else Cut.REPLICATE, 3 if cut is Cut.PARTS_ROWS else 0)
-            vllm = name.replace("proj.0.", "linear_1.").replace("proj.2.", "linear_2.")
-            params.append(Param(vllm, (piece,), stages))
-        return params
+        return tower_params(self.tensors(), self.split(tp), stages)
 
     def problems(self, tp: int) -> list[str]:
         if not self.split(tp) or self.intermediate % tp == 0:
@@ -156,6 +149,19 @@ class VisionDims:
             f"the vision tower's intermediate_size ({self.intermediate}) is not divisible by "
             f"tp={tp}; choose a tp that divides it"
         ]
+
+
+def tower_params(
+    tensors: Mapping[str, tuple[tuple[int, ...], Cut]], split: bool, stages: tuple[int, ...]
+) -> list[Param]:
+    """vLLM's parameters of a MoonViT tower and its projector (`proj.0/2` as
+    `linear_1/2`), each tensor cut as `tensors` says when `split`, whole otherwise."""
+    params = []
+    for name, (_, cut) in tensors.items():
+        piece = Piece(name, cut if split else Cut.REPLICATE, 3 if cut is Cut.PARTS_ROWS else 0)
+        vllm = name.replace("proj.0.", "linear_1.").replace("proj.2.", "linear_2.")
+        params.append(Param(vllm, (piece,), stages))
+    return params
 
 
 def vision_config_problems(config: Config) -> list[str]:

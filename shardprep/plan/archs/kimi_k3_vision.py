@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardprep.plan.archs.base import Config, Param
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.archs.kimi_k25 import tower_params
+from shardprep.plan.layout import Cut
 
 VISION = "vision_tower."
 BLOCKS = VISION + "encoder.blocks."
@@ -138,14 +139,7 @@ class VisionTower:
         return {name: shape for name, (shape, _) in self.tensors().items()}
 
     def params(self, tp: int, stages: tuple[int, ...]) -> list[Param]:
-        """vLLM's parameters of the tower and the projector (`proj.0/2` as `linear_1/2`)."""
-        split = self.split(tp)
-        params = []
-        for name, (_, cut) in self.tensors().items():
-            piece = Piece(name, cut if split else Cut.REPLICATE, 3 if cut is Cut.PARTS_ROWS else 0)
-            vllm = name.replace("proj.0.", "linear_1.").replace("proj.2.", "linear_2.")
-            params.append(Param(vllm, (piece,), stages))
-        return params
+        return tower_params(self.tensors(), self.split(tp), stages)
 
     def problems(self, tp: int) -> list[str]:
         problems = [

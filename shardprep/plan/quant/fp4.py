@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from shardprep.plan.layout import Cut, Piece, ScaleOf
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal
 from shardprep.plan.quant.int4 import PackQuant
-from shardprep.plan.quant.layer import Quantized
+from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
 BYTE = "U8"
@@ -78,7 +78,7 @@ class Mxfp4PackQuant(PackQuant):
         shapes: Mapping[str, tuple[int, ...]],
         tp: int,
         moe_ways: int,
-    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+    ) -> QuantParams:
         """`w13_weight_packed`/`w2_weight_packed` and their group scales, uint8."""
 
         def packed(suffix: str, per: int) -> tuple[Piece, ...]:
@@ -149,7 +149,7 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
         shapes: Mapping[str, tuple[int, ...]],
         tp: int,
         moe_ways: int,
-    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+    ) -> QuantParams:
         """MXFP4's two stacks or cut tensors, then the global scales: of an expert, whole
         ([E, 2] of a fused gate and up, [E] of a lone part); of a linear layer, one per
         part."""

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from shardprep.plan.layout import Cut, Piece, ScaleOf
 from shardprep.plan.quant.fp8_tensor import TensorQuant, tensor_quant
 from shardprep.plan.quant.ignore import not_converted
-from shardprep.plan.quant.layer import Quantized
+from shardprep.plan.quant.layer import Quantized, QuantParams
 from shardprep.plan.topology import kv_heads_of_rank
 
 Config = Mapping[str, Any]
@@ -61,7 +61,7 @@ class BlockQuant:
         shapes: Mapping[str, tuple[int, ...]],
         tp: int,
         moe_ways: int,
-    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+    ) -> QuantParams:
         """The fp8 weight parameter `name` and its block scales, as (name, pieces, dtype)."""
         scales = tuple(_scale_piece(p, shapes, self, moe_ways) for p in pieces)
         return [(name, pieces, FP8), (scale_name(name), scales, SCALE_DTYPE)], {}

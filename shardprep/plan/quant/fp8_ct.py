@@ -26,7 +26,7 @@ from shardprep.plan.layout import Cut, Piece, ScaleOf
 from shardprep.plan.quant.fp8 import BlockQuant, moe_block_rules
 from shardprep.plan.quant.fp8_tensor import input_scale
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
-from shardprep.plan.quant.layer import Quantized
+from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
 FP8 = "F8_E4M3"
@@ -89,7 +89,7 @@ class FloatQuant:
         shapes: Mapping[str, tuple[int, ...]],
         tp: int,
         moe_ways: int,
-    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+    ) -> QuantParams:
         """The fp8 weight parameter `name`, its scales and, static, its input scales, as
         (name, pieces, dtype); and the stored tensors vLLM loads nowhere."""
         scales = tuple(self._scale(p, shapes) for p in pieces)

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.quant.ignore import not_converted
-from shardprep.plan.quant.layer import Quantized
+from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
 FP8 = "F8_E4M3"
@@ -68,7 +68,7 @@ class TensorQuant:
         shapes: Mapping[str, tuple[int, ...]],
         tp: int,
         moe_ways: int,
-    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+    ) -> QuantParams:
         """The fp8 weight parameter `name`, its per-tensor scales and, static, its input
         scales, as (name, pieces, dtype); and the stored tensors vLLM loads nowhere."""
         scales = tuple(_scalar(p.source + "_scale", p) for p in pieces)

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from shardprep.plan.layout import MODEL_DTYPE, Cut, Piece, ScaleOf
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
-from shardprep.plan.quant.layer import Quantized
+from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
 PACKED_DTYPE = "I32"  # the packed weights' and the checkpoint's weight_shape safetensors dtype
@@ -77,7 +77,7 @@ class PackQuant:
         shapes: Mapping[str, tuple[int, ...]],
         tp: int,
         moe_ways: int,
-    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+    ) -> QuantParams:
         """The parameters vLLM builds for one quantized parameter `name` made of `pieces`
         (of the unquantized weights, whose shapes `shapes` gives), as (name, pieces,
         dtype or None for the model's), and the stored tensors it loads nowhere."""

@@ -1,8 +1,16 @@
-"""One quantized layer as vLLM's checks of a scheme see it, whatever the tp."""
+"""One quantized layer as vLLM's checks of a scheme see it, whatever the tp, and the
+parameters a scheme makes of one quantized parameter."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from shardprep.plan.layout import Piece
+
+# What a scheme's `params` gives: each parameter vLLM builds of one quantized parameter, as
+# (name, pieces, dtype or None for the source's), and the stored tensors vLLM loads nowhere
+# (name -> why).
+QuantParams = tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]
 
 
 @dataclass(frozen=True)

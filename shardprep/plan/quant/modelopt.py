@@ -26,7 +26,7 @@ from fnmatch import fnmatch
 from typing import Any, ClassVar
 
 from shardprep.plan.layout import Cut, Piece, ScaleOf
-from shardprep.plan.quant.layer import Quantized
+from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
 BYTE = "U8"
@@ -82,7 +82,7 @@ class ModeloptNvfp4:
         shapes: Mapping[str, tuple[int, ...]],
         tp: int,
         moe_ways: int,
-    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+    ) -> QuantParams:
         """The packed weight and its group scales, cut as the weight in whole bytes and
         groups, then one of each scalar per part (per expert and part of a stack)."""
 

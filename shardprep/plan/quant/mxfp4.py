@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
 from shardprep.plan.layout import MX_BLOCK, Cut, Piece, ScaleOf
-from shardprep.plan.quant.layer import Quantized
+from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
 BYTE = "U8"
@@ -117,7 +117,7 @@ class Mxfp4Quant:
         shapes: Mapping[str, tuple[int, ...]],
         tp: int,
         moe_ways: int,
-    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+    ) -> QuantParams:
         """`w13_weight`/`w2_weight` and their `_scale`, uint8, from the blocks and scales."""
         cut = Cut.MX_W13 if pieces[0].cut is Cut.EXPERT_COLS_T else Cut.MX_W2
 
