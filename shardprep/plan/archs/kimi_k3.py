@@ -46,6 +46,7 @@ from shardprep.plan.archs.kimi_k3_quant import quant_scheme, quantized_weights
 from shardprep.plan.archs.kimi_k3_vision import VisionTower
 from shardprep.plan.experts import w2_pieces, w13_pieces
 from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.quant import Scheme
 from shardprep.plan.topology import Topology
 
 TEXT = "language_model."
@@ -343,7 +344,7 @@ class KimiK3Family(Family):
         d = K3Dims.of(config)
         return quantized_weights(filter(d.is_moe, range(d.layers)), d.experts, MODEL)
 
-    def quant_scheme(self, scheme: Any) -> Any:
+    def quant_scheme(self, scheme: Scheme) -> Scheme:
         return quant_scheme(scheme)
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
 
+from shardprep.plan.quant import Scheme
 from shardprep.plan.quant.fp4 import Mxfp4PackMoeQuant, Mxfp4PackQuant
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # gate, up, down of `block_sparse_moe.experts.{e}.`
@@ -35,7 +35,7 @@ def quantized_weights(moe_layers: Iterable[int], experts: int, model: str) -> di
     return found
 
 
-def quant_scheme(scheme: Any) -> Any:
+def quant_scheme(scheme: Scheme) -> Scheme:
     """compressed-tensors MXFP4 as vLLM's MXFP4 interface loads it; others unchanged."""
     if type(scheme) is Mxfp4PackQuant:
         return Mxfp4PackMoeQuant(
