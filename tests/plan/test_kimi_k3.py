@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
 from shardprep.demo.quant_configs import KIMI_K3_MXFP4
 from shardprep.demo.tiny import make_tiny_model, tiny_config
 from shardprep.errors import ConfigError, PlanError
@@ -167,6 +168,8 @@ def test_mxfp4_experts_are_the_source_bytes(tmp_path: Path) -> None:
         assert torch.equal(ours[f"{experts}routed_experts.w2_{param}"], torch.stack(w2))
     down = LM + "1.block_sparse_moe.routed_expert_down_proj.weight"
     assert torch.equal(ours[down], source[down])  # unquantized, whole
+    report = verify(out, full=True, progress=False)
+    assert not report.problems and report.round_trip_tensors > 0
 
 
 def test_kda_and_mla_cuts_on_real_bytes(tmp_path: Path) -> None:
