@@ -1,4 +1,5 @@
-"""Kimi-K3 (`KimiK3ForConditionalGeneration`) in a real vLLM (CPU build), bfloat16.
+"""Kimi-K3 (`KimiK3ForConditionalGeneration`) in a real vLLM (CPU build): bfloat16, and its
+published MXFP4 routed experts.
 
 One tiny checkpoint in the published naming (`language_model.model.layers.*`: KDA layers
 1 and 3, MLA layers 2 and 4 with the output gate, a dense layer 0 and latent experts,
