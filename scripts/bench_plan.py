@@ -2,7 +2,8 @@
 
     python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
         [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|kimi-k2.6|kimi-k3
-                 |kimi-k3-dspark|gpt-oss-120b|glm-4.5|qwen3-next|qwen3-30b-a3b-fp4 ...]
+                 |kimi-k3-mxfp4|kimi-k3-dspark|gpt-oss-120b|glm-4.5|qwen3-next
+                 |qwen3-30b-a3b-fp4 ...]
 
 Each checkpoint has a published model's full shapes but is made of sparse files: each is a
 valid safetensors header followed by a hole, so it costs headers only on disk. `plan` reads
@@ -20,9 +21,11 @@ every header, lays out every rank file and validates it all; nothing is written.
 - Kimi-K2.6 (as Kimi-K2.5 is published, tests/data/kimi-k2.5): Kimi-K2-Thinking's text
   model under `language_model.` with a MoonViT vision tower of 27 blocks and its projector,
   208,550 tensors in 64 files;
-- Kimi-K3: its published config.json (tests/data/kimi-k3) in bfloat16 (its MXFP4 experts
-  left out), 93 layers (69 KDA, 24 MLA), 896 latent experts, a vision tower of 27 blocks,
-  the 249,924 tensors the family implies (about 2.78T parameters), 96 files;
+- Kimi-K3: its published config.json (tests/data/kimi-k3) in bfloat16, 93 layers (69 KDA,
+  24 MLA), 896 latent experts, a vision tower of 27 blocks, the 249,924 tensors the family
+  implies (about 2.78T parameters), 96 files; `kimi-k3-mxfp4`: as published, its routed
+  experts in compressed-tensors MXFP4 (`weight_packed` and `weight_scale` per projection),
+  everything else bfloat16, 96 files;
 - Kimi-K3 with its DSpark draft (`kimi-k3-dspark`): the above and, as its own folder
   planned with `--draft DIR --draft-method dspark`, Inferact/Kimi-K3-DSpark's published
   config.json and 68 tensors (tests/data/kimi-k3-dspark), one file;
@@ -190,17 +193,21 @@ def with_mtp_tensors(folder: str) -> tuple[dict, dict, dict]:
     return config, shapes, family.source_dtypes(config)
 
 
-def kimi_k3_tensors() -> tuple[dict, dict, dict]:
-    """Kimi-K3's published config.json in bfloat16 and the tensors it implies (the family's
-    own table: no tensor table of the published checkpoint is stored)."""
+def kimi_k3_tensors(mxfp4: bool = False) -> tuple[dict, dict, dict]:
+    """Kimi-K3's published config.json in bfloat16 (or as published, its routed experts in
+    MXFP4) and the tensors it implies (the family's own table: no tensor table of the
+    published checkpoint is stored)."""
     from shardprep.plan import archs
+    from shardprep.plan.archs import quantized
 
     data = Path(__file__).resolve().parents[1] / "tests" / "data" / "kimi-k3"
     config = json.loads((data / "config.json").read_text())
-    del config["text_config"]["quantization_config"]
+    if not mxfp4:
+        del config["text_config"]["quantization_config"]
     read = archs.read_config(config)
     family = archs.target_family(read)[1]
-    return config, family.expected_shapes(read), family.source_dtypes(read)
+    shapes = quantized.expected_shapes(family, read)
+    return config, shapes, quantized.source_dtypes(family, read)
 
 
 def kimi_k3_dspark_tensors() -> tuple[dict, dict, dict]:
@@ -220,8 +227,8 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
     """Headers only: each file is a valid safetensors header followed by a hole."""
     if model == "kimi-k3-dspark":
         config, shapes, dtypes = kimi_k3_dspark_tensors()
-    elif model == "kimi-k3":
-        config, shapes, dtypes = kimi_k3_tensors()
+    elif model in ("kimi-k3", "kimi-k3-mxfp4"):
+        config, shapes, dtypes = kimi_k3_tensors(mxfp4=model == "kimi-k3-mxfp4")
     elif model == "deepseek-v3.2":
         config, shapes, dtypes = deepseek_v32_tensors()
     elif model == "deepseek-v4":
@@ -273,10 +280,12 @@ DESCRIPTIONS = {
     "qwen3-30b-a3b-fp4": "Qwen3-30B-A3B (ModelOpt nvfp4, 16 files",
     "kimi-k3": "Kimi-K3 (bf16, vision tower, 96 files",
     "kimi-k3-dspark": "Kimi-K3 (bf16, vision tower, 96 files) with its DSpark draft (1 file",
+    "kimi-k3-mxfp4": "Kimi-K3 (mxfp4 experts, vision tower, 96 files",
 }
 FILES = {
     "kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 48,
     "glm-4.5": 64, "qwen3-next": 41, "qwen3-30b-a3b-fp4": 16, "kimi-k3": 96,
+    "kimi-k3-mxfp4": 96,
 }  # fmt: skip
 PUBLISHED_WITH_MTP = {"glm-4.5": "glm-4.5", "qwen3-next": "qwen3-next-80b-a3b"}
 

@@ -30,6 +30,25 @@ TINY_MXFP4_PACK = {
                     "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
     }},
 }  # fmt: skip
+# Kimi-K3's quantization_config as published (in text_config): MXFP4 routed experts, no
+# activation quantization. vLLM loads it through its MXFP4 interface, which quantizes the
+# routed experts only (plan/archs/kimi_k3_quant.py).
+KIMI_K3_MXFP4 = {
+    "config_groups": {"group_0": {
+        "format": "mxfp4-pack-quantized", "input_activations": None,
+        "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False,
+                    "group_size": 32, "num_bits": 4, "observer": "minmax",
+                    "observer_kwargs": {}, "scale_dtype": "torch.uint8", "strategy": "group",
+                    "symmetric": True, "type": "float", "zp_dtype": None},
+    }},
+    "format": "mxfp4-pack-quantized", "global_compression_ratio": None,
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+               "re:.*vision_tower.*", "re:.*mm_projector.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}  # fmt: skip
 # NVFP4 routed experts (compressed-tensors nvfp4-pack-quantized, W4A4: e2m1 values and
 # activations in groups of 16 sharing an e4m3 scale, float32 global scales), the rest ignored.
 _NVFP4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",

@@ -6,6 +6,11 @@ Two departures from the published sizes keep it servable by vLLM's CPU build at 
 `hidden_act` is `silu` (the CPU build has no MoE backend for `situ`; the activation does
 not change any tensor), and `min_moe_intermediate_per_partition` is 16, so that vLLM
 does not zero-pad the experts' 16 intermediate rows per rank to 256.
+
+With `quantization_config=KIMI_K3_MXFP4` (demo/quant_configs.py, the published block)
+the routed experts are stored as Kimi-K3 publishes them, `weight_packed` and
+`weight_scale` (demo/quantized.py's values); give them `moe_intermediate_size=256` and
+`routed_expert_hidden_size=256` so that no MXFP4 MoE backend pads them at tp2.
 """
 
 from __future__ import annotations

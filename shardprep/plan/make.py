@@ -161,6 +161,7 @@ def make_plan(
     for role, arch_name, method, fam, source, layout in layouts:
         assert layout is not None
         scheme = scheme_of(source.config, mxfp4_pad)
+        scheme = fam.quant_scheme(scheme) if scheme is not None else None
         folder = "" if role == "target" else DRAFT_DIR
         models.append(
             ModelPlan(

@@ -1,10 +1,11 @@
 """Kimi-K3 (`KimiK3ForConditionalGeneration`), planned without vLLM: the published
-config.json (tests/data/kimi-k3, see SOURCE.md there) at the topology it is served with,
-what is refused and why, the KDA and MLA cuts on real bytes of a tiny checkpoint, and a
-config saved by vLLM's own config class under transformers 5."""
+config.json (tests/data/kimi-k3, see SOURCE.md there) with its MXFP4 experts at the
+topology it is served with, what is refused and why, the KDA and MLA cuts on real bytes of
+a tiny checkpoint, and a config saved by vLLM's own config class under transformers 5."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -14,13 +15,18 @@ import torch
 from safetensors.torch import load_file
 
 from shardprep.convert.run import Options, convert
-from shardprep.demo.quant_configs import TINY_MXFP4_PACK
+from shardprep.convert.verify import verify
+from shardprep.demo.quant_configs import KIMI_K3_MXFP4
 from shardprep.demo.tiny import make_tiny_model, tiny_config
 from shardprep.errors import ConfigError, PlanError
 from shardprep.format.manifest import read_manifest
 from shardprep.plan import archs
+from shardprep.plan.archs import quantized
 from shardprep.plan.archs.kimi_k3 import K3Dims
 from shardprep.plan.make import make_plan
+from shardprep.plan.quant import scheme_of
+from shardprep.plan.quant.fp4 import Mxfp4PackMoeQuant
+from shardprep.plan.quant.layer import Quantized
 from shardprep.plan.records import SourceModel
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "kimi-k3"
@@ -30,17 +36,18 @@ LM = "language_model.model.layers."
 
 def published_config(quantized: bool = False) -> dict:
     config = json.loads((DATA / "config.json").read_text())
-    if not quantized:  # the bfloat16 equivalent: the MXFP4 experts are not placed yet
+    if not quantized:  # the bfloat16 equivalent
         del config["text_config"]["quantization_config"]
     return config
 
 
 def implied(config: dict) -> SourceModel:
-    """The checkpoint the config implies (the family's own table of names and shapes)."""
+    """The checkpoint the config implies (the family's own table of names and shapes, with
+    what the quantization stores in place of each quantized weight)."""
     read = archs.read_config(config)
     family = archs.target_family(read)[1]
-    dtypes = family.source_dtypes(read)
-    shapes = family.expected_shapes(read)
+    dtypes = quantized.source_dtypes(family, read)
+    shapes = quantized.expected_shapes(family, read)
     return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
 
 
@@ -60,6 +67,8 @@ def test_the_published_config_implies_kimi_k3s_size(published: SourceModel) -> N
 
 
 def test_the_published_config_plans_at_tp8_pp2(published: SourceModel) -> None:
+    """In bfloat16: as published (MXFP4 experts) it plans in scripts/bench_plan.py
+    --model kimi-k3-mxfp4, with twice the expert stacks to lay out (tens of seconds)."""
     plan = make_plan(published, tp=8, pp=2, stage=1)  # the stage of the last layers
     files = {(f.pp, f.tp) for f in plan.files}
     assert files == {(1, t) for t in range(8)}
@@ -93,12 +102,74 @@ def test_what_vllm_would_pad_or_this_project_does_not_place_is_refused_in_one_li
     gdn["text_config"]["linear_attn_config"]["use_full_rank_gate"] = False
     with pytest.raises(PlanError, match="full-rank gate only"):
         make_plan(implied(gdn), tp=2, pp=1)
-    # The published MXFP4 experts (compressed-tensors `mxfp4-pack-quantized`): not yet.
-    mxfp4 = tiny_config(KIMI, quantization_config=TINY_MXFP4_PACK)
-    with pytest.raises(PlanError, match=r"\(mxfp4_pack\) of the kimi_k3 family are not supported"):
-        make_plan(SourceModel(mxfp4, tiny.tensors), tp=2, pp=1)
+    # MXFP4 experts: a rank's intermediate rows (16) not whole groups of 32, and sizes
+    # (64 rows a rank at tp4) that vLLM's MXFP4 MoE backends pad.
+    split = implied(tiny_config(KIMI, quantization_config=copy.deepcopy(KIMI_K3_MXFP4)))
+    with pytest.raises(PlanError) as caught:
+        make_plan(split, tp=2, pp=1)
+    assert (
+        "vLLM refuses mxfp4 groups of 32 at tp=2: language_model.model.layers.*.block_sparse_moe"
+        ".experts: MXFP4 MoE stores the intermediate size per rank (16) in groups of 32, which "
+        "it does not divide. Choose a tp that works: none"
+    ) in str(caught.value)
+    sizes = {"moe_intermediate_size": 256, "routed_expert_hidden_size": 256}
+    padded = implied(tiny_config(KIMI, quantization_config=copy.deepcopy(KIMI_K3_MXFP4), **sizes))
+    with pytest.raises(PlanError) as caught:
+        make_plan(padded, tp=4, pp=1)
+    assert str(caught.value).endswith(
+        "pad each rank's expert stacks to an intermediate size that is a multiple of 128 "
+        "(Marlin, TRT-LLM, CUTLASS, DeepGEMM, AITER) and a hidden size that is a multiple of "
+        "256 (Marlin, TRT-LLM), a layout that depends on the GPU and that shardprep does not "
+        "write; here 64 and 256. Choose a tp that works: 1, 2"
+    )
     with pytest.raises((ConfigError, PlanError), match="draft of method 'eagle3' for Kimi-K3"):
         make_plan(tiny, tp=2, pp=1, draft=tiny, draft_method="eagle3")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, 6, 8, 12, 16])
+def test_the_published_experts_are_refused_only_where_vllm_pads_them(tp: int) -> None:
+    """The published experts (3072 intermediate rows over a latent width of 3584) as vLLM's
+    MXFP4 method sees them: no backend pads them from tp1 to tp12 (at tp8 each rank holds
+    384 rows, 3 x 128); at tp16 Kimi-K3's own padding to 256 rows a rank is refused first."""
+    read = archs.read_config(published_config(quantized=True))
+    family = archs.target_family(read)[1]
+    scheme = family.quant_scheme(scheme_of(read))
+    assert isinstance(scheme, Mxfp4PackMoeQuant) and scheme.method == "mxfp4"
+    layer = Quantized(LM + "*.block_sparse_moe.experts", "experts", 3584, ((3072, 0),))
+    assert bool(scheme.refusals(layer, tp, tp)) == (3072 // tp % 128 != 0)
+    padded = [p for p in family.check(read, tp) if "min_moe_intermediate_per_partition" in p]
+    assert bool(padded) == (tp == 16)
+
+
+def test_mxfp4_experts_are_the_source_bytes(tmp_path: Path) -> None:
+    """vLLM's `w13_weight` of a rank: the rank's gate rows, then its up rows, of each
+    expert's `weight_packed` (K, the latent width, two values a byte, whole); `w2_weight`:
+    the rank's half of the packed columns; the e8m0 scales cut alike, in groups of 32."""
+    model = make_tiny_model(
+        tmp_path / "model", KIMI, quantization_config=copy.deepcopy(KIMI_K3_MXFP4),
+        moe_intermediate_size=256, routed_expert_hidden_size=256, num_hidden_layers=2,
+        torch_dtype="bfloat16",
+    )  # fmt: skip
+    out = tmp_path / "out"
+    convert(str(model), out, Options(tp=2, pp=1), progress=False)
+    assert read_manifest(out).models[0].quantization == "mxfp4"
+    source = load_file(model / "model.safetensors")
+    ours: dict[str, torch.Tensor] = {}
+    for entry in read_manifest(out).rank_files("target", 0, 1):
+        ours.update(load_file(out / entry.path))
+    experts = LM + "1.block_sparse_moe.experts."
+    for suffix, param in (("weight_packed", "weight"), ("weight_scale", "weight_scale")):
+        w13 = [
+            torch.cat([source[f"{experts}{e}.{w}.{suffix}"][128:] for w in ("w1", "w3")])
+            for e in range(8)
+        ]
+        assert torch.equal(ours[f"{experts}routed_experts.w13_{param}"], torch.stack(w13))
+        w2 = [source[f"{experts}{e}.w2.{suffix}"].chunk(2, dim=1)[1] for e in range(8)]
+        assert torch.equal(ours[f"{experts}routed_experts.w2_{param}"], torch.stack(w2))
+    down = LM + "1.block_sparse_moe.routed_expert_down_proj.weight"
+    assert torch.equal(ours[down], source[down])  # unquantized, whole
+    report = verify(out, full=True, progress=False)
+    assert not report.problems and report.round_trip_tensors > 0
 
 
 def test_kda_and_mla_cuts_on_real_bytes(tmp_path: Path) -> None:

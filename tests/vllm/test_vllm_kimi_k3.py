@@ -1,4 +1,5 @@
-"""Kimi-K3 (`KimiK3ForConditionalGeneration`) in a real vLLM (CPU build), bfloat16.
+"""Kimi-K3 (`KimiK3ForConditionalGeneration`) in a real vLLM (CPU build): bfloat16, and its
+published MXFP4 routed experts.
 
 One tiny checkpoint in the published naming (`language_model.model.layers.*`: KDA layers
 1 and 3, MLA layers 2 and 4 with the output gate, a dense layer 0 and latent experts,
@@ -14,8 +15,20 @@ tower, prefix caching off and `VLLM_KIMI_K3_GEMM_AR=0`, at tp2 x pp2:
 - `sharded-fast`, with every collective refused while each rank loads, leaves the same
   state.
 
+The same model with the published `quantization_config` (compressed-tensors
+`mxfp4-pack-quantized`, `demo.quant_configs.KIMI_K3_MXFP4`): its routed experts stored as
+`weight_packed`/`weight_scale`, everything else in bfloat16, as published. vLLM rewrites
+the quantization to its MXFP4 interface for Kimi-K3: `Mxfp4MoEMethod` builds uint8
+`w13_weight`, `w2_weight` and their `_scale` over the latent width, every linear layer (the
+latent projections too) unquantized. The experts' sizes (256 intermediate rows, 128 a rank
+at tp2; latent width 256) are ones no MXFP4 MoE backend pads. The CPU build has no such
+backend: the test-only plugin stands in for the backend choice alone
+(`SHARDPREP_STUB_KERNELS`: vLLM's emulation backend) and post-processing is set aside, so
+the state after `load_weights` is the reference. At tp2 x pp2 every rank file equals it
+byte for byte, and `sharded-fast` (collectives trapped) leaves the same state.
+
 vLLM's CPU build cannot run this model after loading (its MLA backend refuses the KV
-cache block size the hybrid model aligns to), so both runs stop once every rank has
+cache block size the hybrid model aligns to), so every run stops once every rank has
 dumped its state: no tokens are compared.
 """
 
@@ -26,10 +39,12 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
+from test_vllm_layout import assert_same_state, rank_tensors
 from test_vllm_moe import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
-from shardprep.demo.tiny import make_tiny_model
+from shardprep.demo.tiny import KIMI_K3_MXFP4, make_tiny_model
+from shardprep.format.manifest import read_manifest
 
 pytestmark = [
     pytest.mark.vllm,
@@ -43,6 +58,7 @@ ENGINE = {
     "enable_prefix_caching": False,
 }
 ENV = {"VLLM_KIMI_K3_GEMM_AR": "0"}
+STATE_ONLY = {"SHARDPREP_STUB_KERNELS": "1", "SHARDPREP_SKIP_POSTPROCESS": "1"}
 LAYERS = "language_model.model.layers."
 
 
@@ -76,5 +92,35 @@ def test_kimi_k3_rank_files_equal_vllm_at_tp2_pp2(tmp_path: Path) -> None:
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
         env=ENV | TRAP, **run,
+    )  # fmt: skip
+    assert_same_dumps(fast, dumps)
+
+
+def test_kimi_k3_mxfp4_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) -> None:
+    model = make_tiny_model(
+        tmp_path / "model", KIMI, torch_dtype="bfloat16", quantization_config=KIMI_K3_MXFP4,
+        moe_intermediate_size=256, routed_expert_hidden_size=256,
+    )  # fmt: skip
+    artifact = tmp_path / "artifact"
+    convert(str(model), artifact, Options(tp=2, pp=2), progress=False)
+    assert read_manifest(artifact).vllm_layout.revisions["mxfp4_pack"] == 1
+    run = {"dtype": "bfloat16", "allow_engine_failure": True, "engine": ENGINE}
+    env = ENV | STATE_ONLY
+    dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", env=env, **run)
+    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
+    for (role, p, t), path in dumps.items():
+        state, _ = vllm_env.read_dump(path)
+        moe = f"{LAYERS}{2 * p + 1}.block_sparse_moe."
+        experts = moe + "experts.routed_experts."
+        # gate then up: 128 rows each on the rank, over the latent width 256 (128 bytes).
+        assert state[experts + "w13_weight"].dtype == torch.uint8
+        assert tuple(state[experts + "w13_weight"].shape) == (8, 256, 128)
+        assert tuple(state[experts + "w2_weight_scale"].shape) == (8, 256, 128 // 32)
+        down = state[moe + "routed_expert_down_proj.weight"]
+        assert (down.dtype, tuple(down.shape)) == (torch.bfloat16, (256, 64))
+        assert_same_state(state, rank_tensors(artifact, role, p, t))
+    fast = vllm_env.dump_state(
+        artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast", env=env | TRAP,
+        **run,
     )  # fmt: skip
     assert_same_dumps(fast, dumps)

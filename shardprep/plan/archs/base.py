@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from shardprep.errors import ConfigError
 from shardprep.format.records import Topology
 from shardprep.plan.layout import Piece
+from shardprep.plan.quant import Scheme
 
 Config = Mapping[str, Any]
 Shapes = Mapping[str, tuple[int, ...]]
@@ -84,6 +85,12 @@ class Family:
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         """Every source tensor the config implies, with its shape (Hugging Face names)."""
         raise NotImplementedError
+
+    def quant_scheme(self, scheme: Scheme) -> Scheme:
+        """The scheme (plan/quant) vLLM applies to this family's checkpoint of `scheme`'s
+        format: vLLM may load a format through another of its methods for a model
+        (Kimi-K3's compressed-tensors MXFP4 through its MXFP4 interface)."""
+        return scheme
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         """Problems that make the model unsplittable at this tp, each a full sentence."""

@@ -23,9 +23,9 @@ MLP (`mlp.`) otherwise. vLLM names every parameter as the checkpoint does, under
   float32; shared experts as a dense MLP of `num_shared_experts x moe_intermediate_size`;
   `routed_expert_down_proj` [latent, H], `routed_expert_norm`, `routed_expert_up_proj`
   [H, latent] whole; the experts (`experts.{e}.w1/w3/w2`) as FusedMoE stacks over the
-  latent width. vLLM zero-pads the experts' intermediate per rank to
-  `min_moe_intermediate_per_partition` (default 256) when tp splits it finer; shardprep
-  does not write that padded layout and refuses such a tp.
+  latent width (published in MXFP4: kimi_k3_quant.py). vLLM zero-pads the experts'
+  intermediate per rank to `min_moe_intermediate_per_partition` (default 256) when tp
+  splits it finer; shardprep does not write that padded layout and refuses such a tp.
 - Attention residuals (`attn_res_block_size`): per layer `self_attention_res_norm`,
   `mlp_res_norm` and the [1, H] projections `self_attention_res_proj`, `mlp_res_proj`,
   whole; on the last stage `output_attn_res_norm` and `output_attn_res_proj`.
@@ -44,9 +44,11 @@ from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes, config_int
 from shardprep.plan.archs.deepseek import F32, Tensor, fused_params, mlp_tensors
 from shardprep.plan.archs.kimi_k3_dspark import target_draft_problems, target_embed_stages
+from shardprep.plan.archs.kimi_k3_quant import quant_scheme, quantized_weights
 from shardprep.plan.archs.kimi_k3_vision import VisionTower
 from shardprep.plan.experts import w2_pieces, w13_pieces
 from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.quant import Scheme
 from shardprep.plan.topology import Topology
 
 TEXT = "language_model."
@@ -328,6 +330,7 @@ def text_config(config: Config) -> dict[str, Any]:
 
 class KimiK3Family(Family):
     name = "kimi_k3"
+    quant_schemes = frozenset({"mxfp4_pack"})  # as published: MXFP4 routed experts
 
     def read_config(self, config: Config) -> dict[str, Any]:
         return text_config(config)
@@ -338,6 +341,13 @@ class KimiK3Family(Family):
 
     def source_dtypes(self, config: Config) -> dict[str, str]:
         return {name: dtype for name, (_, dtype) in K3Dims.of(config).sources().items() if dtype}
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        d = K3Dims.of(config)
+        return quantized_weights(filter(d.is_moe, range(d.layers)), d.experts, MODEL)
+
+    def quant_scheme(self, scheme: Scheme) -> Scheme:
+        return quant_scheme(scheme)
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         try:

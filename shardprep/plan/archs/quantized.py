@@ -26,14 +26,14 @@ LAYER_INDEX = re.compile(r"\.\d+\.")
 LARGEST_TP = 64  # the tps a refusal suggests instead are looked for up to here
 
 
-def _scheme(config: Config, **context: Any) -> Scheme | None:
+def _scheme(family: Family, config: Config, **context: Any) -> Scheme | None:
     scheme = scheme_of(config, context.get("mxfp4_pad"))
-    return None if scheme is None or scheme.problem else scheme
+    return None if scheme is None or scheme.problem else family.quant_scheme(scheme)
 
 
 def quantized(family: Family, config: Config, shapes: Shapes) -> dict[str, str]:
     """{source weight: vLLM layer} of the weights stored quantized; empty when unquantized."""
-    scheme = _scheme(config)
+    scheme = _scheme(family, config)
     if scheme is None:
         return {}
     return {
@@ -51,7 +51,7 @@ def source_dtypes(family: Family, config: Config) -> dict[str, str]:
     """Tensors whose checkpoint dtype is not the model's: the family's own, and what the
     scheme stores (fp8 weights, float32 scales)."""
     own = family.source_dtypes(config)
-    if _scheme(config) is None:
+    if _scheme(family, config) is None:
         return own
     return own | {name: dtype for name, (_, dtype) in _sources(family, config).items() if dtype}
 
@@ -60,7 +60,7 @@ def _sources(family: Family, config: Config, **context: Any) -> dict[str, tuple[
     shapes: dict[str, tuple[tuple, str]] = {
         name: (shape, "") for name, shape in family.expected_shapes(config, **context).items()
     }
-    scheme = _scheme(config)
+    scheme = _scheme(family, config)
     if scheme is not None:
         plain = {name: shape for name, (shape, _) in shapes.items()}
         for weight in quantized(family, config, plain):
@@ -85,7 +85,7 @@ def layout(
     """The family's layout, each quantized weight's parameter followed by its scales'.
     The family lays out the weights a scheme stores under other names (`x.weight_packed`)
     as if the checkpoint held them, whose parameters the scheme then replaces."""
-    scheme = _scheme(config, **context)
+    scheme = _scheme(family, config, **context)
     if scheme is None:
         return family.layout(config, shapes, topology, **context)
     sizes = _logical(family, config, shapes, **context)
@@ -124,7 +124,7 @@ def quantized_layers(
     family: Family, config: Config, layout: Layout, shapes: Shapes, **context: Any
 ) -> list:
     """The distinct quantized layers of a layout (layers alike but for their index, once)."""
-    scheme = _scheme(config, **context)
+    scheme = _scheme(family, config, **context)
     if scheme is None:
         return []
     sizes = _logical(family, config, shapes, **context)
@@ -172,7 +172,7 @@ def quantization_problems(
 ) -> list[str]:
     """vLLM's refusals of this quantization at `tp` (block and group divisibility), in
     vLLM's words, with the tps that would work."""
-    scheme = _scheme(config, **context)
+    scheme = _scheme(family, config, **context)
     if scheme is None:
         return []
     layers = quantized_layers(family, config, layout, shapes, **context)

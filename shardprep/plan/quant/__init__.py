@@ -13,6 +13,7 @@ from typing import Any
 from shardprep.plan.quant.fp4 import FORMAT as MXFP4_PACK
 from shardprep.plan.quant.fp4 import NV_FORMAT as NVFP4_PACK
 from shardprep.plan.quant.fp4 import (
+    Mxfp4PackMoeQuant,
     Mxfp4PackQuant,
     Nvfp4PackQuant,
     mxfp4_pack_quant,
@@ -35,6 +36,7 @@ Scheme = (
     | FloatQuant
     | PackQuant
     | Mxfp4PackQuant
+    | Mxfp4PackMoeQuant
     | Nvfp4PackQuant
     | Mxfp4Quant
     | ModeloptNvfp4

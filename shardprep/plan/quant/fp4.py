@@ -112,6 +112,59 @@ class Mxfp4PackQuant(PackQuant):
         return []
 
 
+# Alignments vLLM's MXFP4 MoE backends pad a rank's expert stacks to (Mxfp4MoEMethod's
+# `maybe_roundup_sizes`): the intermediate size to 128 (Marlin, TRT-LLM, CUTLASS,
+# DeepGEMM, AITER for SiTU) and the hidden size to 256 (Marlin, TRT-LLM); smaller ones
+# (64, 32) divide these.
+MOE_PAD = (128, 256)
+
+
+@dataclass(frozen=True)
+class Mxfp4PackMoeQuant(Mxfp4PackQuant):
+    """compressed-tensors MXFP4 experts as vLLM loads them through its MXFP4 interface
+    (`Mxfp4Config`, `Mxfp4MoEMethod`), where it routes a family's `mxfp4-pack-quantized`
+    checkpoint (Kimi-K3: `quant_method` rewritten to `mxfp4`): the stacks are named
+    `w13_weight`, `w2_weight` (uint8, two values a byte) and `w13/w2_weight_scale`, cut as
+    `Mxfp4PackQuant` cuts them; `Mxfp4Config` has no ignore list and no linear method, so
+    every linear layer stays unquantized and every routed expert layer is MXFP4. The
+    backend pads a rank's stacks to its alignment (`MOE_PAD`); shardprep writes them
+    unpadded and refuses sizes some backend would pad."""
+
+    method: ClassVar[str] = "mxfp4"  # vLLM's quantization method, as it rewrites it
+
+    def skips(self, layer: str, *parts: str) -> bool:
+        return False  # the family lists its routed experts only: vLLM quantizes all of them
+
+    def params(
+        self,
+        name: str,
+        pieces: tuple[Piece, ...],
+        shapes: Mapping[str, tuple[int, ...]],
+        tp: int,
+        moe_ways: int,
+    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+        """`w13_weight`/`w2_weight` from the `weight_packed` tensors, then the scales."""
+        parts, unplaced = super().params(name, pieces, shapes, tp, moe_ways)
+        (_, packed, dtype), scale = parts
+        return [(name, packed, dtype), scale], unplaced
+
+    def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
+        """Mxfp4PackQuant's group refusals, and sizes a backend pads."""
+        found = super().refusals(layer, tp, moe_ways)
+        if found or layer.kind != "experts":
+            return found
+        local, hidden = layer.outputs[0][0] // moe_ways, layer.input
+        if local % MOE_PAD[0] or hidden % MOE_PAD[1]:
+            return [
+                f"{layer.name}: vLLM's MXFP4 MoE backends pad each rank's expert stacks to "
+                f"an intermediate size that is a multiple of {MOE_PAD[0]} (Marlin, TRT-LLM, "
+                f"CUTLASS, DeepGEMM, AITER) and a hidden size that is a multiple of "
+                f"{MOE_PAD[1]} (Marlin, TRT-LLM), a layout that depends on the GPU and that "
+                f"shardprep does not write; here {local} and {hidden}."
+            ]
+        return []
+
+
 @dataclass(frozen=True)
 class Nvfp4PackQuant(Mxfp4PackQuant):
     name: ClassVar[str] = "nvfp4_pack"

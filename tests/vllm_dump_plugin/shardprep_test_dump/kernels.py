@@ -138,6 +138,9 @@ def install() -> bool:
     from vllm.model_executor.layers.quantization import mxfp4
 
     mxfp4.select_mxfp4_moe_backend = or_stand_in(mxfp4.select_mxfp4_moe_backend, cpu_mxfp4_experts)
+    mxfp4.select_deepseek_v4_mxfp4_moe_backend = or_stand_in(
+        mxfp4.select_deepseek_v4_mxfp4_moe_backend, mxfp4_emulation
+    )
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
         compressed_tensors_moe_w4a4_nvfp4 as nvfp4,
     )
@@ -212,6 +215,18 @@ def cpu_mxfp4_experts(*args: Any, **kwargs: Any) -> tuple[Any, type]:
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
 
     return Mxfp4MoeBackend.CPU, CPUExpertsMxfp4
+
+
+def mxfp4_emulation(*args: Any, **kwargs: Any) -> tuple[Any, type]:
+    """vLLM's MXFP4 MoE emulation backend (`Mxfp4MoEMethod`'s, as Kimi-K3 and DeepSeek-V4
+    use; it needs Triton or AMD Quark to compute): its class need only exist to build the
+    layer, whose stacks it pads to 32."""
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (
+        Mxfp4MoeBackend,
+        backend_to_kernel_cls,
+    )
+
+    return Mxfp4MoeBackend.EMULATION, backend_to_kernel_cls(Mxfp4MoeBackend.EMULATION)[0]
 
 
 def nvfp4_emulation(*args: Any, **kwargs: Any) -> tuple[Any, type]:
