@@ -53,15 +53,19 @@ from pathlib import Path
 from shardprep.demo.tiny import TINY_FP8, TINY_INT4, TINY_MODELOPT_NVFP4, TINY_MXFP4, tiny_config
 from shardprep.format.headers import TensorSpec, encode_header
 
+# The child's own peak from /proc (VmHWM): getrusage's ru_maxrss also counts the parent's
+# peak before the exec, which is this script's with the tables it built.
 PLAN_CHILD = """
-import json, resource, sys, time
+import json, sys, time
+from pathlib import Path
 from shardprep.cli import main
 t = time.perf_counter()
 code = main(["plan", "--tp", sys.argv[2], "--pp", sys.argv[3], "--quiet", *sys.argv[4:],
              sys.argv[1]])
 seconds = time.perf_counter() - t
-print(json.dumps({"code": code, "seconds": seconds,
-                  "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+status = Path("/proc/self/status").read_text().splitlines()
+(hwm,) = [int(line.split()[1]) for line in status if line.startswith("VmHWM:")]
+print(json.dumps({"code": code, "seconds": seconds, "max_rss": hwm * 1024}))
 """
 
 
