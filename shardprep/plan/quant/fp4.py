@@ -142,7 +142,7 @@ class Mxfp4PackMoeQuant(Mxfp4PackQuant):
         shapes: Mapping[str, tuple[int, ...]],
         tp: int,
         moe_ways: int,
-    ) -> tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]:
+    ) -> QuantParams:
         """`w13_weight`/`w2_weight` from the `weight_packed` tensors, then the scales."""
         parts, unplaced = super().params(name, pieces, shapes, tp, moe_ways)
         (_, packed, dtype), scale = parts
