@@ -8,7 +8,7 @@ from shardprep.convert.checkpoint import Checkpoint, known_sha256
 from shardprep.format import manifest as mf
 from shardprep.format.headers import encode_header
 from shardprep.format.vllm_layout import MOE_ASSUMPTIONS, current_layout
-from shardprep.plan.layout import Piece
+from shardprep.plan.cuts import Piece
 from shardprep.plan.records import FilePlan, ModelPlan, Plan
 
 

@@ -16,7 +16,7 @@ from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
 from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.format.headers import read_header, sha256_file
-from shardprep.plan.layout import Block
+from shardprep.plan.cuts import Block
 from shardprep.progress import Progress as tqdm
 
 

@@ -36,7 +36,7 @@ class ParamSpec:
     shape: tuple[int, ...]
 
 
-# The ways a piece of a parameter is cut from its source (`shardprep.plan.layout.Cut`).
+# The ways a piece of a parameter is cut from its source (`shardprep.plan.cuts.Cut`).
 CUTS = (
     "replicate", "rows", "cols", "kv_heads", "vocab", "padded_vocab", "block_scale", "packed",
 )  # fmt: skip

@@ -39,7 +39,7 @@ logger = logging.getLogger("shardprep.loader")
 if TYPE_CHECKING:
     from shardprep.loader.checks import RankPlace
     from shardprep.plan.archs.base import DraftFamily
-    from shardprep.plan.layout import Piece
+    from shardprep.plan.cuts import Piece
     from shardprep.plan.topology import ExpertSplit
 
 
@@ -308,7 +308,7 @@ def _pread_into(fd: int, dest: torch.Tensor, offset: int, length: int) -> None:
 
 
 def _piece(p: PieceEntry) -> Piece:
-    from shardprep.plan.layout import Cut, Piece, ScaleOf
+    from shardprep.plan.cuts import Cut, Piece, ScaleOf
 
     of = p.scale_of
     scale = of and ScaleOf(of.shape, Cut(of.cut), of.block, of.grid, of.heads)

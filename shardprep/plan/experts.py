@@ -7,15 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from shardprep.errors import PlanError
-from shardprep.plan.layout import (
-    EXPERT_VECTORS,
-    Block,
-    Cut,
-    Piece,
-    block_shape,
-    piece_geometry,
-    placed_blocks,
-)
+from shardprep.plan.cuts import EXPERT_VECTORS, Block, Cut, Piece
+from shardprep.plan.layout import block_shape, piece_geometry, placed_blocks
 from shardprep.plan.topology import ExpertSplit
 
 

@@ -22,14 +22,9 @@ from shardprep.format.records import Topology
 from shardprep.plan import archs
 from shardprep.plan.archs.base import Family, Layout, Param, config_int
 from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
+from shardprep.plan.cuts import MODEL_DTYPE, Block, Cut
 from shardprep.plan.experts import expert_stack_blocks, is_expert_stack
-from shardprep.plan.layout import (
-    MODEL_DTYPE,
-    Block,
-    Cut,
-    block_shape,
-    piece_blocks,
-)
+from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.quant import Mxfp4Quant, scheme_of
 from shardprep.plan.records import (
     ExpertPlan,

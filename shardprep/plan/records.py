@@ -10,7 +10,7 @@ from typing import Any
 
 from shardprep.format.headers import TensorSpec
 from shardprep.format.records import Topology
-from shardprep.plan.layout import Block, Piece
+from shardprep.plan.cuts import Block, Piece
 from shardprep.plan.topology import ExpertSplit
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from shardprep.errors import PlanError
 from shardprep.plan.archs.base import Param
-from shardprep.plan.layout import Block, Piece
+from shardprep.plan.cuts import Block, Piece
 from shardprep.plan.make import tensor_plan
 from shardprep.plan.records import SourceModel, TensorPlan
 from shardprep.plan.topology import ExpertSplit, Topology

@@ -8,14 +8,9 @@ from __future__ import annotations
 import pytest
 
 from shardprep.errors import PlanError
+from shardprep.plan.cuts import Block, Cut, Piece
 from shardprep.plan.experts import expert_stack_blocks
-from shardprep.plan.layout import (
-    Block,
-    Cut,
-    Piece,
-    block_shape,
-    piece_blocks,
-)
+from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.topology import ExpertSplit
 
 

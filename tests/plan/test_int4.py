@@ -20,7 +20,8 @@ from shardprep.demo.tiny import TINY_INT4, make_tiny_model, tiny_config
 from shardprep.errors import PlanError
 from shardprep.plan import archs
 from shardprep.plan.archs import quantized
-from shardprep.plan.layout import Block, Cut, Piece, ScaleOf, block_shape, piece_blocks
+from shardprep.plan.cuts import Block, Cut, Piece, ScaleOf
+from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.make import make_plan
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.int4 import PackQuant, pack_quant

@@ -24,7 +24,7 @@ from shardprep.format.manifest import read_manifest
 from shardprep.plan import archs
 from shardprep.plan.archs import quantized
 from shardprep.plan.archs.kimi_k25 import NO_MTP, VisionDims
-from shardprep.plan.layout import Cut
+from shardprep.plan.cuts import Cut
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 from shardprep.plan.topology import Topology

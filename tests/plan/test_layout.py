@@ -3,15 +3,9 @@ from __future__ import annotations
 import pytest
 
 from shardprep.errors import PlanError
+from shardprep.plan.cuts import Block, Cut, Piece, ScaleOf
 from shardprep.plan.experts import expert_stack_blocks, w2_pieces, w13_pieces
-from shardprep.plan.layout import (
-    Block,
-    Cut,
-    Piece,
-    ScaleOf,
-    block_shape,
-    piece_blocks,
-)
+from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.topology import ExpertSplit
 
 

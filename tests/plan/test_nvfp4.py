@@ -17,7 +17,7 @@ from shardprep.convert.verify import verify
 from shardprep.demo.fp4 import nvfp4_decode, nvfp4_encode
 from shardprep.demo.tiny import TINY_NVFP4_PACK, make_tiny_model
 from shardprep.errors import PlanError
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.fp4 import Nvfp4PackQuant
 from shardprep.plan.topology import ExpertSplit

@@ -33,7 +33,8 @@ from shardprep.demo.tiny import make_tiny_model
 from shardprep.errors import PlanError
 from shardprep.format.manifest import read_manifest
 from shardprep.plan import archs
-from shardprep.plan.layout import Block, Cut, Piece, piece_blocks
+from shardprep.plan.cuts import Block, Cut, Piece
+from shardprep.plan.layout import piece_blocks
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 

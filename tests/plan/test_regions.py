@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from shardprep.errors import PlanError
+from shardprep.plan.cuts import Cut, Piece, ScaleOf
 from shardprep.plan.experts import w2_pieces, w13_pieces
-from shardprep.plan.layout import Cut, Piece, ScaleOf
 from shardprep.plan.records import TensorPlan
 from shardprep.plan.regions import (
     expert_ranks_for,

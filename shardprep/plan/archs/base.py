@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
 from shardprep.format.records import Topology
-from shardprep.plan.layout import Piece
+from shardprep.plan.cuts import Piece
 from shardprep.plan.quant import Scheme
 
 Config = Mapping[str, Any]

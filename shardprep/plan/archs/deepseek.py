@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.experts import w2_pieces, w13_pieces
-from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.topology import Topology, pad_vocab
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, DraftFamily, Layout, Param, Shapes
 from shardprep.plan.archs.deepseek import LAYER, DeepseekFamily, fused_params
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 BLOCK = "mtp_block."

@@ -34,7 +34,7 @@ from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import DEQUANTIZED, Config, Layout, Shapes, config_int
 from shardprep.plan.archs.deepseek import F32, LAYER, DeepseekFamily, Dims
 from shardprep.plan.archs.deepseek_mtp import DeepseekMtpDraft
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.fp8 import FP8, SCALE_DTYPE, BlockQuant, scale_name
 from shardprep.plan.topology import Topology

@@ -42,8 +42,8 @@ from typing import Any, ClassVar
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes, config_int
 from shardprep.plan.archs.deepseek import F32, fused_params
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.experts import w2_pieces, w13_pieces
-from shardprep.plan.layout import Cut, Piece
 from shardprep.plan.topology import Topology, pad_vocab
 
 I32 = "I32"

@@ -43,7 +43,7 @@ from shardprep.plan.archs.deepseek_v4 import (
     block_tensors,
     expert_shapes,
 )
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 STAGE = re.compile(r"^mtp\.(\d+)\.(.+)$")

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, Layout, Param, Shapes
 from shardprep.plan.archs.llama import Dims, _draft_dims, _EagleBase
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"

@@ -28,7 +28,7 @@ from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, DraftFamily, Family, Layout, Param, Shapes
 from shardprep.plan.archs.llama import Dims, layer_params, linear_weights
 from shardprep.plan.archs.moe import ExpertNames, expert_params, moe_problems
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 EXPERTS = ExpertNames("gate_proj.weight", "up_proj.weight", "down_proj.weight")

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
 from shardprep.plan.archs.llama import Dims, layer_params
 from shardprep.plan.archs.moe import group_layers
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 EMBED = "model.embed_tokens.weight"

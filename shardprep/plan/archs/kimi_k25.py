@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, Layout, Param, Shapes
 from shardprep.plan.archs.deepseek import DeepseekFamily
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 TEXT = "language_model."

@@ -52,7 +52,7 @@ from shardprep.plan.archs.kimi_k3_text import (
     text_config,
 )
 from shardprep.plan.archs.kimi_k3_vision import VisionTower
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.quant import Scheme
 from shardprep.plan.topology import Topology
 

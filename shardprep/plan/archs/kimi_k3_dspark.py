@@ -42,7 +42,7 @@ from typing import Any
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, DraftFamily, Layout, Param, Shapes, config_int
 from shardprep.plan.archs.deepseek import F32, Tensor, fused_params, mlp_tensors
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 ARCHITECTURE = "K3DSparkModel"

@@ -10,8 +10,8 @@ from typing import Any
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, config_int
 from shardprep.plan.archs.deepseek import F32, Tensor, mlp_tensors
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.experts import w2_pieces, w13_pieces
-from shardprep.plan.layout import Cut, Piece
 
 TEXT = "language_model."
 MODEL = TEXT + "model."

@@ -27,7 +27,7 @@ from typing import Any
 
 from shardprep.plan.archs.base import Config, Param
 from shardprep.plan.archs.kimi_k25 import tower_params
-from shardprep.plan.layout import Cut
+from shardprep.plan.cuts import Cut
 
 VISION = "vision_tower."
 BLOCKS = VISION + "encoder.blocks."

@@ -21,7 +21,7 @@ from shardprep.plan.archs.base import (
     Shapes,
     config_int,
 )
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology, pad_vocab
 
 # (Hugging Face suffix inside a layer, vLLM suffix, how it is cut). Pieces of a fused

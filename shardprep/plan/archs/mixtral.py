@@ -19,7 +19,7 @@ from shardprep.plan.archs.moe import (
     moe_problems,
     top_level_shapes,
 )
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 EXPERTS = ExpertNames("w1.weight", "w3.weight", "w2.weight")

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shardprep.plan.archs.base import Param
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.experts import w2_pieces, w13_pieces
-from shardprep.plan.layout import Cut, Piece
 
 EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:[\w]+\.)?experts)\.\d+\.(.+)$")
 

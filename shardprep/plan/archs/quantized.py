@@ -18,7 +18,7 @@ from typing import Any
 
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.quant import Scheme, kv_cache, scheme_of
 from shardprep.plan.quant.layer import Quantized
 

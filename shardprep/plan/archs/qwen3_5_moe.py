@@ -47,7 +47,7 @@ from shardprep.plan.archs.qwen3_next import (
     Qwen3NextFamily,
     Qwen3NextMtpDraft,
 )
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 TEXT = "model.language_model."  # published; Qwen3-Next's `model.`

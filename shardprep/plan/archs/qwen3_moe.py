@@ -19,7 +19,7 @@ from shardprep.plan.archs.moe import (
     moe_problems,
     top_level_shapes,
 )
-from shardprep.plan.layout import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 EXPERTS = ExpertNames("gate_proj.weight", "up_proj.weight", "down_proj.weight")

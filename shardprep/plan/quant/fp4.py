@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.layout import Cut, Piece, ScaleOf
+from shardprep.plan.cuts import Cut, Piece, ScaleOf
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal
 from shardprep.plan.quant.int4 import PackQuant
 from shardprep.plan.quant.layer import Quantized, QuantParams

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.layout import Cut, Piece, ScaleOf
+from shardprep.plan.cuts import Cut, Piece, ScaleOf
 from shardprep.plan.quant.fp8_tensor import TensorQuant, tensor_quant
 from shardprep.plan.quant.ignore import not_converted
 from shardprep.plan.quant.layer import Quantized, QuantParams

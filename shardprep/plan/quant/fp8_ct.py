@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.layout import Cut, Piece, ScaleOf
+from shardprep.plan.cuts import Cut, Piece, ScaleOf
 from shardprep.plan.quant.fp8 import BlockQuant, moe_block_rules
 from shardprep.plan.quant.fp8_tensor import input_scale
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored

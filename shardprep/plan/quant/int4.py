@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.layout import MODEL_DTYPE, Cut, Piece, ScaleOf
+from shardprep.plan.cuts import MODEL_DTYPE, Cut, Piece, ScaleOf
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
 from shardprep.plan.quant.layer import Quantized, QuantParams
 

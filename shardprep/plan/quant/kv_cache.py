@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from shardprep.plan.layout import MODEL_DTYPE, Cut, Piece
+from shardprep.plan.cuts import MODEL_DTYPE, Cut, Piece
 
 # vLLM creates them (`torch.tensor(-1.0)`) while the model's dtype is torch's default.
 SCALE_DTYPE = MODEL_DTYPE

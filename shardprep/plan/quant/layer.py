@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardprep.plan.layout import Piece
+from shardprep.plan.cuts import Piece
 
 # What a scheme's `params` gives: each parameter vLLM builds of one quantized parameter, as
 # (name, pieces, dtype or None for the source's), and the stored tensors vLLM loads nowhere

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from typing import Any, ClassVar
 
-from shardprep.plan.layout import Cut, Piece, ScaleOf
+from shardprep.plan.cuts import Cut, Piece, ScaleOf
 from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]

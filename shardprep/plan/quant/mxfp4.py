@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.plan.layout import MX_BLOCK, Cut, Piece, ScaleOf
+from shardprep.plan.cuts import MX_BLOCK, Cut, Piece, ScaleOf
 from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
