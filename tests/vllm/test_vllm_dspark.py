@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
-import uuid
 from pathlib import Path
 
 import pytest
@@ -36,7 +33,6 @@ CASES = {
     "sink-bias": ((), {"dflash_config": {"attention_sink_bias": True}}),
 }
 RESULT = "DSPARK-RESULT "
-TIMEOUT_S = 420.0
 
 
 # --- the worker -------------------------------------------------------------------------
@@ -154,39 +150,17 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_dspark_rank_files_equal_vllm_module_state_at_tp1_and_tp2(prepared: Path) -> None:
     import vllm_env
+    from gloo_workers import Worker, run_workers
     from ports import free_port
 
     if vllm_env.vllm_python() is None:
         pytest.skip("needs the vLLM environment")
-    logs = Path(tempfile.mkdtemp(prefix="dspark-logs-"))
-    procs = []
-    # vLLM's CPU communicators name their shared memory after VLLM_DIST_IDENT, which the
-    # engine would set; one per group, removed afterwards.
-    idents = {tp: f"vllm_dist_{uuid.uuid4().hex}" for tp in (1, 2)}
-    with vllm_env.one_vllm_at_a_time():
-        for tp, ranks, port in ((1, [0], free_port()), (2, [0, 1], free_port())):
-            for rank in ranks:
-                cmd = [vllm_env.require_python(), __file__, "--root", str(prepared)]
-                cmd += ["--tp", str(tp), "--rank", str(rank), "--port", str(port)]
-                tmp = logs / f"tmp-tp{tp}-rank{rank}"
-                tmp.mkdir()
-                extra = {"OMP_NUM_THREADS": "1", "VLLM_DIST_IDENT": idents[tp]}
-                env = vllm_env.vllm_environ(1, tmp, extra)
-                with open(logs / f"tp{tp}-rank{rank}.log", "w") as out:
-                    procs.append(
-                        subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-                    )
-        try:
-            codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-            vllm_env.remove_dist_files(logs / "dist", " ".join(idents.values()))
-    outputs = [path.read_text() for path in sorted(logs.glob("*.log"))]
-    lines = [line for out in outputs for line in out.splitlines()]
-    results = [json.loads(line.removeprefix(RESULT)) for line in lines if line.startswith(RESULT)]
-    assert codes == [0, 0, 0], "\n".join(out[-3000:] for out in outputs)
+    workers = []
+    for tp, ranks in ((1, [0]), (2, [0, 1])):
+        port = str(free_port())
+        args = ("--root", str(prepared), "--tp", str(tp), "--port", port)
+        workers += [Worker(f"tp{tp}-rank{r}", (*args, "--rank", str(r)), f"tp{tp}") for r in ranks]
+    results = run_workers(__file__, workers, RESULT, {})
     assert sorted((r["tp"], r["rank"]) for r in results) == [(1, 0), (2, 0), (2, 1)]
     for result in results:
         own, shared = result["own-heads"], result["shared-heads-no-confidence"]

@@ -28,17 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
-import uuid
 from pathlib import Path
 
 import pytest
 
 KIMI = "KimiK3ForConditionalGeneration"
 RESULT = "K3-DSPARK-RESULT "
-TIMEOUT_S = 420.0
 EMBED = "language_model.model.embed_tokens.weight"
 
 
@@ -169,36 +165,17 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_k3_dspark_rank_files_equal_vllm_module_state(prepared: Path) -> None:
     import vllm_env
+    from gloo_workers import Worker, run_workers
     from ports import free_port
 
     if vllm_env.vllm_python() is None:
         pytest.skip("needs the vLLM environment")
-    logs = Path(tempfile.mkdtemp(prefix="k3-dspark-logs-"))
-    procs = []
-    # vLLM's CPU communicators name their shared memory after VLLM_DIST_IDENT.
-    ident = f"vllm_dist_{uuid.uuid4().hex}"
-    port = free_port()
-    with vllm_env.one_vllm_at_a_time():
-        for rank in (0, 1):
-            cmd = [vllm_env.require_python(), __file__, "--root", str(prepared)]
-            cmd += ["--rank", str(rank), "--port", str(port)]
-            tmp = logs / f"tmp-rank{rank}"
-            tmp.mkdir()
-            extra = {"OMP_NUM_THREADS": "1", "VLLM_DIST_IDENT": ident, "VLLM_KIMI_K3_GEMM_AR": "0"}
-            env = vllm_env.vllm_environ(1, tmp, extra)
-            with open(logs / f"rank{rank}.log", "w") as out:
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
-        try:
-            codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-            vllm_env.remove_dist_files(logs / "dist", ident)
-    outputs = [path.read_text() for path in sorted(logs.glob("*.log"))]
-    lines = [line for out in outputs for line in out.splitlines()]
-    results = [json.loads(line.removeprefix(RESULT)) for line in lines if line.startswith(RESULT)]
-    assert codes == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    port = str(free_port())
+    workers = [
+        Worker(f"rank{rank}", ("--root", str(prepared), "--rank", str(rank), "--port", port), "")
+        for rank in (0, 1)
+    ]
+    results = run_workers(__file__, workers, RESULT, {"VLLM_KIMI_K3_GEMM_AR": "0"})
     by_rank = {r["rank"]: r for r in results}
     assert sorted(by_rank) == [0, 1]
     # The embedding on both stages: the first as always, the last for the draft.
