@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from shardprep.plan.cuts import Cut, Piece, ScaleOf
 from shardprep.plan.quant.fp8_tensor import TensorQuant, tensor_quant
 from shardprep.plan.quant.ignore import not_converted
-from shardprep.plan.quant.layer import Quantized, QuantParams
+from shardprep.plan.quant.layer import Quantized, QuantParams, StoredAsIs
 from shardprep.plan.topology import kv_heads_of_rank
 
 Config = Mapping[str, Any]
@@ -21,7 +21,7 @@ SCALE_DTYPE = "F32"
 
 
 @dataclass(frozen=True)
-class BlockQuant:
+class BlockQuant(StoredAsIs):
     name: ClassVar[str] = "fp8_block"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "fp8"  # vLLM's quantization method
 
@@ -46,13 +46,6 @@ class BlockQuant:
     @property
     def describe(self) -> str:
         return f"fp8 blocks {list(self.block)}"
-
-    def logical(self, source: str) -> str:
-        """The weight a stored tensor holds: an fp8 weight is stored under its own name."""
-        return source
-
-    def places(self, kind: str) -> bool:
-        return True
 
     def params(
         self,

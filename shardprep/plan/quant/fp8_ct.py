@@ -26,7 +26,7 @@ from shardprep.plan.cuts import Cut, Piece, ScaleOf
 from shardprep.plan.quant.fp8 import BlockQuant, moe_block_rules
 from shardprep.plan.quant.fp8_tensor import input_scale
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
-from shardprep.plan.quant.layer import Quantized, QuantParams
+from shardprep.plan.quant.layer import Quantized, QuantParams, StoredAsIs
 
 Config = Mapping[str, Any]
 FP8 = "F8_E4M3"
@@ -40,7 +40,7 @@ SUPPORTED = (
 
 
 @dataclass(frozen=True)
-class FloatQuant:
+class FloatQuant(StoredAsIs):
     name: ClassVar[str] = "fp8_ct"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "compressed-tensors"  # vLLM's quantization method
 
@@ -71,16 +71,9 @@ class FloatQuant:
             tensors[input_scale(weight)] = ((1,), "")
         return tensors
 
-    def logical(self, source: str) -> str:
-        """The weight a stored tensor holds: an fp8 weight is stored under its own name."""
-        return source
-
     def skips(self, layer: str, *parts: str) -> bool:
         """Whether vLLM leaves a layer unquantized (`should_ignore_layer`)."""
         return ignored(self.ignored, layer, *parts)
-
-    def places(self, kind: str) -> bool:
-        return True
 
     def params(
         self,

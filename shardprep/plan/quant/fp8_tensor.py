@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.quant.ignore import not_converted
-from shardprep.plan.quant.layer import Quantized, QuantParams
+from shardprep.plan.quant.layer import Quantized, QuantParams, StoredAsIs
 
 Config = Mapping[str, Any]
 FP8 = "F8_E4M3"
@@ -28,7 +28,7 @@ ACTIVATION_SCHEMES = ("static", "dynamic")
 
 
 @dataclass(frozen=True)
-class TensorQuant:
+class TensorQuant(StoredAsIs):
     name: ClassVar[str] = "fp8_tensor"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "fp8"  # vLLM's quantization method
 
@@ -53,13 +53,6 @@ class TensorQuant:
         """Whether vLLM leaves a layer unquantized; `layers`: its names (vLLM's fused
         name, then the checkpoint's names of its parts)."""
         return not_converted(self.ignored, *layers)
-
-    def logical(self, source: str) -> str:
-        """The weight a stored tensor holds: an fp8 weight is stored under its own name."""
-        return source
-
-    def places(self, kind: str) -> bool:
-        return True
 
     def params(
         self,

@@ -26,7 +26,7 @@ from fnmatch import fnmatch
 from typing import Any, ClassVar
 
 from shardprep.plan.cuts import Cut, Piece, ScaleOf
-from shardprep.plan.quant.layer import Quantized, QuantParams
+from shardprep.plan.quant.layer import Quantized, QuantParams, StoredAsIs
 
 Config = Mapping[str, Any]
 BYTE = "U8"
@@ -42,7 +42,7 @@ SUPPORTED = (
 
 
 @dataclass(frozen=True)
-class ModeloptNvfp4:
+class ModeloptNvfp4(StoredAsIs):
     name: ClassVar[str] = "modelopt_fp4"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "modelopt_fp4"  # vLLM's quantization method
     kind: ClassVar[str] = "NVFP4"
@@ -64,16 +64,9 @@ class ModeloptNvfp4:
             stem + "weight_scale": ((rows, cols // self.group), E4M3),
         } | {stem + scalar: ((), F32) for scalar in SCALARS}
 
-    def logical(self, source: str) -> str:
-        """The weight a stored tensor holds: the packed weight keeps the weight's name."""
-        return source
-
     def skips(self, layer: str, *parts: str) -> bool:
         """Whether vLLM leaves a layer unquantized (`is_layer_excluded`)."""
         return excluded(self.excluded, layer, *parts)
-
-    def places(self, kind: str) -> bool:
-        return True
 
     def params(
         self,
