@@ -98,12 +98,13 @@ def open_checkpoint(
     root = resolve_model(str(model))
     _require_utf8(str(root.resolve()), "folder", root)
     config = dict(archs.read_config(load_config(root)))
-    files = _weight_files(root)
+    weight_map = read_index(root / INDEX_NAME) if (root / INDEX_NAME).is_file() else None
+    files = _weight_files(root, weight_map)
     copied = {p.name for pattern in COPIED_FILE_PATTERNS for p in root.glob(pattern)}
     for name in sorted({*files, *copied}):
         _require_utf8(name, "file", root / name)
     tensors = collect_tensors(root, [(file, read_header(root / file)) for file in files])
-    check_index(root, tensors)
+    check_index(root / INDEX_NAME, weight_map, tensors)
     return Checkpoint(root, config, tensors, tuple(files), repo_id, revision)
 
 
@@ -162,10 +163,9 @@ def load_config(root: Path) -> dict[str, Any]:
     return config
 
 
-def _weight_files(root: Path) -> list[str]:
+def _weight_files(root: Path, weight_map: dict[str, str] | None) -> list[str]:
     index = root / INDEX_NAME
-    if index.is_file():
-        weight_map = read_index(index)
+    if weight_map is not None:
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (root / f).exists()]
         for file in files:
@@ -215,6 +215,8 @@ def parse_index(raw: bytes, where: str = INDEX_NAME) -> dict[str, str]:
                 f"{where} maps {jsonio.shorten(name)!r} to {jsonio.shorten(repr(file))}, "
                 "not to a file name"
             )
+    # Hundreds of thousands of names share a few dozen files: each file is checked once.
+    for file in set(weight_map.values()):
         if not _is_weight_file_name(file):
             raise ConfigError(
                 f"{where} names {jsonio.shorten(file)!r}, which is not a *.safetensors file "
@@ -233,11 +235,13 @@ def _is_weight_file_name(file: str) -> bool:
     )
 
 
-def check_index(root: Path, tensors: dict[str, SourceTensor]) -> None:
-    index = root / INDEX_NAME
-    if not index.is_file():
+def check_index(
+    index: Path, weight_map: dict[str, str] | None, tensors: dict[str, SourceTensor]
+) -> None:
+    """Every tensor the index (`weight_map`, read from `index`; None without one) names is
+    in the file it names."""
+    if weight_map is None:
         return
-    weight_map = read_index(index)
     absent = [
         name
         for name, file in weight_map.items()

@@ -83,13 +83,17 @@ def open_hub_checkpoint(remote: hub_client.Remote, revision: str) -> Checkpoint:
             "shardprep read it; run again, or pin a commit with --revision"
         )
     config = dict(archs.read_config(load_config(root)))
-    files = _weight_files(remote, commit, listing, root)
+    weight_map = None
+    if INDEX_NAME in listing:
+        remote.download_to_cache(commit, INDEX_NAME)
+        weight_map = read_index(root / INDEX_NAME)
+    files = _weight_files(remote, commit, listing, weight_map)
     with ThreadPoolExecutor(HEADER_WORKERS, thread_name_prefix="header") as pool:
         headers = list(
             pool.map(lambda f: (f, remote.read_header(commit, f, listing[f].size)), files)
         )
     tensors = collect_tensors(where, headers)
-    check_index(root, tensors)
+    check_index(root / INDEX_NAME, weight_map, tensors)
     return Checkpoint(
         root,
         config,
@@ -104,12 +108,14 @@ def open_hub_checkpoint(remote: hub_client.Remote, revision: str) -> Checkpoint:
 
 
 def _weight_files(
-    remote: hub_client.Remote, commit: str, listing: dict[str, hub_client.RemoteFile], root: Path
+    remote: hub_client.Remote,
+    commit: str,
+    listing: dict[str, hub_client.RemoteFile],
+    weight_map: dict[str, str] | None,
 ) -> list[str]:
     where = f"{remote.repo_id}@{commit[:12]}"
-    if INDEX_NAME in listing:
-        remote.download_to_cache(commit, INDEX_NAME)
-        files = sorted(set(read_index(root / INDEX_NAME).values()))
+    if weight_map is not None:
+        files = sorted(set(weight_map.values()))
         missing = [f for f in files if f not in listing]
         if missing:
             raise ConfigError(
