@@ -6,6 +6,12 @@ output that its caller has let go is kept, one buffer at most and at most
 `KEEP_AT_MOST` bytes, and the next output that fits is decoded into those pages, which
 are already there.
 
+Only memory that may be kept is advised for huge pages. Faulting in a huge page makes the
+kernel compact memory when no free 2 MiB block is at hand, which on a fragmented machine
+cost several times what ordinary pages cost (a 1 GiB output: 1.9-3.5 CPU-seconds in 5 of
+13 tries, against 0.4-0.6 for ordinary pages): a kept buffer pays that once, a one-off
+output larger than `KEEP_AT_MOST` would pay it on every call.
+
 An output is a numpy array over an anonymous mapping, through a memoryview that numpy
 holds as the array's base. Every view, slice or reshape of the array (and a tensor made
 from it) keeps the array and so that memoryview alive: only when nothing can read the
@@ -34,7 +40,7 @@ def output_array(size: int) -> np.ndarray:
         mapping = _spare.pop() if _spare and len(_spare[0]) >= size else None
     if mapping is None:
         mapping = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
+        if hasattr(mmap, "MADV_HUGEPAGE") and size <= KEEP_AT_MOST:
             mapping.madvise(mmap.MADV_HUGEPAGE)  # as numpy's own large arrays: fewer faults
     out = np.frombuffer(memoryview(mapping)[:size], np.uint8)
     # On what numpy holds (its own memoryview), which every view of `out` keeps alive.

@@ -100,3 +100,30 @@ def test_memory_above_the_limit_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> 
     del kept
     gc.collect()
     assert len(outputs._spare) == 1
+
+
+def _vm_flags(array: np.ndarray) -> set[str]:
+    """The kernel's VmFlags of the mapping that holds `array`'s first byte."""
+    start = address(array)
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= start < high
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError("no mapping holds the array")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's smaps")
+def test_only_memory_that_may_be_kept_is_advised_for_huge_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A one-off output above the limit gets ordinary pages: faulting in huge pages may
+    compact memory, which costs more than it saves for memory used once."""
+    monkeypatch.setattr(outputs, "KEEP_AT_MOST", 4 * 1024**2)
+    small, big = outputs.output_array(4 * 1024**2), outputs.output_array(8 * 1024**2)
+    assert "hg" in _vm_flags(small)
+    assert "hg" not in _vm_flags(big)
