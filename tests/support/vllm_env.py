@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import zygote_client
+
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
 RUNNER = SUPPORT / "vllm_runner.py"
@@ -53,6 +55,7 @@ DUMP_NAME = re.compile(r"(target|draft)-pp(\d+)-tp(\d+)\.safetensors")
 STDERR_TAIL = 6000
 
 DumpFiles = dict[tuple[str, int, int], Path]
+Run = subprocess.Popen[str] | zygote_client.ZygoteRun  # a run in a fresh interpreter, or forked
 
 
 class VllmRunError(RuntimeError):
@@ -164,7 +167,7 @@ def shared_memory_files() -> set[Path]:
     return {*root.glob("psm_*"), *root.glob("sem.mp-*")} if root.is_dir() else set()
 
 
-def kill_group(proc: subprocess.Popen[str]) -> None:
+def kill_group(proc: Run) -> None:
     """Kill the process group that this helper started (the runner is its leader)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -188,15 +191,11 @@ def run_python(
     with one_vllm_at_a_time():
         shared_before = shared_memory_files()
         started = time.monotonic()
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=vllm_environ(world_size, tmpdir, env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        run_env = vllm_environ(world_size, tmpdir, env)
+        proc = zygote_client.start(cmd[0], args, run_env, REPO) or subprocess.Popen(
+            cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True,
+        )  # fmt: skip
         stdout, stderr, timed_out, stopped = "", "", False, False
         try:
             stdout, stderr, stopped = communicate(proc, started + timeout, done)
@@ -225,7 +224,7 @@ def run_python(
 
 
 def communicate(
-    proc: subprocess.Popen[str], deadline: float, done: Callable[[], bool] | None
+    proc: Run, deadline: float, done: Callable[[], bool] | None
 ) -> tuple[str, str, bool]:
     """(stdout, stderr, stopped early) once the run ends, or ``done`` holds and it is stopped."""
     while True:
