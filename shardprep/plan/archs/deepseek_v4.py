@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (`DeepseekV4ForCausalLM`) in bfloat16, from a checkpoint in the published
+"""DeepSeek-V4 (`DeepseekV4ForCausalLM`), from a bfloat16 checkpoint in the published
 native naming (`embed.weight`, `layers.N.attn.*`, `layers.N.ffn.*`, `hc_*`, `head.weight`).
 
 vLLM (`models/deepseek_v4/`, the CPU build's `cpu/model.py`) renames the checkpoint with
@@ -28,8 +28,9 @@ The checkpoint's `mtp.*` tensors hold the built-in DSpark draft (`deepseek_v4_ds
 which the target's `load_weights` drops. On NVIDIA GPUs vLLM builds `attn_sink` longer than
 the rank's heads (`PADDED_AT_LOAD`); the loader fills the rank's heads first and leaves the
 rest as vLLM initialized it, as vLLM's own loader does. The published fp8 + fp4 checkpoint
-(`quantization_config` with `expert_dtype: fp4`) is refused by the quantization check: no
-scheme of this family.
+(`quantization_config` fp8 blocks with e8m0 `.scale` tensors, `expert_dtype: fp4`) is laid
+out as vLLM's `DeepseekV4FP8Config` loads it: deepseek_v4_quant.py says which layers are
+quantized, plan/quant/fp8_mxfp4.py how.
 """
 
 from __future__ import annotations
