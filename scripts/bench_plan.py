@@ -1,7 +1,7 @@
 """Time and peak memory of `shardprep plan` on DeepSeek-V3-shaped checkpoints.
 
     python scripts/bench_plan.py [--tp 8 --pp 2] [--dir DIR]
-        [--model deepseek-v3|deepseek-v3.2|deepseek-v4|kimi-k2-thinking|kimi-k2.6|kimi-k3
+        [--model deepseek-v3|deepseek-v3.2|deepseek-v4[-bf16]|kimi-k2-thinking|kimi-k2.6|kimi-k3
                  |kimi-k3-mxfp4|kimi-k3-dspark|gpt-oss-120b|glm-4.5|qwen3-next
                  |qwen3-30b-a3b-fp4 ...]
 
@@ -13,9 +13,11 @@ every header, lays out every rank file and validates it all; nothing is written.
 - Kimi-K2-Thinking: 61 layers, 384 experts of int4 in groups of 32 (compressed-tensors
   `pack-quantized`: `weight_packed`, `weight_scale`, `weight_shape` per projection),
   everything else bf16, 62 files;
-- DeepSeek-V4: DeepSeek-V4-Flash's published config.json (tests/data/deepseek-v4-flash) in
-  bfloat16 (its fp8 + fp4 quantization left out), 43 layers, 256 experts, and its built-in
-  DSpark draft of 3 stages (`mtp.*`, planned into draft/), 48 files;
+- DeepSeek-V4: DeepSeek-V4-Flash's published config.json (tests/data/deepseek-v4-flash) as
+  published, 43 layers of fp8 blocks with e8m0 `.scale` tensors and 256 MXFP4 experts
+  (int8 pairs, e8m0 scales), planned with `--no-mtp` (its DSpark stages left out), 46
+  files; `deepseek-v4-bf16`: in bfloat16 with its built-in DSpark draft of 3 stages
+  (`mtp.*`, planned into draft/), 48 files;
 - gpt-oss-120b: 36 layers, 128 experts in MXFP4 (`*_blocks`, `*_scales`), the rest bf16,
   15 files; planned with the default `--mxfp4-pad` (64);
 - Kimi-K2.6 (as Kimi-K2.5 is published, tests/data/kimi-k2.5): Kimi-K2-Thinking's text
@@ -168,13 +170,20 @@ def published_tensors(folder: str, ranges: dict[str, range]) -> tuple[dict, dict
     return config, shapes, dtypes
 
 
-def deepseek_v4_tensors() -> tuple[dict, dict, dict]:
-    """DeepSeek-V4-Flash's published config.json in bfloat16 and the native tensors it
-    implies, its DSpark draft's included (the families' own tables)."""
+def deepseek_v4_tensors(bf16: bool = False) -> tuple[dict, dict, dict]:
+    """DeepSeek-V4-Flash's published config.json and the native tensors it implies (the
+    families' own tables): as published, the target's in fp8 blocks with e8m0 `.scale`
+    and MXFP4 experts (int8 pairs, e8m0 scales); `bf16`: in bfloat16, its DSpark draft's
+    included."""
     from shardprep.plan import archs
+    from shardprep.plan.archs import quantized
 
     data = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek-v4-flash"
     published = json.loads((data / "config.json").read_text())
+    if not bf16:
+        family = archs.target_family(published)[1]
+        shapes = quantized.expected_shapes(family, published)
+        return published, shapes, quantized.source_dtypes(family, published)
     config = {k: v for k, v in published.items() if k != "quantization_config"}
     shapes: dict = {}
     dtypes: dict = {}
@@ -235,8 +244,8 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
         config, shapes, dtypes = kimi_k3_tensors(mxfp4=model == "kimi-k3-mxfp4")
     elif model == "deepseek-v3.2":
         config, shapes, dtypes = deepseek_v32_tensors()
-    elif model == "deepseek-v4":
-        config, shapes, dtypes = deepseek_v4_tensors()
+    elif model in ("deepseek-v4", "deepseek-v4-bf16"):
+        config, shapes, dtypes = deepseek_v4_tensors(bf16=model == "deepseek-v4-bf16")
     elif model == "gpt-oss-120b":
         config = gpt_oss_120b_config()
         shapes, dtypes = deepseek_v3_tensors(config)
@@ -275,7 +284,8 @@ def write_sparse_deepseek_v3(folder: Path, files: int = 163, model: str = "deeps
 DESCRIPTIONS = {
     "deepseek-v3": "DeepSeek-V3 (fp8, 163 files",
     "deepseek-v3.2": "DeepSeek-V3.2 (fp8, 163 files",
-    "deepseek-v4": "DeepSeek-V4-Flash (bf16, 48 files",
+    "deepseek-v4": "DeepSeek-V4-Flash (fp8 + fp4 experts, as published, 46 files",
+    "deepseek-v4-bf16": "DeepSeek-V4-Flash (bf16, 48 files",
     "kimi-k2-thinking": "Kimi-K2-Thinking (int4 experts, 62 files",
     "kimi-k2.6": "Kimi-K2.6 (int4 experts, vision tower, 64 files",
     "gpt-oss-120b": "gpt-oss-120b (mxfp4 experts, 15 files",
@@ -287,7 +297,8 @@ DESCRIPTIONS = {
     "kimi-k3-mxfp4": "Kimi-K3 (mxfp4 experts, vision tower, 96 files",
 }
 FILES = {
-    "kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 48,
+    "kimi-k2-thinking": 62, "kimi-k2.6": 64, "gpt-oss-120b": 15, "deepseek-v4": 46,
+    "deepseek-v4-bf16": 48,
     "glm-4.5": 64, "qwen3-next": 41, "qwen3-30b-a3b-fp4": 16, "kimi-k3": 96,
     "kimi-k3-mxfp4": 96,
 }  # fmt: skip
@@ -298,6 +309,7 @@ def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-
     source = root / model
     shutil.rmtree(source, ignore_errors=True)
     folders, extra = [source], []
+    draft_of = model == "kimi-k3-dspark"
     if model == "kimi-k3-dspark":  # the target, and the draft as its own folder
         total = write_sparse_deepseek_v3(source, FILES["kimi-k3"], "kimi-k3")
         draft = root / f"{model}-draft"
@@ -307,6 +319,8 @@ def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-
         extra = ["--draft", str(draft), "--draft-method", "dspark"]
     else:
         total = write_sparse_deepseek_v3(source, FILES.get(model, 163), model)
+    if model == "deepseek-v4":  # its DSpark stages are not in the table: the target alone
+        extra = ["--no-mtp"]
     on_disk = sum(p.stat().st_blocks * 512 for f in folders for p in f.iterdir())
     result = subprocess.run(
         [sys.executable, "-c", PLAN_CHILD, str(source), str(tp), str(pp), *extra],
@@ -315,9 +329,10 @@ def bench_plan_deepseek_v3(root: Path, tp: int, pp: int, model: str = "deepseek-
     run = json.loads(result.stdout.strip().splitlines()[-1])
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
+    flags = "--draft DRAFT --draft-method dspark" if draft_of else " ".join(extra)
     print(f"{DESCRIPTIONS[model]}, {total / 1e9:.0f} GB apparent, "
           f"{on_disk / 1e6:.1f} MB on disk): shardprep plan --tp {tp} --pp {pp} "
-          f"{'--draft DRAFT --draft-method dspark' if extra else ''}".rstrip())  # fmt: skip
+          f"{flags}".rstrip())  # fmt: skip
     print(f"  exit status {run['code']}, {run['seconds']:.2f} s, "
           f"peak RSS {run['max_rss'] / 1e6:.0f} MB")  # fmt: skip
 

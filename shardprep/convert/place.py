@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardprep.convert.rankfiles import Mover, Write
-from shardprep.format.dtypes import DTYPE_SIZES, torch_dtype
+from shardprep.format.dtypes import DTYPE_SIZES, cast, torch_dtype
 from shardprep.format.headers import TensorInfo
 
 
@@ -128,4 +128,4 @@ def _cast(data: np.ndarray, source: str, dest: str) -> np.ndarray:
 
     data = data.reshape(-1) if data.flags.writeable else data.reshape(-1).copy()
     values = torch.from_numpy(data).view(torch_dtype(torch, source))
-    return values.to(torch_dtype(torch, dest)).view(torch.uint8).numpy()
+    return cast(torch, values, torch_dtype(torch, dest)).view(torch.uint8).numpy()

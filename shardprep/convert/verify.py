@@ -14,7 +14,7 @@ from shardprep.constants import DRAFT_DIR, FETCHED_MANIFEST, SHARDS_DIR, STATE_D
 from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
-from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
+from shardprep.format.dtypes import MODEL_DTYPES, cast, torch_dtype
 from shardprep.format.headers import read_header, sha256_file
 from shardprep.plan.cuts import Block
 from shardprep.progress import Progress as tqdm
@@ -267,7 +267,7 @@ def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool
                     continue
                 source = _source_tensor(handles, checkpoint, block.source)
                 expected = cut_block(source, block)
-                if not _same_bytes(part, expected.to(part.dtype)):
+                if not _same_bytes(part, cast(torch, expected, part.dtype)):
                     report.problems.append(
                         f"{path}: {tensor.name} differs from {block.source} rows {block.rows}"
                     )

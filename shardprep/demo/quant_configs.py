@@ -6,6 +6,10 @@ from __future__ import annotations
 TINY_MXFP4 = {"quant_method": "mxfp4"}
 TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [128, 128]}  # fmt: skip
+# DeepSeek-V4-Flash's quantization as published (with `expert_dtype: fp4` beside it in
+# config.json): fp8 blocks with e8m0 scales, MXFP4 routed experts.
+DEEPSEEK_V4_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                   "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}  # fmt: skip
 # Kimi-K2-Thinking's quantization: int4 routed experts in groups of 32, the rest ignored.
 TINY_INT4 = {
     "quant_method": "compressed-tensors", "format": "pack-quantized",

@@ -43,6 +43,17 @@ def quantized_tensors(
             changed[name] = 100.0 + 400.0 * torch.rand((1,), generator=generator)
         elif stem_of(name) + "weight_global_scale" in dtypes:
             pass  # written with its global scale
+        elif dtype == "I8" and stem_of(name) + "scale" in dtypes:  # DeepSeek-V4's MXFP4
+            rows, half = shape  # a random weight [N, K] encoded, [N, K/2] and [N, K/32]
+            weight = 0.05 * torch.randn(rows, 2 * half, generator=generator)
+            blocks, scales = mxfp4_encode(weight)
+            changed[name] = blocks.reshape(rows, half).view(torch.int8)
+            changed[stem_of(name) + "scale"] = scales.view(torch.float8_e8m0fnu)
+        elif dtype == "F8_E8M0" and dtypes.get(stem_of(name) + "weight") == "I8":
+            pass  # written with its weight
+        elif dtype == "F8_E8M0":  # fp8 block scales as e8m0 exponents (2^-8 .. 2^-1)
+            values = torch.randint(119, 127, tuple(shape), generator=generator)
+            changed[name] = values.to(torch.uint8).view(torch.float8_e8m0fnu)
         elif dtype == "F8_E4M3":
             values = torch.randn(shape, generator=generator).clamp(-4, 4)
             changed[name] = values.to(torch.float8_e4m3fn)

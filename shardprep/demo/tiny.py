@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from shardprep.demo.quant_configs import (  # noqa: F401 (the tests import them from here)
+    DEEPSEEK_V4_FP8,
     KIMI_K3_MXFP4,
     TINY_FP8,
     TINY_FP8_CT,

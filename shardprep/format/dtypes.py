@@ -13,6 +13,7 @@ DTYPES: dict[str, tuple[int, str]] = {
     "BF16": (2, "bfloat16"),
     "F8_E4M3": (1, "float8_e4m3fn"),
     "F8_E5M2": (1, "float8_e5m2"),
+    "F8_E8M0": (1, "float8_e8m0fnu"),
     "I64": (8, "int64"),
     "I32": (4, "int32"),
     "I16": (2, "int16"),
@@ -26,6 +27,19 @@ TORCH_DTYPE_NAMES = {name: torch_name for name, (_, torch_name) in DTYPES.items(
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 # The model dtypes vLLM's --dtype names, as `--dtype` and config.json spell them.
 MODEL_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+# Casts vLLM makes keeping the bytes: e8m0 exponents viewed as uint8, int8 pairs of e2m1
+# values copied into uint8 (the same bytes).
+BIT_CASTS = frozenset({("F8_E8M0", "U8"), ("I8", "U8")})
+
+
+def cast(torch: Any, values: Any, dest: Any) -> Any:
+    """A tensor in torch dtype `dest`, as vLLM's loaders put it into a parameter: the same
+    bytes for `BIT_CASTS`, the value converted otherwise."""
+    if (safetensors_name(values.dtype), safetensors_name(dest)) in BIT_CASTS:
+        return values.view(dest)
+    return values.to(dest)
 
 
 def torch_dtype(torch: Any, name: str) -> Any:

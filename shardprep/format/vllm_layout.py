@@ -60,6 +60,7 @@ RANGES: tuple[VllmRange, ...] = (
             "kimi_k3_dspark": 1,
             "fp8_block": 1, "fp8_tensor": 1, "fp8_ct": 1, "int4_pack": 1,
             "mxfp4": 1, "mxfp4_pack": 1, "nvfp4_pack": 1, "modelopt_fp4": 1,
+            "fp8_e8m0_mxfp4": 1,
         },
     ),
 )  # fmt: skip

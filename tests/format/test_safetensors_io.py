@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import safetensors.torch
+import safetensors
 from hostile import pack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -133,9 +133,10 @@ def check_accepted(blob: bytes, header: Header) -> None:
         assert info.offset == position
         position += info.nbytes
     assert position == header.file_size == len(blob)
-    loaded = safetensors.torch.load(blob)
-    assert {n: tuple(t.shape) for n, t in loaded.items()} == {
-        n: info.shape for n, info in header.tensors.items()
+    # the library's own reader (its torch front end knows no F8_E8M0 in every version)
+    loaded = dict(safetensors.deserialize(blob))
+    assert {n: (t["dtype"], tuple(t["shape"])) for n, t in loaded.items()} == {
+        n: (info.dtype, info.shape) for n, info in header.tensors.items()
     }
 
 

@@ -1,9 +1,10 @@
-"""DeepSeek-V4 (`DeepseekV4ForCausalLM`) in bfloat16, planned without vLLM: the rules of
+"""DeepSeek-V4 (`DeepseekV4ForCausalLM`) planned without vLLM: in bfloat16, the rules of
 vLLM's `load_weights` for the native naming (fused `wq_a`/`wkv` and compressor
 `wkv`/`wgate`, `attn_sink` split by heads, `wo_a` by output groups, float32
 hyper-connections on every stage, the hash-routed layers' int32 `tid2eid`), the published
 config.json of deepseek-ai/DeepSeek-V4-Flash (tests/data/deepseek-v4-flash) at the
-topologies it is served with, refusals, and what a tiny checkpoint's conversion writes."""
+topologies it is served with, refusals, and what a tiny checkpoint's conversion writes; as
+published (fp8 blocks with e8m0 `.scale`, MXFP4 experts), its plan and refusals."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from safetensors.torch import load_file
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
-from shardprep.demo.tiny import make_tiny_model, tiny_config
+from shardprep.demo.tiny import DEEPSEEK_V4_FP8, make_tiny_model, tiny_config
 from shardprep.errors import PlanError
 from shardprep.format.manifest import read_manifest
 from shardprep.plan import archs
+from shardprep.plan.archs import quantized
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import Plan, SourceModel, TensorPlan
 
@@ -93,17 +95,95 @@ def test_the_published_config_implies_the_native_names(published_config: dict) -
     assert len(shapes) == 34223
 
 
-def test_the_published_fp8_and_fp4_checkpoint_is_refused_in_one_line(
-    published_config: dict,
+def quantized_table(config: dict[str, Any]) -> dict[str, tuple[str, tuple]]:
+    """The target's tensors as the quantization stores them (fp8 and e8m0 `.scale`, int8
+    fp4 pairs), the families' own table."""
+    family = archs.target_family(config)[1]
+    shapes = quantized.expected_shapes(family, config)
+    dtypes = quantized.source_dtypes(family, config)
+    return {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()}
+
+
+@pytest.fixture(scope="module")
+def published_fp8(published_config: dict[str, Any]) -> SourceModel:
+    """The published fp8 + fp4 checkpoint's target."""
+    return SourceModel(published_config, quantized_table(published_config))
+
+
+@pytest.fixture(scope="module")
+def published_fp8_plan(published_fp8: SourceModel) -> Plan:
+    """The published fp8 + fp4 checkpoint's target planned at tp8 x pp2 (its DSpark
+    stages left out, as --no-mtp does)."""
+    return make_plan(published_fp8, tp=8, pp=2)
+
+
+def test_the_published_fp8_and_fp4_checkpoint_plans_at_tp8_pp2(
+    published_fp8: SourceModel, published_fp8_plan: Plan
 ) -> None:
+    table = published_fp8.tensors
+    a, f = "layers.2.attn.", "layers.2.ffn."
+    assert table[a + "wo_a.weight"] == ("F8_E4M3", (8192, 4096))
+    assert table[a + "wo_a.scale"] == ("F8_E8M0", (64, 32))  # one per 128 x 128 block
+    assert table[a + "indexer.wq_b.scale"] == ("F8_E8M0", (64, 8))
+    assert table[f + "experts.7.w2.weight"] == ("I8", (4096, 1024))  # two e2m1 a byte
+    assert table[f + "experts.7.w2.scale"] == ("F8_E8M0", (4096, 64))  # one per 32
+    for plain in ("compressor.wkv.weight", "indexer.weights_proj.weight"):
+        assert table[a + plain][0] == "BF16"
+    assert table[f + "gate.weight"][0] == table["head.weight"][0] == "BF16"
+    model = published_fp8_plan.models[0]
+    assert (model.quantization, model.scheme) == ("deepseek_v4_fp8", "fp8_e8m0_mxfp4")
+    first = rank(published_fp8_plan, 0, 7)
+    m = "model." + a
+    assert first[m + "fused_wqa_wkv.weight"].dtype == "F8_E4M3"
+    scale = first[m + "fused_wqa_wkv.weight_scale_inv"]  # 8 + 4 blocks of rows
+    assert (scale.dtype, scale.shape) == ("F8_E8M0", (12, 32))
+    assert [b.source for b in scale.blocks] == [a + "wq_a.scale", a + "wkv.scale"]
+    assert first[m + "wo_a.weight_scale_inv"].shape == (64 // 8, 32)
+    assert first[m + "wo_b.weight_scale_inv"].shape == (32, 64 // 8)
+    assert first[m + "compressor.fused_wkv_wgate.weight"].dtype == "BF16"
+    stacks = "model." + f + "experts.routed_experts."
+    w13, w13_scale = first[stacks + "w13_weight"], first[stacks + "w13_weight_scale"]
+    assert (w13.dtype, w13.shape) == ("U8", (256, 2 * 2048 // 8, 4096 // 2))
+    assert (w13_scale.dtype, w13_scale.shape) == ("U8", (256, 2 * 2048 // 8, 4096 // 32))
+    assert first[stacks + "w2_weight"].shape == (256, 4096, 2048 // 8 // 2)
+    down = first["model." + f + "shared_experts.down_proj.weight_scale_inv"]
+    assert (down.dtype, down.shape) == ("F8_E8M0", (32, 2))
+    last = rank(published_fp8_plan, 1, 0)
+    assert last["lm_head.weight"].dtype == "BF16"
+    assert max(int(n.split(".")[2]) for n in last if n.startswith("model.layers.")) == 42
+
+
+def test_the_published_draft_of_a_quantized_checkpoint_is_refused(
+    published_fp8: SourceModel,
+) -> None:
+    model = published_fp8
+    with pytest.raises(PlanError, match=r"mtp\.\*\) of a quantized DeepSeek-V4 .* --no-mtp"):
+        make_plan(model, tp=8, pp=2, draft=model, draft_method="dspark")
+
+
+def test_fp8_experts_are_refused_in_one_line(published_fp8: SourceModel) -> None:
+    config = dict(published_fp8.config, expert_dtype="fp8")  # DeepSeek-V4-Flash-Base
     with pytest.raises(PlanError) as info:
-        make_plan(SourceModel(published_config, tensors_of(published_config)), tp=8, pp=2)
+        make_plan(SourceModel(config, published_fp8.tensors), tp=8, pp=2)
     assert str(info.value) == (
-        "cannot convert: target: fp8 checkpoints (fp8_block) of the deepseek_v4 family are not "
-        "supported yet: DeepSeek-V4 is published with fp8 weights and fp4 experts under its "
-        "own names (`.scale`), which shardprep does not lay out yet; convert an unquantized "
-        "checkpoint"
+        "cannot convert: target: DeepSeek-V4 with expert_dtype 'fp8' (fp8 block experts) is "
+        "not supported yet; shardprep converts the published fp8 + fp4 checkpoint "
+        "(expert_dtype fp4)"
     )
+
+
+def test_sizes_vllm_refuses_or_a_backend_pads_are_refused_with_the_tps_that_work() -> None:
+    config = tiny_config(V4, quantization_config=DEEPSEEK_V4_FP8, expert_dtype="fp4")
+    with pytest.raises(PlanError) as info:  # q_lora_rank 64: not whole blocks of 128
+        make_plan(SourceModel(config, quantized_table(config)), tp=1, pp=1)
+    assert "layers.*.attn.fused_wqa_wkv: Weight output_partition_size = 64" in str(info.value)
+    sizes = {"q_lora_rank": 128, "o_lora_rank": 512, "o_groups": 4, "num_attention_heads": 8}
+    config = tiny_config(V4, quantization_config=DEEPSEEK_V4_FP8, expert_dtype="fp4", **sizes)
+    config |= {"moe_intermediate_size": 128, "n_shared_experts": 4}
+    with pytest.raises(PlanError) as info:  # 64 expert rows a rank, which a backend pads
+        make_plan(SourceModel(config, quantized_table(config)), tp=2, pp=1)
+    assert "layers.*.ffn.experts: vLLM's MXFP4 MoE backends pad" in str(info.value)
+    assert str(info.value).endswith("Choose a tp that works: 1")
 
 
 def test_deepseek_v4_plans_at_tp8_pp2(published_plan: Plan) -> None:

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (`DeepseekV4ForCausalLM`) in bfloat16, from a checkpoint in the published
+"""DeepSeek-V4 (`DeepseekV4ForCausalLM`), from a bfloat16 checkpoint in the published
 native naming (`embed.weight`, `layers.N.attn.*`, `layers.N.ffn.*`, `hc_*`, `head.weight`).
 
 vLLM (`models/deepseek_v4/`, the CPU build's `cpu/model.py`) renames the checkpoint with
@@ -28,8 +28,9 @@ The checkpoint's `mtp.*` tensors hold the built-in DSpark draft (`deepseek_v4_ds
 which the target's `load_weights` drops. On NVIDIA GPUs vLLM builds `attn_sink` longer than
 the rank's heads (`PADDED_AT_LOAD`); the loader fills the rank's heads first and leaves the
 rest as vLLM initialized it, as vLLM's own loader does. The published fp8 + fp4 checkpoint
-(`quantization_config` with `expert_dtype: fp4`) is refused by the quantization check: no
-scheme of this family.
+(`quantization_config` fp8 blocks with e8m0 `.scale` tensors, `expert_dtype: fp4`) is laid
+out as vLLM's `DeepseekV4FP8Config` loads it: deepseek_v4_quant.py says which layers are
+quantized, plan/quant/fp8_mxfp4.py how.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ from typing import Any, ClassVar
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes, config_int
 from shardprep.plan.archs.deepseek import F32, fused_params
+from shardprep.plan.archs.deepseek_v4_quant import quant_problem, quant_scheme, quantized_weights
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.experts import w2_pieces, w13_pieces
+from shardprep.plan.quant import Scheme
 from shardprep.plan.topology import Topology, pad_vocab
 
 I32 = "I32"
@@ -219,9 +222,10 @@ def expert_shapes(d: V4Dims) -> dict[str, tuple[int, int]]:
 
 class DeepseekV4Family(Family):
     name = "deepseek_v4"
+    # As published: fp8 blocks with e8m0 scales and MXFP4 experts (deepseek_v4_quant.py)
+    quant_schemes = frozenset({"fp8_block"})
     quant_refusals: ClassVar[Mapping[str, str]] = {
-        "*": "DeepSeek-V4 is published with fp8 weights and fp4 experts under its own names "
-        "(`.scale`), which shardprep does not lay out yet"
+        "*": "DeepSeek-V4 is converted unquantized or as published (fp8 blocks, fp4 experts)"
     }
 
     def dims(self, config: Config) -> V4Dims:
@@ -265,7 +269,8 @@ class DeepseekV4Family(Family):
             d = self.dims(config)
         except (KeyError, ValueError, TypeError):
             return []  # expected_shapes reports what config.json lacks
-        problems = []
+        problems = [quant_problem(config)] if config.get("quantization_config") else []
+        problems = [p for p in problems if p]
         if config.get("tie_word_embeddings"):
             problems.append("tie_word_embeddings is not supported for DeepSeek-V4")
         if context.get("expert_parallel") or context.get("dp", 1) > 1:
@@ -286,6 +291,14 @@ class DeepseekV4Family(Family):
             for what, size in sizes
             if size % tp
         ]
+
+    def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
+        d = self.dims(config)
+        own = [{t.source for t in layer_tensors(d, layer)} for layer in range(d.layers)]
+        return quantized_weights(own, d.experts)
+
+    def quant_scheme(self, scheme: Scheme) -> Scheme:
+        return quant_scheme(scheme)
 
     def internal_draft(self, config: Config) -> str | None:
         """The `mtp.*` stages are a DSpark draft when config.json names the target layers

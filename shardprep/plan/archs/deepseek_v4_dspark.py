@@ -30,7 +30,8 @@ GPU vLLM by `scripts/gpu_check_deepseek_v4.py`.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, DraftFamily, Layout, Param, Shapes, config_int
@@ -113,6 +114,10 @@ def head_stages(config: Config, names: list[str] | None) -> dict[str, int]:
 class DeepseekV4DSparkDraft(DraftFamily):
     name = "deepseek_v4_dspark"
     standalone = False  # it comes inside its target, never with --draft
+    quant_refusals: ClassVar[Mapping[str, str]] = {
+        "*": "the DSpark stages (mtp.*) of a quantized DeepSeek-V4 are not laid out yet "
+        "(convert the target alone with --no-mtp)"
+    }
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config, **context).items()}
