@@ -117,13 +117,36 @@ def _vm_flags(array: np.ndarray) -> set[str]:
     raise AssertionError("no mapping holds the array")
 
 
+BUDDYINFO = """\
+Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3
+Node 0, zone    DMA32     64     47     39     40     41     38     43     41     26     23    725
+Node 0, zone   Normal  23829  43774  28936  23003   8013   1432   2123   2364   1124    298   1241
+"""
+
+
+def test_free_huge_page_blocks_are_read_from_buddyinfo() -> None:
+    """Orders 9 (2 MiB) and 10 (4 MiB) of 4 KiB pages; the smaller blocks do not count."""
+    mib = 1024**2
+    want = (1 + 23 + 298) * 2 * mib + (3 + 725 + 1241) * 4 * mib
+    assert outputs.huge_blocks_in_buddyinfo(BUDDYINFO, 4096) == want
+    assert outputs.huge_blocks_in_buddyinfo(BUDDYINFO, 64 * 1024) > want  # 64 KiB pages
+    assert outputs.huge_blocks_in_buddyinfo("", 4096) == 0
+
+
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's smaps")
-def test_only_memory_that_may_be_kept_is_advised_for_huge_pages(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("free_mib", [0, 15, 16])
+def test_a_one_off_output_gets_huge_pages_only_while_free_blocks_hold_twice_its_size(
+    monkeypatch: pytest.MonkeyPatch, free_mib: int
 ) -> None:
-    """A one-off output above the limit gets ordinary pages: faulting in huge pages may
-    compact memory, which costs more than it saves for memory used once."""
+    """Faulting in huge pages with no free block compacts memory, which costs more than
+    it saves for memory used once; memory that may be kept is always advised."""
     monkeypatch.setattr(outputs, "KEEP_AT_MOST", 4 * 1024**2)
+    monkeypatch.setattr(outputs, "free_huge_page_bytes", lambda: free_mib * 1024**2)
     small, big = outputs.output_array(4 * 1024**2), outputs.output_array(8 * 1024**2)
     assert "hg" in _vm_flags(small)
-    assert "hg" not in _vm_flags(big)
+    assert ("hg" in _vm_flags(big)) is (free_mib >= 16)
+
+
+def test_free_huge_page_bytes_reads_this_machine() -> None:
+    free = outputs.free_huge_page_bytes()
+    assert free >= 0 and free % outputs.HUGE_PAGE == 0
