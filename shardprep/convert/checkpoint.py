@@ -215,8 +215,8 @@ def parse_index(raw: bytes, where: str = INDEX_NAME) -> dict[str, str]:
                 f"{where} maps {jsonio.shorten(name)!r} to {jsonio.shorten(repr(file))}, "
                 "not to a file name"
             )
-    # Hundreds of thousands of names share a few dozen files: each file is checked once.
-    for file in set(weight_map.values()):
+    # Hundreds of thousands of names share a few dozen files.
+    for file in dict.fromkeys(weight_map.values()):  # in order, each once
         if not _is_weight_file_name(file):
             raise ConfigError(
                 f"{where} names {jsonio.shorten(file)!r}, which is not a *.safetensors file "
