@@ -14,7 +14,9 @@ also allow_engine_failure. read_dump(path) -> (tensors, metadata) reads one dump
 
 The vLLM python is ``$SHARDPREP_VLLM_PYTHON``, else this interpreter if it has vLLM,
 else ``<repo>/.venv-vllm/bin/python``. One vLLM runs at a time (a file lock), and the
-``vllm_dist_*`` files of each run are removed afterwards.
+``vllm_dist_*`` files of each run are removed afterwards. An offline run is forked from a
+process that has imported vLLM once (zygote_client.py); ``SHARDPREP_VLLM_ZYGOTE=0`` starts
+each in a fresh interpreter.
 """
 
 from __future__ import annotations
