@@ -3,13 +3,17 @@
 ``"none"`` is the identity (the file itself). ``"zstd"`` is the framed container of
 `container`, each frame's tensors byte-grouped and entropy-coded as `transforms` says.
 
-Frames default to 4 MiB of raw input: one frame's working set stays in cache and small
-files still spread over the threads. At most ``threads + 1`` frames are in flight, each
-decoded into a buffer that is reused, so memory stays a few frames whatever the file
-size. Decompression checks every size before
-allocating or writing (never more than the size the file header states, nor than the
-size the caller expects), then the sha256 of the restored bytes against the trailer, and
-raises CorruptFileError on a mismatch, a zstd error, inconsistent tables or truncation.
+Frames default to 2 MiB of raw input: one frame's working set stays in a core's cache,
+and a file of a few dozen MB is still cut into enough frames that the threads finish
+together (the last frames decide when a small file is done). From a file, at most
+``threads + 1`` frames are in flight, each decoded into a buffer that is reused, so
+memory stays a few frames whatever the file size. From memory, each frame is decoded
+into its place in the output by the calling thread and ``threads - 1`` workers, each
+taking the next frame when done with one: no thread waits to be handed work.
+Decompression checks every size before allocating or writing (never more than the size
+the file header states, nor than the size the caller expects), then the sha256 of the
+restored bytes against the trailer, and raises CorruptFileError on a mismatch, a zstd
+error, inconsistent tables or truncation.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from shardprep.codec.streams import (
     atomic_output,
     ordered_map,
     sha256_pair,
+    shared_map,
 )
 from shardprep.constants import MAX_HEADER_BYTES
 from shardprep.errors import ConfigError, CorruptFileError
@@ -237,8 +242,7 @@ def _decode_buffer(
     def decode(frame: container.Frame) -> None:
         container.decode_frame(frame, out[frame.start : frame.start + frame.raw_len])
 
-    for _ in ordered_map(decode, box, threads):
-        pass
+    shared_map(decode, box, threads)
     recorded = box.finish()
     if check_sha256 and recorded != hashlib.sha256(out).digest():
         raise CorruptFileError("the sha256 of the restored bytes differs from its record")

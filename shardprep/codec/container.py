@@ -37,7 +37,7 @@ from shardprep.codec import transforms as tf
 from shardprep.errors import CorruptFileError
 from shardprep.format.headers import Header
 
-DEFAULT_FRAME_SIZE = 4 * 1024**2
+DEFAULT_FRAME_SIZE = 2 * 1024**2
 MIN_FRAME_SIZE = 4096
 MAX_FRAME_SIZE = 256 * 1024**2
 

@@ -27,6 +27,7 @@ from shardprep.errors import CorruptFileError
 MAX_PENDING_UPDATES = 4  # updates a BackgroundSha256 may still hold once update() returns
 _T = TypeVar("_T")
 _R = TypeVar("_R")
+_DONE = object()  # the end of shared_map's items
 
 
 class Hash(Protocol):
@@ -202,3 +203,42 @@ def ordered_map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int) -> It
         for future in pending:  # a worker still writing into a caller's buffer: wait for it
             if not future.cancelled():
                 future.exception()
+
+
+def shared_map(fn: Callable[[_T], None], items: Iterable[_T], threads: int) -> None:
+    """Call fn on every item: the calling thread and `threads - 1` workers each take the
+    next item (`items` is iterated under a lock) when done with one, so no thread waits
+    for another to hand out work.
+
+    After an error (from fn or from `items`) no new item is taken; the first error is
+    raised once every thread has stopped, since a worker may be writing into the caller's
+    buffer until then. Must not be called from one of its own workers.
+    """
+    lock = threading.Lock()
+    source = iter(items)
+    failed = False
+
+    def work() -> None:
+        nonlocal failed
+        while True:
+            try:
+                with lock:
+                    if failed:
+                        return
+                    item = next(source, _DONE)
+                if item is _DONE:
+                    return
+                fn(item)  # type: ignore[arg-type]
+            except BaseException:
+                failed = True
+                raise
+
+    pool = _pool("shardprep-codec", threads) if threads > 1 else None
+    futures = [pool.submit(work) for _ in range(threads - 1)] if pool else []
+    try:
+        work()
+    finally:
+        errors = [future.exception() for future in futures]
+    for error in errors:
+        if error is not None:
+            raise error
