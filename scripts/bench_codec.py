@@ -13,7 +13,8 @@ Datasets:
 
 Methods: `shardprep` is the codec itself in memory (no sha256; comparable to the others,
 none of which hashes), through `decompress_buffer`; `before` (with `--baseline PATH`) is
-an earlier checkout's codec package, or an earlier single-file codec.py, the same way;
+an earlier checkout's codec package (with its own default frame size unless
+`--frame-size` is given), or an earlier single-file codec.py, the same way;
 `shardprep-file` is the public `compress_file`/`decompress_file` on tmpfs, which adds
 file I/O and the two sha256 (raw and stored) that they return and verify;
 `zstd-1`/`zstd-3` are plain zstd over the same frame size; `zipnn` is PyPI `zipnn`
@@ -319,7 +320,8 @@ def methods_for(
     data: Dataset, args: argparse.Namespace, workdir: Path
 ) -> dict[str, Callable[[], Method]]:
     """The methods to compare, as factories."""
-    threads, frame_size = args.threads, args.frame_size
+    threads = args.threads
+    frame_size = args.frame_size or codec.DEFAULT_FRAME_SIZE
     methods: dict[str, Callable[[], Method]] = {
         "shardprep": lambda: ShardprepMemory(threads, frame_size, workdir),
         "shardprep-file": lambda: ShardprepFile(threads, frame_size, workdir),
@@ -328,7 +330,8 @@ def methods_for(
     }
     if args.baseline and Path(args.baseline).is_dir():
         package, streams = load_baseline_package(Path(args.baseline))
-        methods["before"] = lambda: ShardprepMemory(threads, frame_size, workdir, package, streams)
+        own = args.frame_size or package.DEFAULT_FRAME_SIZE  # its default, as its users had
+        methods["before"] = lambda: ShardprepMemory(threads, own, workdir, package, streams)
     elif args.baseline:
         module = load_baseline(Path(args.baseline))
         methods["before"] = lambda: BaselineMemory(module, threads, frame_size)
@@ -463,7 +466,7 @@ def settings(args: argparse.Namespace) -> dict[str, object]:
             versions[package] = None
     return {
         "threads": args.threads,
-        "frame_size": args.frame_size,
+        "frame_size": args.frame_size or f"default ({codec.DEFAULT_FRAME_SIZE})",
         "repeat": args.repeat,
         "synthetic_mib": args.size_mib,
         "baseline": args.baseline,
@@ -493,7 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=1024, help="synthetic bf16 size")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--frame-size", type=int, default=codec.DEFAULT_FRAME_SIZE)
+    parser.add_argument(
+        "--frame-size",
+        type=int,
+        help="raw bytes per frame for every method (default: each shardprep's own default)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="best of N timings")
     parser.add_argument("--workdir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
     parser.add_argument("--json", action="store_true", help="print JSON rows instead")
