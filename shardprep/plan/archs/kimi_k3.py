@@ -70,7 +70,8 @@ class KimiK3Family(Family):
     def internal_draft(self, config: Config) -> str | None:
         """vLLM serves the MTP layers (`num_nextn_predict_layers`) as the `mtp` draft
         (`KimiK3MTPModel`, kimi_k3_mtp.py)."""
-        return "mtp" if int(config.get("num_nextn_predict_layers") or 0) else None
+        text = text_config(config) if "text_config" in config else config
+        return "mtp" if int(text.get("num_nextn_predict_layers") or 0) else None
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         text = {name: shape for name, (shape, _) in K3Dims.of(config).sources().items()}
