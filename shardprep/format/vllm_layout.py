@@ -57,7 +57,7 @@ RANGES: tuple[VllmRange, ...] = (
             "qwen3_5_moe": 1, "qwen3_5_moe_mtp": 1,
             "eagle": 1, "eagle3": 1, "dflash": 1, "dspark": 1, "deepseek_mtp": 1,
             "glm4_moe_mtp": 1, "deepseek_v32_mtp": 1, "deepseek_v4_dspark": 1,
-            "kimi_k3_dspark": 1,
+            "kimi_k3_dspark": 1, "kimi_k3_mtp": 1,
             "fp8_block": 1, "fp8_tensor": 1, "fp8_ct": 1, "int4_pack": 1,
             "mxfp4": 1, "mxfp4_pack": 1, "nvfp4_pack": 1, "modelopt_fp4": 1,
             "fp8_e8m0_mxfp4": 1,

@@ -57,7 +57,7 @@ def test_every_family_is_a_declared_plug_in_with_a_layout_revision() -> None:
         "llama", "qwen3_moe", "mixtral", "deepseek", "glm4_moe", "deepseek_v32",
         "eagle", "eagle3", "dflash", "dspark", "deepseek_mtp", "glm4_moe_mtp",
         "gpt_oss", "deepseek_v32_mtp", "deepseek_v4", "deepseek_v4_dspark", "kimi_k25", "kimi_k3",
-        "kimi_k3_dspark",
+        "kimi_k3_dspark", "kimi_k3_mtp",
         "qwen3_next", "qwen3_next_mtp",
         "qwen3_5_moe", "qwen3_5_moe_mtp",
     }  # fmt: skip

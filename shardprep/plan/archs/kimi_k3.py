@@ -30,6 +30,9 @@ MLP (`mlp.`) otherwise. vLLM names every parameter as the checkpoint does, under
   `mlp_res_norm` and the [1, H] projections `self_attention_res_proj`, `mlp_res_proj`,
   whole; on the last stage `output_attn_res_norm` and `output_attn_res_proj`.
 
+Text layers from num_hidden_layers on are MTP layers, which vLLM loads only as the `mtp`
+draft (kimi_k3_mtp.py).
+
 vLLM puts the embedding on the first stage (and on the last too for a DSpark draft at
 pp > 1, `kimi_k3_dspark.py`), the final norm and lm_head on the last.
 """
@@ -64,6 +67,12 @@ class KimiK3Family(Family):
     def read_config(self, config: Config) -> dict[str, Any]:
         return text_config(config)
 
+    def internal_draft(self, config: Config) -> str | None:
+        """vLLM serves the MTP layers (`num_nextn_predict_layers`) as the `mtp` draft
+        (`KimiK3MTPModel`, kimi_k3_mtp.py)."""
+        text = text_config(config) if "text_config" in config else config
+        return "mtp" if int(text.get("num_nextn_predict_layers") or 0) else None
+
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         text = {name: shape for name, (shape, _) in K3Dims.of(config).sources().items()}
         return text | VisionTower.of(config).shapes()
@@ -86,12 +95,6 @@ class KimiK3Family(Family):
         problems = d.problems(tp)
         if config.get("tie_word_embeddings"):
             problems.append("tie_word_embeddings is not supported for Kimi-K3 models")
-        if int(config.get("num_nextn_predict_layers") or 0):
-            problems.append(
-                "config.json has num_nextn_predict_layers > 0: Kimi-K3's MTP layers "
-                "(vLLM's KimiK3MTPModel) are not supported yet; set it to 0 to convert the "
-                "target alone"
-            )
         problems += target_draft_problems(context)
         if context.get("expert_parallel"):
             problems.append(
@@ -104,6 +107,13 @@ class KimiK3Family(Family):
         d = K3Dims.of(config)
         last = topology.last_stage
         params: list[Param] = []
+        mtp = (
+            "an MTP layer, which the MTP draft holds"
+            if context.get("draft_method") == "mtp"
+            else "an MTP layer; vLLM loads it only as the MTP draft, which --no-mtp or "
+            "another --draft leaves out"
+        )
+        skipped = {name: mtp for name in shapes if d.beyond_layers(name)}
         for layer in range(d.layers):
             params += fused_params(
                 d.layer_params(layer, topology.tp), topology.stage_of_layer(layer)
@@ -116,7 +126,7 @@ class KimiK3Family(Family):
             params += [Param(name, (Piece(name, Cut.REPLICATE),), (last,)) for name in OUT_RES]
         params += VisionTower.of(config).params(topology.tp, tuple(range(topology.pp)))
         spec_only = frozenset({(EMBED, last)} if len(embed) > 1 else ())
-        return Layout(tuple(params), {}, spec_decode_only=spec_only, num_experts=d.experts)
+        return Layout(tuple(params), skipped, spec_decode_only=spec_only, num_experts=d.experts)
 
     def after_fill(self, model: Any, filled: set[str]) -> None:
         """What the KDA layers' weight loaders do besides copying: when vLLM chose a fused

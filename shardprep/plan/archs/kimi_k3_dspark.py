@@ -287,11 +287,12 @@ def target_embed_stages(topology: Topology, context: dict[str, Any]) -> tuple[in
 
 
 def target_draft_problems(context: dict[str, Any]) -> list[str]:
-    """A draft for a Kimi-K3 target other than its DSpark draft, refused in one line."""
-    if not context.get("with_draft") or context.get("draft_method") == "dspark":
+    """A draft for a Kimi-K3 target other than its DSpark draft or its own MTP layers,
+    refused in one line."""
+    if not context.get("with_draft") or context.get("draft_method") in ("dspark", "mtp"):
         return []
     return [
         f"a draft of method {context.get('draft_method')!r} for Kimi-K3 is not supported: only "
-        f"its DSpark draft ({ARCHITECTURE}, --draft-method dspark) is; convert the target "
-        "without --draft"
+        f"its DSpark draft ({ARCHITECTURE}, --draft-method dspark) and the MTP layers of its "
+        "checkpoint are; convert the target without --draft"
     ]

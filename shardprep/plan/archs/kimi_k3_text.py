@@ -3,6 +3,7 @@ parameters each decoder layer holds (the rules: kimi_k3.py)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ MODEL = TEXT + "model."
 EMBED = MODEL + "embed_tokens.weight"
 NORM = MODEL + "norm.weight"
 HEAD = TEXT + "lm_head.weight"
+LAYER = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
 OUT_RES = (MODEL + "output_attn_res_norm.weight", MODEL + "output_attn_res_proj.weight")
 TOP_KEYS = ("architectures", "model_type", "torch_dtype", "dtype")
 KDA_ALIGN = 16  # vLLM pads each rank's in_proj_qkvgfab rows to this (unquantized)
@@ -90,6 +92,11 @@ class K3Dims:
                 config.get("min_moe_intermediate_per_partition") or MIN_MOE_PER_RANK
             ),
         )
+
+    def beyond_layers(self, name: str) -> bool:
+        """Whether `name` is a tensor of a text layer past the target's last (an MTP layer)."""
+        match = LAYER.match(name)
+        return match is not None and int(match[1]) >= self.layers
 
     def is_moe(self, layer: int) -> bool:
         """vLLM's `KimiDecoderLayer.is_moe_layer`."""
