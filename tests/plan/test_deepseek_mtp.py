@@ -9,6 +9,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from artifacts import rank_tensors
 from safetensors.torch import load_file, save_file
 from schema import SCHEMA
 
@@ -22,13 +23,6 @@ from shardprep.plan.records import SourceModel
 
 V3 = "DeepseekV3ForCausalLM"
 MTP = "model.layers.3."  # with three decoder layers, the MTP layer is layer 3
-
-
-def rank_files(artifact: Path, role: str, pp: int, tp: int) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for entry in read_manifest(artifact).rank_files(role, pp, tp):
-        found |= load_file(artifact / entry.path)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +42,7 @@ def test_convert_makes_the_mtp_layer_the_draft_on_the_last_stage(
     assert draft.source.files == target.source.files  # read once, recorded for both
     assert {(f.pp, f.tp) for f in manifest.files if f.role == "draft"} == {(1, 0), (1, 1)}
     source = load_file(mtp_model / "model.safetensors")
-    ours = rank_files(artifact, "draft", 1, 1)
+    ours = rank_tensors(artifact, "draft", 1, 1)
     block = MTP + "mtp_block."
     assert {n for n in ours if not n.startswith(block)} == {
         MTP + "enorm.weight",
@@ -68,7 +62,7 @@ def test_convert_makes_the_mtp_layer_the_draft_on_the_last_stage(
     assert not embed[488:].any()
     for p in range(2):
         for t in range(2):
-            assert not [n for n in rank_files(artifact, "target", p, t) if n.startswith(MTP)]
+            assert not [n for n in rank_tensors(artifact, "target", p, t) if n.startswith(MTP)]
 
 
 def test_at_pp1_the_draft_leaves_the_embedding_and_head_to_the_target(mtp_model: Path) -> None:
@@ -187,7 +181,7 @@ def test_a_draft_copy_is_left_out_only_when_its_bytes_equal_the_targets(
     other = convert(str(model), tmp_path / "other", Options(tp=2, pp=pp), progress=False)
     draft = other.model("draft")
     assert draft.shared_with_target == ()
-    held = rank_files(tmp_path / "other", "draft", pp - 1, 0)
+    held = rank_tensors(tmp_path / "other", "draft", pp - 1, 0)
     head, mine = tensors[MTP + "shared_head.head.weight"], held[MTP + "shared_head.head.weight"]
     rows = min(head.shape[0], mine.shape[0])  # tp rank 0's rows of the padded vocabulary
     assert torch.equal(mine[:rows], head[:rows])

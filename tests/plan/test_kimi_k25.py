@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from artifacts import rank_tensors
 from plans import rank_tensors as rank
 from safetensors.torch import load_file
 
@@ -20,7 +21,6 @@ from shardprep.cli import main
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_INT4, TINY_MOONVIT, make_tiny_model, tiny_config
 from shardprep.errors import ConfigError, PlanError
-from shardprep.format.manifest import read_manifest
 from shardprep.plan import archs
 from shardprep.plan.archs import quantized
 from shardprep.plan.archs.kimi_k25 import NO_MTP, VisionDims
@@ -56,13 +56,6 @@ def published_tensors() -> dict[str, tuple[str, tuple[int, ...]]]:
 @pytest.fixture(scope="module")
 def published() -> SourceModel:
     return SourceModel(json.loads((DATA / "config.json").read_text()), published_tensors())
-
-
-def rank_tensors(artifact: Path, role: str, pp: int, tp: int) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for entry in read_manifest(artifact).rank_files(role, pp, tp):
-        tensors.update(load_file(artifact / entry.path))
-    return tensors
 
 
 def test_the_family_implies_the_published_tensors(published: SourceModel) -> None:

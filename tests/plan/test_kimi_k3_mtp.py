@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from artifacts import rank_tensors
 from safetensors.torch import load_file, save_file
 
 from shardprep.cli import main
@@ -28,13 +29,6 @@ MTP = "model.layers.4."
 BLOCK = MTP + "mtp_block."
 EMBED = "language_model.model.embed_tokens.weight"
 HEAD = "language_model.lm_head.weight"
-
-
-def rank_files(artifact: Path, role: str, pp: int, tp: int) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for entry in read_manifest(artifact).rank_files(role, pp, tp):
-        found |= load_file(artifact / entry.path)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +64,10 @@ def test_the_mtp_layer_is_the_draft_on_the_last_stage_cut_as_vllm_loads_it(
     assert {(f.pp, f.tp) for f in manifest.files if f.role == "draft"} == {(1, 0), (1, 1)}
     draft = manifest.model("draft")
     assert draft.method == "mtp" and draft.shared_with_target == (MTP + "shared_head.head.weight",)
-    target = rank_files(tmp_path / "a", "target", 1, 0)
+    target = rank_tensors(tmp_path / "a", "target", 1, 0)
     assert not any(".layers.4." in name for name in target)
     for t in (0, 1):
-        ours = rank_files(tmp_path / "a", "draft", 1, t)
+        ours = rank_tensors(tmp_path / "a", "draft", 1, t)
         assert not any("_res_" in name for name in ours)
         rows = slice(t * 32, (t + 1) * 32)  # 4 heads x 16 of v_head_dim, 2 heads a rank
         fused = torch.cat(
@@ -122,7 +116,7 @@ def test_at_pp1_the_draft_leaves_embedding_and_head_to_the_target(
     )
     assert skipped[SRC + "embed_tokens.weight"].startswith(f"equal to {EMBED}, byte for byte")
     assert skipped[HEAD] == "a tensor of the target"
-    ours = rank_files(tmp_path / "a", "draft", 0, 1)
+    ours = rank_tensors(tmp_path / "a", "draft", 0, 1)
     assert "model.embed_tokens.weight" not in ours and MTP + "eh_proj.weight" in ours
 
 
@@ -137,7 +131,7 @@ def test_a_head_copy_that_differs_from_lm_head_is_written(mtp_model: Path, tmp_p
     assert read_manifest(tmp_path / "a").model("draft").shared_with_target == (
         "model.embed_tokens.weight",
     )
-    head = rank_files(tmp_path / "a", "draft", 0, 1)[MTP + "shared_head.head.weight"]
+    head = rank_tensors(tmp_path / "a", "draft", 0, 1)[MTP + "shared_head.head.weight"]
     assert torch.equal(head[:122], tensors[SRC + "shared_head.head.weight"][128:])
 
 

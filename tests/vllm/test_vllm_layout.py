@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from safetensors.torch import load_file
+from artifacts import rank_tensors
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
@@ -31,15 +31,6 @@ CASES = {
         {"VLLM_PP_LAYER_PARTITION": "1,4"},
     ),
 }  # fmt: skip
-
-
-def rank_tensors(artifact: Path, role: str, pp: int, tp: int) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for entry in read_manifest(artifact).rank_files(role, pp, tp):
-        part = load_file(artifact / entry.path)
-        assert not set(part) & set(tensors), "a parameter appears in two parts"
-        tensors.update(part)
-    return tensors
 
 
 def assert_same_state(vllm_state: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> None:

@@ -10,7 +10,7 @@ default here, so the callers never probe for one.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -206,3 +206,23 @@ def with_attribute_map(config: Config, attribute_map: Mapping[str, str] | None) 
         if values:
             found[attribute] = found[key] = next(iter(values.values()))
     return found
+
+
+def mtp_layers(config: Config) -> range:
+    """The MTP layers of a checkpoint that keeps them after its decoder layers."""
+    first = int(config["num_hidden_layers"])
+    return range(first, first + int(config.get("num_nextn_predict_layers") or 0))
+
+
+def require_mtp_layer(
+    names: Collection[str] | None, prefix: str, layer: int, config: Config
+) -> None:
+    """One line when config.json promises MTP layer `layer` (tensors `prefix`*) that the
+    checkpoint's tensor `names` lack; nothing when the names are not known yet."""
+    if names is not None and not any(n.startswith(prefix) for n in names):
+        raise ConfigError(
+            f"config.json says num_nextn_predict_layers={config['num_nextn_predict_layers']} "
+            f"but the checkpoint holds no tensor of MTP layer {layer} ({prefix}*); convert "
+            "with --no-mtp to leave the MTP draft out, or use a checkpoint that includes its "
+            "MTP layers"
+        )

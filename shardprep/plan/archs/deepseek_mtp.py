@@ -19,8 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, DraftFamily, Layout, Param, Shapes
+from shardprep.plan.archs.base import (
+    Config,
+    DraftFamily,
+    Layout,
+    Param,
+    Shapes,
+    mtp_layers,
+    require_mtp_layer,
+)
 from shardprep.plan.archs.deepseek import LAYER, DeepseekFamily, fused_params
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
@@ -30,11 +37,6 @@ EMBED = "model.embed_tokens.weight"
 OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 HEAD = "shared_head.head.weight"
 LAYER_EMBED = "embed_tokens.weight"
-
-
-def mtp_layers(config: Config) -> range:
-    first = int(config["num_hidden_layers"])
-    return range(first, first + int(config.get("num_nextn_predict_layers") or 0))
 
 
 class DeepseekMtpDraft(DraftFamily):
@@ -69,13 +71,7 @@ class DeepseekMtpDraft(DraftFamily):
         found: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for layer in mtp_layers(config):
             prefix = f"model.layers.{layer}."
-            if names is not None and not any(n.startswith(prefix) for n in names):
-                raise ConfigError(
-                    f"config.json says num_nextn_predict_layers="
-                    f"{config['num_nextn_predict_layers']} but the checkpoint holds no tensor "
-                    f"of MTP layer {layer} ({prefix}*); convert with --no-mtp to leave the MTP "
-                    "draft out, or use a checkpoint that includes its MTP layers"
-                )
+            require_mtp_layer(names, prefix, layer, config)
             found |= target.layer_sources(d, layer)
             found |= {prefix + name: ((d.hidden,), None) for name in OWN}
             found[prefix + "eh_proj.weight"] = ((d.hidden, 2 * d.hidden), None)

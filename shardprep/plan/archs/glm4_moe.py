@@ -24,8 +24,16 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
-from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, DraftFamily, Family, Layout, Param, Shapes
+from shardprep.plan.archs.base import (
+    Config,
+    DraftFamily,
+    Family,
+    Layout,
+    Param,
+    Shapes,
+    mtp_layers,
+    require_mtp_layer,
+)
 from shardprep.plan.archs.llama import Dims, layer_params, linear_weights
 from shardprep.plan.archs.moe import ExpertNames, expert_params, moe_problems
 from shardprep.plan.cuts import Cut, Piece
@@ -160,11 +168,6 @@ def _is_plain(suffix: str) -> bool:
     return not suffix.startswith(("mlp.gate.", SHARED, "mlp.experts."))
 
 
-def mtp_layers(config: Config) -> range:
-    first = int(config["num_hidden_layers"])
-    return range(first, first + int(config.get("num_nextn_predict_layers") or 0))
-
-
 class Glm4MoeFamily(Family):
     name = "glm4_moe"
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = ATTRIBUTE_MAPS
@@ -245,12 +248,7 @@ class Glm4MoeMtpDraft(DraftFamily):
         shapes: dict[str, tuple[int, ...]] = {}
         for layer in mtp_layers(config):
             prefix = f"model.layers.{layer}."
-            if names is not None and not any(n.startswith(prefix) for n in names):
-                raise ConfigError(
-                    f"config.json says num_nextn_predict_layers={d.mtp} but the checkpoint "
-                    f"holds no tensor of MTP layer {layer} ({prefix}*); convert with --no-mtp "
-                    "to leave the MTP draft out, or use a checkpoint that includes its MTP layers"
-                )
+            require_mtp_layer(names, prefix, layer, config)
             shapes |= {prefix + s: shape for s, shape in d.layer_shapes_of(layer).items()}
             shapes |= {prefix + name: (d.hidden,) for name in OWN}
             shapes[prefix + "eh_proj.weight"] = (d.hidden, 2 * d.hidden)

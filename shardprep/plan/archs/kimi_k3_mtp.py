@@ -26,7 +26,15 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, DraftFamily, Layout, Param, Shapes
+from shardprep.plan.archs.base import (
+    Config,
+    DraftFamily,
+    Layout,
+    Param,
+    Shapes,
+    mtp_layers,
+    require_mtp_layer,
+)
 from shardprep.plan.archs.deepseek import F32, fused_params
 from shardprep.plan.archs.kimi_k3 import KimiK3Family
 from shardprep.plan.archs.kimi_k3_quant import quantized_weights
@@ -41,11 +49,6 @@ EH_PROJ = "eh_proj.weight"
 LAYER_HEAD = "shared_head.head.weight"
 LAYER_EMBED = "embed_tokens.weight"
 LAYER = re.compile(rf"^{re.escape(MODEL)}layers\.(\d+)\.(.+)$")
-
-
-def mtp_layers(config: Config) -> range:
-    first = int(config["num_hidden_layers"])
-    return range(first, first + int(config.get("num_nextn_predict_layers") or 0))
 
 
 def block_dims(config: Config) -> K3Dims:
@@ -85,13 +88,7 @@ class KimiK3MtpDraft(DraftFamily):
         found: dict[str, tuple[tuple[int, ...], str | None]] = {}
         for layer in mtp_layers(config):
             prefix = f"{MODEL}layers.{layer}."
-            if names is not None and not any(n.startswith(prefix) for n in names):
-                raise ConfigError(
-                    f"config.json says num_nextn_predict_layers="
-                    f"{config['num_nextn_predict_layers']} but the checkpoint holds no tensor "
-                    f"of MTP layer {layer} ({prefix}*); convert with --no-mtp to leave the MTP "
-                    "draft out, or use a checkpoint that includes its MTP layers"
-                )
+            require_mtp_layer(names, prefix, layer, config)
             for t in d.layer_tensors(layer):
                 dtype = F32 if t.hf.endswith("e_score_correction_bias") else None
                 found[prefix + t.hf] = (t.shape, dtype)
