@@ -5,10 +5,15 @@ One exception, which the family names (`Family.padded_at_load`): a parameter tha
 builds longer along dim 0 on some devices than the rank's share (DeepSeek-V4's
 `attn_sink`, padded to the head count of the GPU attention kernel) gets the rank file's
 rows at its front and keeps the rest as vLLM initialized it, which is what vLLM's own
-loader leaves (`param[:n].copy_(...)`)."""
+loader leaves (`param[:n].copy_(...)`).
+
+Tensors of a part vLLM left unbuilt for this run (a vision tower whose modalities
+`--limit-mm-per-prompt` sets to 0, or `--language-model-only`: a `StageMissingLayer`) are
+skipped, as vLLM's own loader skips them."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -18,6 +23,8 @@ from torch import nn
 from shardprep.errors import WeightMismatchError, summarize
 from shardprep.format.headers import TensorInfo
 from shardprep.loader.cpu_read import torch_dtypes
+
+logger = logging.getLogger(__name__)
 
 
 class Destinations:
@@ -83,16 +90,24 @@ def fill_parameters(
     filled; raises one error listing every problem."""
     params, canonical = _parameters(model)
     required = {name for name, _ in model.named_parameters()}
-    problems, filled, seen = Problems(), {}, set()
+    unbuilt = unbuilt_prefixes(model)
+    problems, filled, seen, skipped = Problems(), {}, set(), 0
     for name, tensor in tensors:
         if name in params:
             seen_before = canonical[name] in seen
             if _fill_one(name, tensor, params[name], seen_before, problems, padded(name)):
                 filled[canonical[name]] = name
             seen.add(canonical[name])
+        elif name.startswith(unbuilt):
+            skipped += 1
         elif name not in ignorable:
             problems.extra.append(name)
         del tensor  # let the reader free a part before it stages the next one
+    if skipped:
+        logger.info(
+            "skipped %d tensor(s) of %s that vLLM did not build for this run (%s)",
+            skipped, where, ", ".join(p.rstrip(".") for p in unbuilt),
+        )  # fmt: skip
     problems.missing = [
         key
         for key, names in _aliases(canonical).items()
@@ -105,6 +120,16 @@ def fill_parameters(
             "that matches this vLLM, or load the original model with --load-format auto"
         )
     return list(filled.values())
+
+
+def unbuilt_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The name prefixes of the parts vLLM left out of this run (`StageMissingLayer`)."""
+    try:
+        from vllm.model_executor.models.utils import StageMissingLayer
+    except ImportError:  # a vLLM without such parts
+        return ()
+    modules = model.named_modules()
+    return tuple(f"{name}." for name, part in modules if isinstance(part, StageMissingLayer))
 
 
 def fits_padded(stored: tuple[int, ...], built: tuple[int, ...]) -> bool:

@@ -157,6 +157,20 @@ def test_fill_accepts_a_tied_alias_and_the_allowed_gaps() -> None:
     assert fill(Toy(), toy_tensors(**{"embed.weight": None}), may_lack={"lm_head.weight"})
 
 
+def test_fill_skips_the_tensors_of_a_part_vllm_left_unbuilt() -> None:
+    """A tower whose modalities are all off becomes vLLM's `StageMissingLayer` (built under
+    `_mark_tower_model`): its tensors are skipped, as vLLM's loader skips them; a tensor
+    of a name that merely starts alike is still one the model does not have."""
+    from vllm.model_executor.models.utils import StageMissingLayer
+
+    model = Toy()
+    model.visual = StageMissingLayer("vision_tower", nn.Linear(2, 2))
+    tower = [("visual.proj.weight", torch.ones(2, 2)), ("visual.norm.bias", torch.ones(2))]
+    assert sorted(fill(model, toy_tensors() + tower)) == sorted(fill(Toy(), toy_tensors()))
+    with pytest.raises(WeightMismatchError, match=r"1 tensor\(s\) .* \(visualize.weight\)"):
+        fill(model, [*toy_tensors(), *tower, ("visualize.weight", torch.ones(1))])
+
+
 def test_destinations_hand_out_each_fitting_parameter_once() -> None:
     """What the reader may read straight into on the CPU: a parameter of the exact shape
     and dtype, once (not again by a tied alias); the rest gets None and fill_parameters
