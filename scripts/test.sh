@@ -13,6 +13,14 @@ if ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "$venv/bin/pip" uninstall --yes --quiet torchvision torchaudio torchcodec triton || true
 fi
 "$venv/bin/pip" install --quiet -e ".[dev]" -e tests/vllm_dump_plugin
+# vLLM imports torchvision for Qwen3.5 (transformers' Qwen2-VL image processor). PyPI's is
+# a CUDA build: keep its Python part only, beside the venv, for the tests that need it
+# (tests/support/torchvision_ops). 0.28 is the release made for torch 2.13.
+torchvision="$venv/torchvision-python"
+if [ ! -d "$torchvision/torchvision" ]; then
+  "$venv/bin/pip" install --quiet --no-deps --target "$torchvision" "torchvision==0.28.0"
+  find "$torchvision" -name "*.so*" -delete
+fi
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 export SHARDPREP_VLLM_PYTHON="$PWD/$venv/bin/python"

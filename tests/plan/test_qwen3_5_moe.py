@@ -1,6 +1,5 @@
 """Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration` as published) and its MTP draft,
-without an engine (vLLM 0.32's `qwen3_5.py` cannot be imported on the CPU build: its
-`qwen3_vl.py` imports transformers' Qwen2-VL image processor, which needs torchvision).
+without an engine (tests/vllm/test_vllm_qwen3_5_moe.py compares with vLLM's own state).
 
 The rank bytes of a tiny checkpoint are checked against the rules read from vLLM:
 - `in_proj_qkvz`: `Qwen3_5Model.hf_to_vllm_mapper` loads `in_proj_qkv` with shard ids
@@ -73,7 +72,7 @@ def test_the_published_config_implies_the_published_names(qwen36: SourceModel) -
     assert names["lm_head.weight"] == ("BF16", (248320, 2048))
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(8, 2)])  # tp8 x pp4, tp16: scripts/check_qwen3_5_moe.py
+@pytest.mark.parametrize(("tp", "pp"), [(8, 2), (8, 4), (16, 1)])
 def test_qwen3_5_moe_plans_at_the_topologies_it_is_served_with(
     qwen36: SourceModel, tp: int, pp: int
 ) -> None:

@@ -4,6 +4,7 @@
     dump_state(model_dir, tp, pp, dump_dir, **kw) -> {(role, pp_rank, tp_rank): Path}
     serve_and_complete(model_dir, tp, pp, load_format, prompt_ids, **kw) -> list[int]
     run_until(done, model_dir, tp, pp, load_format, **kw) -> None (stopped once done())
+    with_torchvision(env) -> env for a run whose model class imports torchvision
 
 Keyword arguments of the first three: prompts (list of token-id lists), max_tokens,
 dtype ("float32" unless given), speculative_config (dict), model_loader_extra_config
@@ -81,6 +82,23 @@ def require_python() -> str:
     if python is None:
         raise VllmRunError(f"no vLLM python: set {PYTHON_ENV} or create {REPO}/.venv-vllm")
     return python
+
+
+def torchvision_path() -> Path | None:
+    """torchvision's Python part, which scripts/test.sh keeps beside the vLLM venv, or None."""
+    python = vllm_python()
+    path = Path(python).parents[1] / "torchvision-python" if python else None
+    return path if path is not None and (path / "torchvision").is_dir() else None
+
+
+def with_torchvision(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` for a run that imports torchvision (vLLM's Qwen3.5 classes): its Python part
+    and the operator schemas it needs (torchvision_ops/sitecustomize.py) on PYTHONPATH."""
+    path = torchvision_path()
+    if path is None:
+        raise VllmRunError("no torchvision beside the vLLM python: run scripts/test.sh once")
+    paths = [str(SUPPORT / "torchvision_ops"), str(path), os.environ.get("PYTHONPATH", "")]
+    return {**(env or {}), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 @functools.cache
