@@ -121,10 +121,13 @@ def _tile(name: str, need: Block, row: int, candidates: Sequence[Stored]) -> lis
             continue
         if (have.matrix is None) != (need.matrix is None):
             continue
-        if (have.slab is not None or need.slab is not None) and have != need:
-            continue  # a padded MXFP4 expert: only the very same block
-        if need.matrix is not None and (have.rows != need.rows or need.rows[1] - need.rows[0] > 1):
-            continue  # a transposed block: the same expert's matrix, one expert at a time
+        if (have.slab is None) != (need.slab is None):
+            continue
+        if have != need and (_padded(have) or _padded(need)):
+            continue  # a padded expert (MXFP4 for one tp): only the very same block
+        per_expert = need.matrix is not None or need.slab is not None
+        if per_expert and (have.rows != need.rows or need.rows[1] - need.rows[0] > 1):
+            continue  # a part of an expert's matrix: the same expert's, one at a time
         if not _inside(have, need) or any(_overlap(have, c) for c in chosen):
             continue
         chosen.append(have)
@@ -132,7 +135,7 @@ def _tile(name: str, need: Block, row: int, candidates: Sequence[Stored]) -> lis
         height = have.height
         start = row + have_rows[0] - need_rows[0]
         cols = None
-        if (need.cols is not None or need.matrix is not None) and have_cols != need_cols:
+        if (need.cols, need.matrix, need.slab) != (None, None, None) and have_cols != need_cols:
             cols = (have_cols[0] - need_cols[0], have_cols[1] - need_cols[0])
         reads.append(
             Read(
@@ -151,10 +154,22 @@ def _tile(name: str, need: Block, row: int, candidates: Sequence[Stored]) -> lis
 
 def _span(block: Block) -> tuple[tuple[int, int], tuple[int, int]]:
     """The rows and columns a block covers, in the destination's terms: a transposed
-    block's destination rows are its matrix columns, and its columns the matrix rows."""
+    block's destination rows are its matrix columns, and its columns the matrix rows; a
+    slab's are its matrix rows and columns."""
     if block.matrix is not None:
         return block.matrix[1], block.matrix[0]
+    if block.slab is not None:
+        return block.slab[0], block.slab[1]
     return block.rows, block.cols or (0, 1)
+
+
+def _padded(block: Block) -> bool:
+    """A slab whose zero matrix is larger than its part (an MXFP4 expert padded by the MoE
+    backend for one tp): its rows and columns are not those of any other tp."""
+    if block.slab is None:
+        return False
+    (a0, a1), (b0, b1), size = block.slab
+    return (a1 - a0, b1 - b0) != size
 
 
 def _area(block: Block) -> int:

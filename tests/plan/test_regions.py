@@ -45,6 +45,12 @@ def _cut(tensor: TensorPlan, sources: dict[str, np.ndarray]) -> np.ndarray:
         if block.matrix is not None:  # each dim-0 row's matrix part, transposed
             (a0, a1), (b0, b1) = block.matrix
             part = part[:, a0:a1, b0:b1].transpose(0, 2, 1).reshape(-1, a1 - a0)
+        if block.slab is not None:  # each dim-0 row's matrix part, top-left in zeros
+            (a0, a1), (b0, b1), (height, width) = block.slab
+            matrices = part.reshape(len(part), part.shape[1] if part.ndim > 2 else 1, -1)
+            padded = np.zeros((len(part), height, width), np.float32)
+            padded[:, : a1 - a0, : b1 - b0] = matrices[:, a0:a1, b0:b1]
+            part = padded.reshape(-1, width)
         if block.cols is not None:
             part = part[:, block.cols[0] : block.cols[1]]
         parts.append(part)
@@ -194,6 +200,48 @@ def test_fused_expert_tensors_transposed_as_gpt_oss_stacks_them(tp: int, new_tp:
         for rank in range(new_tp):
             got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
             assert got.shape == want.shape
+            assert np.array_equal(got, want), (source, rank)
+
+
+@pytest.mark.parametrize(("tp", "new_tp"), [(2, 1), (4, 2), (4, 1), (8, 2)])
+def test_expert_stacks_as_transformers_5_stores_them(tp: int, new_tp: int) -> None:
+    """[E, 2I, H] `gate_up_proj` (the rank's rows of each half) and [E, H, I] `down_proj`
+    (its columns): a coarser rank's matrix of each expert is tiled by the artifact's."""
+    experts, hidden, inter = 3, 5, 16
+    sources = {
+        "gate_up": _random(experts, 2 * inter, hidden),
+        "down": _random(experts, hidden, inter),
+    }
+    split = (ExpertSplit(experts, tp), ExpertSplit(experts, new_tp))
+    for source, cut in (("gate_up", Cut.EXPERT_HALVES_ROWS), ("down", Cut.EXPERT_COLS)):
+        pieces = tuple(Piece(source, cut, expert=e) for e in range(experts))
+        for rank in range(new_tp):
+            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+            assert got.shape == want.shape
+            assert np.array_equal(got, want), (source, rank)
+
+
+@pytest.mark.parametrize(("align", "served"), [(32, True), (64, False)])
+def test_mxfp4_experts_at_a_coarser_tp_unless_padded_for_their_tp(align: int, served: bool) -> None:
+    """MXFP4 slabs that fill their matrix tile like any part of it; padded ones (the MoE
+    backend's alignment of the intermediate size: 32 a rank at tp4 padded to 64) are only
+    ever the very same block."""
+    experts, hidden, inter, per = 2, 64, 128, 2  # values per stored element
+    of = ScaleOf((2 * inter, hidden), Cut.REPLICATE, (1, per), grid=(align, 1))
+    down = ScaleOf((hidden, inter), Cut.REPLICATE, (1, per), grid=(align, 1))
+    sources = {
+        "w13": _random(experts, 2 * inter, hidden // per),
+        "w2": _random(experts, hidden, inter // per),
+    }
+    split = (ExpertSplit(experts, 4), ExpertSplit(experts, 2))
+    for source, cut, scale in (("w13", Cut.MX_W13, of), ("w2", Cut.MX_W2, down)):
+        pieces = tuple(Piece(source, cut, expert=e, scale_of=scale) for e in range(experts))
+        if not served:
+            with pytest.raises(PlanError, match="not whole blocks"):
+                _assemble(pieces, sources, 4, 2, 0, split)
+            continue
+        for rank in range(2):
+            got, want, _ = _assemble(pieces, sources, 4, 2, rank, split)
             assert np.array_equal(got, want), (source, rank)
 
 

@@ -13,9 +13,11 @@ that vLLM builds its multimodal processor and, with image prompts allowed, the t
   rows, `A_log` float32, the experts from transformers 5's fused `gate_up_proj`, and the
   vision tower split by tp on both stages. The CPU engine fails after loading at pp > 1
   with a draft, which leaves the state complete.
-- The same artifact through `sharded-fast`, every collective refused while each rank
-  loads, text only (`limit_mm_per_prompt` 0: vLLM leaves the tower unbuilt and its
-  tensors are skipped): every rank holds its files but the tower's.
+- The same artifact served at tp1 x pp2 through `sharded-fast`, every collective refused
+  while each rank loads, text only (`limit_mm_per_prompt` 0: vLLM leaves the tower
+  unbuilt and its tensors are skipped): each rank, made of the tp2 ranks' blocks (the
+  expert stacks' rows of each half, their columns), holds what a tp1 x pp2 conversion
+  holds, but the tower.
 - tp2, image prompts allowed, speculating with the MTP draft: vLLM's default loader and
   `sharded-fast` (collectives refused) leave each rank holding its files and give the
   same greedy tokens.
@@ -93,17 +95,21 @@ def test_qwen3_5_moe_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
             assert tuple(state[full + "qkv_proj.weight"].shape) == ((2 * 4 + 2 * 2) * 32 // 2, 128)
             assert tuple(state[TOWER + "blocks.1.attn.qkv.weight"].shape) == (3 * 64 // 2, 64)
         assert_same_state(state, ours)
+    # The same artifact at tp1 x pp2, text only: each rank regroups its tensors from the
+    # tp2 files, and skips the tower; what it holds is what a tp1 x pp2 conversion holds.
+    tp1 = tmp_path / "tp1"
+    convert(str(model), tp1, Options(tp=1, pp=2), progress=False)
     fast = vllm_env.dump_state(
-        artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
+        artifact, 1, 2, tmp_path / "fast", load_format="dump-sharded-fast",
         engine=engine(TEXT_ONLY), env=vllm_env.with_torchvision(TRAP),
         allow_engine_failure=True, **RUN,
     )  # fmt: skip
-    assert sorted(fast) == expected
+    assert sorted(fast) == sorted(vllm_env.expected_dumps(1, 2, with_draft=True))
     for (role, p, t), path in fast.items():
         state, meta = vllm_env.read_dump(path)
         assert meta["trap_armed"] and meta["collective_calls"] == []
         assert not [name for name in state if name.startswith(TOWER)]
-        ours = rank_tensors(artifact, role, p, t)
+        ours = rank_tensors(tp1, role, p, t)
         assert any(name.startswith(TOWER) for name in ours) == (role == "target")
         text = {name: value for name, value in ours.items() if not name.startswith(TOWER)}
         if role == "draft":
