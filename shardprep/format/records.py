@@ -54,8 +54,9 @@ CUTS += ("qkv_rows",)
 CUTS += ("per_tensor", "scalar")
 # ... and one value of an expert (an NVFP4 global scale), stacked into a vector.
 CUTS += ("expert_scalar",)
-# ... and zero rows that a fused layer pads its output with, read from no source.
-CUTS += ("zero_rows",)
+# ... and zero rows that a fused layer pads its output with, read from no source: up to
+# a multiple of rows (or, as recorded before that, a count for one tp).
+CUTS += ("align_rows", "zero_rows")
 # ... of an expert stack stored as vLLM stacks it (transformers 5's fused experts).
 CUTS += ("expert_halves_rows", "expert_cols")
 

@@ -182,6 +182,9 @@ _PIECE_EXTRA = _object(
 )
 
 
+_WITH_HEADS = ("kv_heads", "parts_rows", "qkv_rows", "align_rows", "zero_rows")
+
+
 def _piece(value: Any, field: str) -> None:
     """`[source, cut]` or `[source, cut, {heads, expert, scale_of}]`."""
     if not isinstance(value, list) or len(value) not in (2, 3):
@@ -191,11 +194,11 @@ def _piece(value: Any, field: str) -> None:
     if len(value) == 3:
         _PIECE_EXTRA(value[2], f"{field}[2]")
     extra = value[2] if len(value) == 3 else {}
-    if (value[1] in ("kv_heads", "parts_rows", "qkv_rows", "zero_rows")) != ("heads" in extra):
+    if (value[1] in _WITH_HEADS) != ("heads" in extra):
         raise _Bad(
             field,
-            f"{field}: a kv_heads, parts_rows, qkv_rows or zero_rows piece, and only one, "
-            "names its heads",
+            f"{field}: a {', '.join(_WITH_HEADS[:-1])} or {_WITH_HEADS[-1]} piece, and only "
+            "one, names its heads",
         )
     if (value[1] in ("block_scale", "packed", *MX_CUTS)) != ("scale_of" in extra):
         raise _Bad(

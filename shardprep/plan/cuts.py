@@ -55,9 +55,11 @@ class Cut(Enum):
     # One value of one expert ([1] or [], an NVFP4 global scale), whole on every rank: a
     # stack of them is a vector [experts].
     EXPERT_SCALAR = "expert_scalar"
-    # `heads` zero rows of the source's width, on every rank: rows a fused layer pads its
-    # output with and never loads (Kimi-K3's `in_proj_qkvgfab`); nothing of the source
-    # is read.
+    # Zero rows of the source's width up to a multiple of `heads` rows of the parameter
+    # so far, on every rank: rows a fused layer pads each rank's output with and never
+    # loads (Kimi-K3's `in_proj_qkvgfab`); nothing of the source is read.
+    ALIGN_ROWS = "align_rows"
+    # `heads` zero rows: how artifacts made before ALIGN_ROWS recorded it, for their tp.
     ZERO_ROWS = "zero_rows"
 
 

@@ -265,6 +265,10 @@ def tensor_plan(
         return TensorPlan(param.name, dtype, shape, stack, experts=shape[0])
     blocks: list[Block] = []
     for piece in param.pieces:
+        if piece.cut is Cut.ALIGN_ROWS:  # depends on the rank's rows so far, so on tp
+            if padding := -sum(b.height for b in blocks) % piece.heads:
+                blocks.append(Block(None, (0, padding)))
+            continue
         try:
             blocks += piece_blocks(piece, source.tensors[piece.source][1], tp, rank)
         except PlanError as exc:

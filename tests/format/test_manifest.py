@@ -255,7 +255,7 @@ def _first(data: dict, role: str = "target") -> dict:
         ),
         (
             lambda d: _first(d)["pieces"].update(x=[["y", "kv_heads"]]),
-            "a kv_heads, parts_rows, qkv_rows or zero_rows piece, and only one, names its heads",
+            "a kv_heads, parts_rows, qkv_rows, align_rows or zero_rows piece, and only one, names",
         ),
         (
             lambda d: _first(d)["pieces"].update(x=[["y", "rows", {"expert": -1}]]),

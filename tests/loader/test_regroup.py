@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardprep.convert.run import Options, convert
+from shardprep.demo.quant_configs import TINY_FP8_CT, TINY_MODELOPT_NVFP4, TINY_NVFP4
 from shardprep.demo.tiny import TINY_FP8, make_tiny_draft, make_tiny_model
 from shardprep.errors import TopologyMismatchError
 from shardprep.format.manifest import Manifest, read_manifest
@@ -139,6 +140,40 @@ def test_gpt_oss_fused_experts_transposed_at_a_coarser_tp(tmp_path: Path, tp: in
     _convert(target, artifact, 2, 2)
     _convert(target, reference, tp, pp)
     assert set(_compare(artifact, reference, "target")) == {1.0}
+
+
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [
+        ("MixtralForCausalLM", {}),
+        ("DeepseekV2ForCausalLM", {}),
+        ("DeepseekV32ForCausalLM", {"num_nextn_predict_layers": 1}),
+        ("DeepseekV4ForCausalLM", {}),  # with its built-in DSpark draft
+        ("Glm4MoeForCausalLM", {"num_nextn_predict_layers": 1}),
+        ("KimiK25ForConditionalGeneration", {}),
+        # the fused in_proj_qkvgfab, its zero rows aligned per rank: 14 at tp2, 12 at tp1
+        ("KimiK3ForConditionalGeneration", {"num_nextn_predict_layers": 1}),
+        ("Qwen3NextForCausalLM", {}),
+        ("Qwen3_5MoeForConditionalGeneration", {}),  # transformers 5's fused expert stacks
+        ("Qwen3MoeForCausalLM", {"quantization_config": TINY_NVFP4}),
+        ("Qwen3MoeForCausalLM", {"quantization_config": TINY_FP8_CT}),
+        ("LlamaForCausalLM", {"quantization_config": TINY_MODELOPT_NVFP4}),
+    ],
+    ids=["mixtral", "deepseek-v2", "deepseek-v3.2", "deepseek-v4", "glm", "kimi-k2.5",
+         "kimi-k3", "qwen3-next", "qwen3.5-moe", "nvfp4", "fp8-ct", "modelopt-nvfp4"],
+)  # fmt: skip
+def test_every_family_and_its_draft_at_tp1_from_tp2(
+    tmp_path: Path, architecture: str, overrides: dict
+) -> None:
+    """An artifact says it serves every tp dividing its own: what it makes for tp1 is, byte
+    for byte, what a conversion made at tp1 holds, for the target and its draft."""
+    target = make_tiny_model(tmp_path / "model", architecture, **overrides)
+    artifact, reference = tmp_path / "tp2-pp2", tmp_path / "tp1"
+    made = _convert(target, artifact, 2, 2)
+    assert 1 in made.served_tps
+    _convert(target, reference, 1, 1)
+    for model in made.models:
+        assert set(_compare(artifact, reference, model.role)) == {1.0}, model.role
 
 
 def test_a_tp_that_does_not_divide_is_refused(dense: tuple[Path, Path, Path]) -> None:

@@ -102,12 +102,6 @@ class K3Dims:
         """vLLM's `KimiDecoderLayer.is_moe_layer`."""
         return bool(self.experts) and layer >= self.first_dense and layer % self.moe_freq == 0
 
-    def kda_padding(self, tp: int) -> int:
-        """Zero rows vLLM appends to a rank's `in_proj_qkvgfab` (`in_proj_padding`)."""
-        projection = self.kda_heads * self.kda_head_dim
-        local = 4 * projection // tp + self.kda_head_dim + self.kda_heads // tp
-        return -local % KDA_ALIGN
-
     def problems(self, tp: int) -> list[str]:
         problems = []
         if self.kda_layers and not self.full_rank_gate:
@@ -267,9 +261,8 @@ class K3Dims:
         prefix = f"{MODEL}layers.{layer}."
         for t in self.layer_tensors(layer):
             yield prefix + t.vllm, Piece(prefix + t.hf, t.cut), t.dtype
-            padding = self.kda_padding(tp)
-            if t.hf == "self_attn.b_proj.weight" and padding:
-                yield prefix + t.vllm, Piece(prefix + t.hf, Cut.ZERO_ROWS, padding), None
+            if t.hf == "self_attn.b_proj.weight":  # vLLM's `in_proj_padding`
+                yield prefix + t.vllm, Piece(prefix + t.hf, Cut.ALIGN_ROWS, KDA_ALIGN), None
         if self.is_moe(layer):
             experts = f"{prefix}block_sparse_moe.experts."
             routed = experts + "routed_experts."
