@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from shardprep.convert.run import Options, convert
-from shardprep.demo.quant_configs import TINY_FP8_CT, TINY_MODELOPT_NVFP4, TINY_NVFP4
+from shardprep.demo.quant_configs import (
+    KIMI_K3_MXFP4,
+    TINY_FP8_CT,
+    TINY_INT4,
+    TINY_MODELOPT_NVFP4,
+    TINY_NVFP4,
+)
 from shardprep.demo.tiny import TINY_FP8, make_tiny_draft, make_tiny_model
 from shardprep.errors import TopologyMismatchError
 from shardprep.format.manifest import Manifest, read_manifest
@@ -153,6 +159,14 @@ def test_gpt_oss_fused_experts_transposed_at_a_coarser_tp(tmp_path: Path, tp: in
         ("KimiK25ForConditionalGeneration", {}),
         # the fused in_proj_qkvgfab, its zero rows aligned per rank: 14 at tp2, 12 at tp1
         ("KimiK3ForConditionalGeneration", {"num_nextn_predict_layers": 1}),
+        ("KimiK3ForConditionalGeneration", {
+            "torch_dtype": "bfloat16", "quantization_config": KIMI_K3_MXFP4,
+            "moe_intermediate_size": 256, "routed_expert_hidden_size": 256,
+        }),  # MXFP4 experts no backend pads
+        ("DeepseekV3ForCausalLM", {  # Kimi-K2-Thinking's int4 experts, with the MTP draft
+            "num_hidden_layers": 3, "num_nextn_predict_layers": 1,
+            "quantization_config": TINY_INT4,
+        }),
         ("Qwen3NextForCausalLM", {}),
         ("Qwen3_5MoeForConditionalGeneration", {}),  # transformers 5's fused expert stacks
         ("Qwen3MoeForCausalLM", {"quantization_config": TINY_NVFP4}),
@@ -160,7 +174,8 @@ def test_gpt_oss_fused_experts_transposed_at_a_coarser_tp(tmp_path: Path, tp: in
         ("LlamaForCausalLM", {"quantization_config": TINY_MODELOPT_NVFP4}),
     ],
     ids=["mixtral", "deepseek-v2", "deepseek-v3.2", "deepseek-v4", "glm", "kimi-k2.5",
-         "kimi-k3", "qwen3-next", "qwen3.5-moe", "nvfp4", "fp8-ct", "modelopt-nvfp4"],
+         "kimi-k3", "kimi-k3-mxfp4", "int4", "qwen3-next", "qwen3.5-moe", "nvfp4", "fp8-ct",
+         "modelopt-nvfp4"],
 )  # fmt: skip
 def test_every_family_and_its_draft_at_tp1_from_tp2(
     tmp_path: Path, architecture: str, overrides: dict
