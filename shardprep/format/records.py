@@ -80,7 +80,8 @@ class PieceEntry:
 
     source: str
     cut: str
-    heads: int = 0  # KV heads (kv_heads); parts (parts_rows); rows of q (qkv_rows)
+    heads: int = 0  # KV heads (kv_heads); parts (parts_rows); rows of q (qkv_rows); the
+    # multiple of rows (align_rows); zero rows (zero_rows)
     expert: int | None = None  # the global expert id, for a piece of an expert stack
     scale_of: ScaleEntry | None = None  # for the block_scale cut
 
@@ -209,7 +210,9 @@ class Manifest:
         model records its pieces and every stage is here); () for its own topology only."""
         if not self.models or not all(m.pieces for m in self.models):
             return ()
-        if tuple(self.stages) != tuple(range(self.topology.pp)) or self.padded_for_tp:
+        if tuple(self.stages) != tuple(range(self.topology.pp)):
+            return ()
+        if not self._cuts.isdisjoint({*MX_CUTS, "zero_rows"}):  # padded for this tp
             return ()
         return tuple(d for d in range(1, self.topology.tp + 1) if self.topology.tp % d == 0)
 
@@ -217,12 +220,16 @@ class Manifest:
     def padded_for_tp(self) -> bool:
         """Whether expert stacks are padded as the MoE backend pads them at this tp
         (MXFP4): another tp pads other sizes, which no rank tensor here holds."""
-        return any(
-            piece.cut in MX_CUTS
+        return not self._cuts.isdisjoint(MX_CUTS)
+
+    @property
+    def _cuts(self) -> set[str]:
+        return {
+            piece.cut
             for model in self.models
             for pieces in model.pieces.values()
             for piece in pieces
-        )
+        }
 
     def served_topologies(self) -> str:
         """The topologies this artifact serves, as users read them."""
@@ -234,6 +241,8 @@ class Manifest:
             return f"{own} (its MXFP4 experts are padded for tp{topo.tp})"
         if tuple(self.stages) != tuple(range(topo.pp)) and all(m.pieces for m in self.models):
             return f"{own} (it holds stage(s) {', '.join(map(str, self.stages))})"
+        if "zero_rows" in self._cuts:
+            return f"{own} (made before shardprep aligned its zero rows for each tp)"
         return f"{own} (made before shardprep recorded where its pieces came from)"
 
     def to_json(self) -> str:

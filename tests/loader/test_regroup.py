@@ -220,6 +220,30 @@ def test_an_artifact_without_pieces_serves_only_its_own_topology(
     assert one_stage.served_topologies() == "tp2 x pp2 only (it holds stage(s) 1)"
 
 
+def test_zero_rows_counted_for_one_tp_serve_only_that_tp(tmp_path: Path) -> None:
+    """Kimi-K3's KDA zero rows as artifacts recorded them before `align_rows`: a count
+    for the artifact's tp, which another tp does not pad to."""
+    target = make_tiny_model(tmp_path / "k3", "KimiK3ForConditionalGeneration")
+    manifest = _convert(target, tmp_path / "tp2", 2, 2)
+    assert manifest.served_tps == (1, 2)
+
+    def counted(pieces: tuple) -> tuple:
+        return tuple(
+            dataclasses.replace(p, cut="zero_rows", heads=14) if p.cut == "align_rows" else p
+            for p in pieces
+        )
+
+    models = tuple(
+        dataclasses.replace(m, pieces={n: counted(p) for n, p in m.pieces.items()})
+        for m in manifest.models
+    )
+    old = dataclasses.replace(manifest, models=models)
+    assert old.served_tps == ()
+    assert old.served_topologies() == (
+        "tp2 x pp2 only (made before shardprep aligned its zero rows for each tp)"
+    )
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1)])
 def test_deepseek_v3_with_its_mtp_draft(tmp_path: Path, tp: int, pp: int) -> None:
     """The MTP draft, stored on the last stage of tp2 x pp2, cut for the last stage of
