@@ -14,7 +14,12 @@ from vllm.config import ModelConfig
 from shardprep.errors import TopologyMismatchError
 from shardprep.format.dtypes import TORCH_DTYPE_NAMES
 from shardprep.format.manifest import Manifest, ModelEntry
-from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
+from shardprep.loader.experts import (
+    RunningExperts,
+    check_device_layout,
+    check_expert_parallel,
+    check_experts,
+)
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,7 @@ def check_moe(
     running = RunningExperts.current(model, place.tp_rank)
     if running is None:
         return
+    check_expert_parallel(entry, running)
     hint = f"shardprep convert {source_of(manifest)} --tp {place.tp_size} --pp {place.pp_size} "
     check_experts(artifact, entry.experts, running, hint + "EP_FLAGS-o NEW")
     files = entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank)

@@ -15,7 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from shardprep.errors import TopologyMismatchError
-from shardprep.format.manifest import Experts, ParamSpec
+from shardprep.format.manifest import Experts, ModelEntry, ParamSpec
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,21 @@ class RunningExperts:
             placement=str(manager.placement_strategy),
             ep_rank=int(manager.ep_rank) if manager.use_ep else tp_rank,
             held=held,
+        )
+
+
+def check_expert_parallel(entry: ModelEntry, running: RunningExperts) -> None:
+    """vLLM runs the experts with expert parallelism only for a family whose experts
+    shardprep lays out that way (`Family.expert_parallel_refusal`)."""
+    if entry.role != "target" or not running.expert_parallel:
+        return  # a draft is loaded after its target, which this checks
+    from shardprep.plan import archs  # pure data
+
+    refusal = archs.target_family_of(entry.architecture).expert_parallel_refusal
+    if refusal:
+        raise TopologyMismatchError(
+            f"vLLM runs {entry.architecture} with --enable-expert-parallel, but {refusal}; "
+            "start vLLM without --enable-expert-parallel"
         )
 
 

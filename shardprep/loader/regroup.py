@@ -321,12 +321,13 @@ def running_split(
     """How vLLM spreads the experts on this rank, as the plan's ExpertSplit and MoE rank."""
     if entry.experts is None:
         return None
-    from shardprep.loader.experts import RunningExperts
+    from shardprep.loader.experts import RunningExperts, check_expert_parallel
     from shardprep.plan.topology import ExpertSplit
 
     running = RunningExperts.current(model, place.tp_rank)
     if running is None:
         return None
+    check_expert_parallel(entry, running)
     split = ExpertSplit(
         entry.experts.num_experts, place.tp_size, running.dp, running.expert_parallel,
         running.placement,

@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 
 from shardprep.errors import TopologyMismatchError
-from shardprep.format.manifest import Experts, ParamSpec
-from shardprep.loader.experts import RunningExperts, check_device_layout, check_experts
+from shardprep.format.manifest import Experts, ModelEntry, ParamSpec, Source
+from shardprep.loader.experts import (
+    RunningExperts,
+    check_device_layout,
+    check_expert_parallel,
+    check_experts,
+)
 
 OUT = Path("out")
 HINT = "shardprep convert MODEL --tp 2 --pp 1 EP_FLAGS-o NEW"
@@ -35,6 +40,10 @@ def running(**changes: object) -> RunningExperts:
     return RunningExperts(**(fields | changes))  # type: ignore[arg-type]
 
 
+def target(architecture: str) -> ModelEntry:
+    return ModelEntry("target", architecture, "bfloat16", "", 2, Source("m", None, None, ()))
+
+
 def message(experts: Experts, run: RunningExperts) -> str:
     with pytest.raises(TopologyMismatchError) as info:
         check_experts(OUT, experts, run, HINT)
@@ -44,6 +53,28 @@ def message(experts: Experts, run: RunningExperts) -> str:
 def test_matching_settings_pass() -> None:
     check_experts(OUT, EP_ARTIFACT, running(), HINT)
     check_experts(OUT, TP_ARTIFACT, running(expert_parallel=False, flag=False, held=None), HINT)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "why"),
+    [
+        ("KimiK3ForConditionalGeneration", "expert parallelism is not supported for Kimi-K3 yet"),
+        ("GptOssForCausalLM", "gpt-oss with expert parallelism is not supported yet"),
+        ("DeepseekV4ForCausalLM", "expert parallelism is not supported for DeepSeek-V4 yet"),
+    ],
+)
+def test_a_family_convert_lays_out_without_expert_parallelism_refuses_it(
+    architecture: str, why: str
+) -> None:
+    """An artifact of such a family holds no expert-parallel layout, and at another tp the
+    loader would cut one out of it: vLLM run with the flag is refused either way."""
+    check_expert_parallel(target(architecture), running(expert_parallel=False, held=None))
+    with pytest.raises(TopologyMismatchError) as info:
+        check_expert_parallel(target(architecture), running())
+    message = str(info.value)
+    assert message.startswith(f"vLLM runs {architecture} with --enable-expert-parallel, but {why}")
+    assert message.endswith("; start vLLM without --enable-expert-parallel")
+    check_expert_parallel(target("DeepseekV3ForCausalLM"), running())  # laid out either way
 
 
 def test_expert_parallel_off_in_vllm() -> None:

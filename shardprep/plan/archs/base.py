@@ -76,6 +76,10 @@ class Family:
     # Qwen3-MoE saved by transformers 5 holds num_local_experts, not num_experts); vLLM
     # reads either through the class, and so does `read_config`.
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {}
+    # Why shardprep does not lay out the family's experts as vLLM runs them with expert
+    # parallelism; "" when it does. Convert refuses the flag and the loader refuses a
+    # vLLM that runs with it (`expert_parallel_problems`).
+    expert_parallel_refusal: ClassVar[str] = ""
 
     def read_config(self, config: Config) -> dict[str, Any]:
         """config.json as transformers' config class reads it: each key of an
@@ -226,3 +230,10 @@ def require_mtp_layer(
             "with --no-mtp to leave the MTP draft out, or use a checkpoint that includes its "
             "MTP layers"
         )
+
+
+def expert_parallel_problems(family: Family, context: Mapping[str, Any]) -> list[str]:
+    """The family's refusal of `--enable-expert-parallel`, if it is given."""
+    if context.get("expert_parallel") and family.expert_parallel_refusal:
+        return [f"{family.expert_parallel_refusal}; leave --enable-expert-parallel out"]
+    return []

@@ -41,7 +41,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes, config_int
+from shardprep.plan.archs.base import (
+    Config,
+    Family,
+    Layout,
+    Param,
+    Shapes,
+    config_int,
+    expert_parallel_problems,
+)
 from shardprep.plan.archs.deepseek import F32, fused_params
 from shardprep.plan.archs.deepseek_v4_quant import quant_problem, quant_scheme, quantized_weights
 from shardprep.plan.cuts import Cut, Piece
@@ -222,6 +230,7 @@ def expert_shapes(d: V4Dims) -> dict[str, tuple[int, int]]:
 
 class DeepseekV4Family(Family):
     name = "deepseek_v4"
+    expert_parallel_refusal = "expert parallelism is not supported for DeepSeek-V4 yet"
     # As published: fp8 blocks with e8m0 scales and MXFP4 experts (deepseek_v4_quant.py)
     quant_schemes = frozenset({"fp8_block"})
     quant_refusals: ClassVar[Mapping[str, str]] = {
@@ -273,11 +282,7 @@ class DeepseekV4Family(Family):
         problems = [p for p in problems if p]
         if config.get("tie_word_embeddings"):
             problems.append("tie_word_embeddings is not supported for DeepSeek-V4")
-        if context.get("expert_parallel") or context.get("dp", 1) > 1:
-            problems.append(
-                "expert parallelism and dp > 1 are not supported for DeepSeek-V4 yet; "
-                "convert without --enable-expert-parallel and --dp"
-            )
+        problems += expert_parallel_problems(self, context)
         sizes = [
             ("num_attention_heads", d.heads),
             ("o_groups", d.o_groups),

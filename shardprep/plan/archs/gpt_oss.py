@@ -28,7 +28,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
+from shardprep.plan.archs.base import (
+    Config,
+    Family,
+    Layout,
+    Param,
+    Shapes,
+    expert_parallel_problems,
+)
 from shardprep.plan.archs.llama import Dims, layer_params
 from shardprep.plan.archs.moe import group_layers
 from shardprep.plan.cuts import Cut, Piece
@@ -83,6 +90,7 @@ class GptOssDims(Dims):
 class GptOssFamily(Family):
     name = "gpt_oss"
     quant_schemes = frozenset({"mxfp4"})
+    expert_parallel_refusal = "gpt-oss with expert parallelism is not supported yet"
     quant_refusals: ClassVar[Mapping[str, str]] = {
         "*": "gpt-oss is published with MXFP4 experts (quant_method mxfp4), which shardprep "
         "converts"
@@ -129,10 +137,7 @@ class GptOssFamily(Family):
                 f"{world}, which vLLM's gpt-oss requires of the whole world size; choose "
                 "sizes that divide it"
             )
-        if context.get("expert_parallel"):
-            problems.append(
-                "gpt-oss with --enable-expert-parallel is not supported yet; leave it out"
-            )
+        problems += expert_parallel_problems(self, context)
         if dims.tied:
             problems.append(
                 "tie_word_embeddings is not supported for gpt-oss: vLLM loads lm_head.weight "

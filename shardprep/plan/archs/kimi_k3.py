@@ -41,7 +41,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
+from shardprep.plan.archs.base import (
+    Config,
+    Family,
+    Layout,
+    Param,
+    Shapes,
+    expert_parallel_problems,
+)
 from shardprep.plan.archs.deepseek import fused_params
 from shardprep.plan.archs.kimi_k3_dspark import target_draft_problems, target_embed_stages
 from shardprep.plan.archs.kimi_k3_quant import quant_scheme, quantized_weights
@@ -63,6 +70,10 @@ from shardprep.plan.topology import Topology
 class KimiK3Family(Family):
     name = "kimi_k3"
     quant_schemes = frozenset({"mxfp4_pack"})  # as published: MXFP4 routed experts
+    expert_parallel_refusal = (
+        "expert parallelism is not supported for Kimi-K3 yet: vLLM then runs its experts "
+        "and shared experts in a layout shardprep does not write"
+    )
 
     def read_config(self, config: Config) -> dict[str, Any]:
         return text_config(config)
@@ -96,11 +107,7 @@ class KimiK3Family(Family):
         if config.get("tie_word_embeddings"):
             problems.append("tie_word_embeddings is not supported for Kimi-K3 models")
         problems += target_draft_problems(context)
-        if context.get("expert_parallel"):
-            problems.append(
-                "--enable-expert-parallel is not supported for Kimi-K3 yet: vLLM then runs "
-                "its experts and shared experts in a layout shardprep does not write"
-            )
+        problems += expert_parallel_problems(self, context)
         return problems + VisionTower.of(config).problems(tp)
 
     def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
