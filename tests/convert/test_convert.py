@@ -17,7 +17,8 @@ from shardprep.constants import MANIFEST_NAME, PARTIAL_MARKER
 from shardprep.convert import rankfiles as rankfiles_module
 from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
-from shardprep.demo.tiny import make_tiny_model
+from shardprep.demo.quant_configs import TINY_MXFP4, TINY_NVFP4
+from shardprep.demo.tiny import TINY_FP8, make_tiny_model
 from shardprep.errors import ConfigError, CorruptFileError, OutputExistsError, PlanError
 from shardprep.format.manifest import read_manifest
 
@@ -34,6 +35,28 @@ def test_every_arch_and_topology_round_trips(tiny, tmp_path: Path, arch: str, tp
     report = verify(tmp_path / "out", full=True)
     assert report.ok, report.problems
     assert report.round_trip_tensors == len(load_file(model / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("DeepseekV3ForCausalLM", {"quantization_config": TINY_FP8, "num_nextn_predict_layers": 1}),
+        ("DeepseekV4ForCausalLM", {}),
+        ("GptOssForCausalLM", {"quantization_config": TINY_MXFP4}),
+        ("KimiK3ForConditionalGeneration", {"num_nextn_predict_layers": 1}),
+        ("Qwen3_5MoeForConditionalGeneration", {}),
+        ("Qwen3MoeForCausalLM", {"quantization_config": TINY_NVFP4}),
+    ],
+    ids=["deepseek-v3-fp8", "deepseek-v4", "gpt-oss-mxfp4", "kimi-k3", "qwen3.5-moe", "nvfp4"],
+)
+def test_the_newer_families_round_trip(tmp_path: Path, arch: str, overrides: dict) -> None:
+    """`verify --full` re-cuts every block from the source: fp8 expert scales on a refined
+    grid (one scale row per expert), MXFP4 slabs, fused expert stacks, drafts."""
+    model = make_tiny_model(tmp_path / "model", arch, **overrides)
+    convert(str(model), tmp_path / "out", Options(tp=2, pp=2), progress=False)
+    report = verify(tmp_path / "out", full=True)
+    assert report.ok, report.problems[:3]
+    assert report.round_trip_tensors > 0
 
 
 def test_fused_qkv_bytes_equal_an_independent_cut(tiny, tmp_path: Path) -> None:
