@@ -66,6 +66,14 @@ def engine(mm: dict) -> dict:
     return mm | {"enable_prefix_caching": False}
 
 
+def loaded(path: Path, role: str, shared: set[str]) -> tuple[dict, dict]:
+    """A rank's dump, without the draft parameters vLLM swaps for the target's."""
+    state, meta = vllm_env.read_dump(path)
+    if role == "draft":
+        state = {name: value for name, value in state.items() if name not in shared}
+    return state, meta
+
+
 def test_qwen3_5_moe_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
     tmp_path: Path,
 ) -> None:
@@ -80,11 +88,9 @@ def test_qwen3_5_moe_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
     )  # fmt: skip
     assert sorted(dumps) == expected
     for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        ours = rank_tensors(artifact, role, p, t)
+        state, meta = loaded(path, role, shared)
         if role == "draft":
             assert meta["model_class"] == "Qwen3_5MoeMTP"
-            state = {name: value for name, value in state.items() if name not in shared}
         else:
             assert meta["model_class"] == QWEN35
             linear, full = f"{LAYERS}{2 * p}.linear_attn.", f"{LAYERS}{2 * p + 1}.self_attn."
@@ -94,7 +100,7 @@ def test_qwen3_5_moe_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
             assert state[linear + "A_log"].dtype == torch.float32
             assert tuple(state[full + "qkv_proj.weight"].shape) == ((2 * 4 + 2 * 2) * 32 // 2, 128)
             assert tuple(state[TOWER + "blocks.1.attn.qkv.weight"].shape) == (3 * 64 // 2, 64)
-        assert_same_state(state, ours)
+        assert_same_state(state, rank_tensors(artifact, role, p, t))
     # The same artifact at tp1 x pp2, text only: each rank regroups its tensors from the
     # tp2 files, and skips the tower; what it holds is what a tp1 x pp2 conversion holds.
     tp1 = tmp_path / "tp1"
@@ -106,15 +112,12 @@ def test_qwen3_5_moe_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
     )  # fmt: skip
     assert sorted(fast) == sorted(vllm_env.expected_dumps(1, 2, with_draft=True))
     for (role, p, t), path in fast.items():
-        state, meta = vllm_env.read_dump(path)
+        state, meta = loaded(path, role, shared)
         assert meta["trap_armed"] and meta["collective_calls"] == []
         assert not [name for name in state if name.startswith(TOWER)]
         ours = rank_tensors(tp1, role, p, t)
         assert any(name.startswith(TOWER) for name in ours) == (role == "target")
-        text = {name: value for name, value in ours.items() if not name.startswith(TOWER)}
-        if role == "draft":
-            state = {name: value for name, value in state.items() if name not in shared}
-        assert_same_state(state, text)
+        assert_same_state(state, {n: v for n, v in ours.items() if not n.startswith(TOWER)})
 
 
 def test_qwen3_5_moe_mtp_speculates_through_sharded_fast_at_tp2_with_collectives_refused(
@@ -134,13 +137,10 @@ def test_qwen3_5_moe_mtp_speculates_through_sharded_fast_at_tp2_with_collectives
         dumps = vllm_env.dump_files(dump_dir)
         assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=True))
         for (role, p, t), path in dumps.items():
-            state, meta = vllm_env.read_dump(path)
+            state, meta = loaded(path, role, shared)
             if loader == "dump-sharded-fast":
                 assert meta["trap_armed"] and meta["collective_calls"] == []
-            if role == "draft":
-                state = {name: value for name, value in state.items() if name not in shared}
-            else:
-                assert any(name.startswith(TOWER) for name in state)
+            assert any(name.startswith(TOWER) for name in state) == (role == "target")
             assert_same_state(state, rank_tensors(artifact, role, p, t))
     assert [len(seq) for seq in runs["dump-default"]] == [8, 8]
     assert runs["dump-sharded-fast"] == runs["dump-default"]
