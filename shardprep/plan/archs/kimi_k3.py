@@ -122,9 +122,7 @@ class KimiK3Family(Family):
         )
         skipped = {name: mtp for name in shapes if d.beyond_layers(name)}
         for layer in range(d.layers):
-            params += fused_params(
-                d.layer_params(layer, topology.tp), topology.stage_of_layer(layer)
-            )
+            params += fused_params(d.layer_params(layer), topology.stage_of_layer(layer))
         embed = target_embed_stages(topology, context)  # the DSpark draft's too
         params.append(Param(EMBED, (Piece(EMBED, Cut.VOCAB),), embed))
         params.append(Param(NORM, (Piece(NORM, Cut.REPLICATE),), (last,)))

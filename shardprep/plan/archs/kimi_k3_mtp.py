@@ -123,7 +123,7 @@ class KimiK3MtpDraft(DraftFamily):
             source, vllm = f"{MODEL}layers.{layer}.", f"model.layers.{layer}."
             block = (
                 (vllm + BLOCK + name.removeprefix(source), piece, dtype)
-                for name, piece, dtype in d.layer_params(layer, topology.tp)
+                for name, piece, dtype in d.layer_params(layer)
             )
             params += fused_params(block, last)
             for name in (*NORMS, EH_PROJ):

@@ -256,7 +256,7 @@ class K3Dims:
             found[OUT_RES[1]] = ((1, self.hidden), None)
         return found
 
-    def layer_params(self, layer: int, tp: int) -> Iterator[tuple[str, Piece, str | None]]:
+    def layer_params(self, layer: int) -> Iterator[tuple[str, Piece, str | None]]:
         """(vLLM name, piece, fixed dtype) in stacking order; pieces of one name fuse."""
         prefix = f"{MODEL}layers.{layer}."
         for t in self.layer_tensors(layer):
