@@ -181,6 +181,15 @@ def regroup_rank(
         e = entry.experts
         art_split = ExpertSplit(e.num_experts, topo.tp, e.dp, e.expert_parallel, e.placement)
     new_split, moe_rank = experts if experts is not None else (None, tp_rank)
+    ways = new_split.size if new_split is not None else tp
+    cut = ways > 1 and (new_split is None or not new_split.uses_ep)
+    if cut and art_split is not None and art_split.uses_ep:  # parts of experts: not stored
+        raise TopologyMismatchError(
+            f"artifact {artifact} holds whole experts on each rank (converted with "
+            f"--enable-expert-parallel) but vLLM runs tp{tp} without expert parallelism, "
+            f"which cuts every expert {ways} ways; start vLLM with --enable-expert-parallel "
+            "(or at tp1), or convert again without it"
+        )
     ratio = topo.tp // tp
     own_ranks = set(range(tp_rank * ratio, (tp_rank + 1) * ratio))
 

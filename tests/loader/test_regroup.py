@@ -129,6 +129,25 @@ def test_moe_experts_at_a_coarser_tp(tmp_path: Path, made: dict, served: dict) -
     assert set(_compare(artifact, reference, "target", ep=ep)) == {1.0}
 
 
+def test_whole_experts_are_not_cut_for_a_run_without_expert_parallelism(tmp_path: Path) -> None:
+    """An expert-parallel artifact holds whole experts: vLLM without EP takes them whole
+    at tp1, and at tp2 would need half of each, which no rank file holds."""
+    target = make_tiny_model(tmp_path / "moe", "Qwen3MoeForCausalLM")
+    artifact = tmp_path / "ep"
+    _convert(target, artifact, 2, 2, expert_parallel=True)
+    _convert(target, tmp_path / "tp1", 1, 1)
+    assert set(_compare(artifact, tmp_path / "tp1", "target")) == {1.0}
+    _convert(target, tmp_path / "tp2", 2, 1)
+    with pytest.raises(TopologyMismatchError) as info:
+        _compare(artifact, tmp_path / "tp2", "target")
+    assert str(info.value) == (
+        f"artifact {artifact} holds whole experts on each rank (converted with "
+        "--enable-expert-parallel) but vLLM runs tp2 without expert parallelism, which cuts "
+        "every expert 2 ways; start vLLM with --enable-expert-parallel (or at tp1), or convert "
+        "again without it"
+    )
+
+
 def test_mla_with_fp8_block_scales(tmp_path: Path) -> None:
     target = make_tiny_model(
         tmp_path / "dsv3", "DeepseekV3ForCausalLM", quantization_config=TINY_FP8
