@@ -55,7 +55,8 @@ CUTS += ("per_tensor", "scalar")
 # ... and one value of an expert (an NVFP4 global scale), stacked into a vector.
 CUTS += ("expert_scalar",)
 # ... and zero rows that a fused layer pads its output with, read from no source: up to
-# a multiple of rows (or, as recorded before that, a count for one tp).
+# a multiple of rows (or, as artifacts recorded it before, a count for their tp alone:
+# those serve only their own topology, so nothing cuts them again).
 CUTS += ("align_rows", "zero_rows")
 # ... of an expert stack stored as vLLM stacks it (transformers 5's fused experts).
 CUTS += ("expert_halves_rows", "expert_cols")

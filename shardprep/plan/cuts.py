@@ -59,8 +59,6 @@ class Cut(Enum):
     # so far, on every rank: rows a fused layer pads each rank's output with and never
     # loads (Kimi-K3's `in_proj_qkvgfab`); nothing of the source is read.
     ALIGN_ROWS = "align_rows"
-    # `heads` zero rows: how artifacts made before ALIGN_ROWS recorded it, for their tp.
-    ZERO_ROWS = "zero_rows"
 
 
 # The cuts that read one row (dim 0) of their source per expert, and those of them whose

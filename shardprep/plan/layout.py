@@ -82,8 +82,6 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
     rows = shape[0] if shape else 1
     if piece.cut in (Cut.REPLICATE, Cut.EXPERT_SCALAR):
         return (Block(piece.source, (0, rows)),)
-    if piece.cut is Cut.ZERO_ROWS:
-        return (Block(None, (0, piece.heads)),)
     if piece.cut in (Cut.PER_TENSOR, Cut.SCALAR):
         if rows != 1 or len(shape) > 1:
             raise PlanError(
