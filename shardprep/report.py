@@ -148,6 +148,7 @@ def artifact_summary(manifest: mf.Manifest) -> dict[str, Any]:
         },
         "serves": manifest.served_topologies(),
         "served_tps": list(manifest.served_tps),
+        "whole_experts": manifest.whole_experts,  # tp > 1 then needs expert parallelism
         "stages": list(manifest.stages),
         "models": [
             {

@@ -224,6 +224,12 @@ class Manifest:
         return not self._cuts.isdisjoint(MX_CUTS)
 
     @property
+    def whole_experts(self) -> bool:
+        """Whether each rank holds whole experts (converted with expert parallelism): vLLM
+        takes them so at tp1, or with expert parallelism; no rank file holds part of one."""
+        return any(m.experts is not None and m.experts.expert_parallel for m in self.models)
+
+    @property
     def _cuts(self) -> set[str]:
         return {
             piece.cut
@@ -236,7 +242,14 @@ class Manifest:
         """The topologies this artifact serves, as users read them."""
         topo = self.topology
         if self.served_tps:
-            return f"tp {', '.join(map(str, self.served_tps))} x any pp"
+            served = f"tp {', '.join(map(str, self.served_tps))} x any pp"
+            with_ep = [str(tp) for tp in self.served_tps if tp > 1]
+            if self.whole_experts and with_ep:
+                served += (
+                    f" (tp {', '.join(with_ep)} with --enable-expert-parallel: each rank "
+                    "holds whole experts)"
+                )
+            return served
         own = f"tp{topo.tp} x pp{topo.pp} only"
         if self.padded_for_tp:
             return f"{own} (its MXFP4 experts are padded for tp{topo.tp})"

@@ -26,6 +26,7 @@ from shardprep.loader.reader import read_rank
 from shardprep.loader.regroup import ReadCount, check_served, regroup_rank
 from shardprep.plan.regions import tp_ranks_for, worker_stages
 from shardprep.plan.topology import ExpertSplit
+from shardprep.report import artifact_summary
 
 
 def _convert(source: Path, out: Path, tp: int, pp: int, **options: object) -> Manifest:
@@ -134,7 +135,12 @@ def test_whole_experts_are_not_cut_for_a_run_without_expert_parallelism(tmp_path
     at tp1, and at tp2 would need half of each, which no rank file holds."""
     target = make_tiny_model(tmp_path / "moe", "Qwen3MoeForCausalLM")
     artifact = tmp_path / "ep"
-    _convert(target, artifact, 2, 2, expert_parallel=True)
+    made = _convert(target, artifact, 2, 2, expert_parallel=True)
+    assert made.served_topologies() == (
+        "tp 1, 2 x any pp (tp 2 with --enable-expert-parallel: each rank holds whole experts)"
+    )
+    assert artifact_summary(made)["whole_experts"] is True
+    assert artifact_summary(_convert(target, tmp_path / "cut", 2, 2))["whole_experts"] is False
     _convert(target, tmp_path / "tp1", 1, 1)
     assert set(_compare(artifact, tmp_path / "tp1", "target")) == {1.0}
     _convert(target, tmp_path / "tp2", 2, 1)
