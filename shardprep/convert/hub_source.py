@@ -221,20 +221,23 @@ class Arrivals:
                     _arrive, checkpoint, quiet, commit, file, self.count
                 )
 
-    def arrived(self, checkpoint: Checkpoint, files: list[str]) -> Iterator[str]:
-        """`files` of `checkpoint`, each once it is here, in the order they arrive: first
-        those not being downloaded (a local source's, in order), then the downloads as
-        each ends. A failed download is raised when it is reached."""
+    def arrived(self, checkpoint: Checkpoint, files: list[str]) -> Iterator[list[str]]:
+        """`files` of `checkpoint` in batches, each once it is here: first, together, those
+        not being downloaded (all of a local source's, in order), then each download as
+        it ends. A failed download is raised when it is reached."""
         pending = {}
+        here = []
         for file in files:
             future = self._futures.get((id(checkpoint), file))
             if future is None:
-                yield file
+                here.append(file)
             else:
                 pending[future] = file
+        if here:
+            yield here
         for future in as_completed(pending):
             future.result()
-            yield pending[future]
+            yield [pending[future]]
 
     def finish(self) -> None:
         """Until every download asked for is done; the first failure is raised."""

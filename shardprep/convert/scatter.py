@@ -1,11 +1,14 @@
 """Moving the bytes of a plan: every source byte read once, every output byte written once.
 
-Source files are read one after the other; a file that is not hashed here is read in the
-order of its tensors' destinations (`_landing`). A tensor whose rank slices are whole rows
-of the same dtype goes from file to file inside the kernel (`copy_file_range`), unless its
-bytes are needed here anyway to hash the source; other tensors are read in bounded chunks
-into two reused buffers and scattered (columns gathered, dtypes cast) to every rank file
-that needs them. Rank files are hashed while they are written (`rankfiles.py`).
+A source file that is hashed here is read whole, in file order. The files that are not
+(their sha256 is known, or the plan is one stage's) are read together, tensor by tensor in
+the order of the tensors' destinations (`_landing`), whichever file holds each: all of a
+local source's at once, a Hub source's as each download ends. A tensor whose rank slices
+are whole rows of the same dtype goes from file to file inside the kernel
+(`copy_file_range`), unless its bytes are needed here anyway to hash the source; other
+tensors are mapped in bounded windows and scattered (columns gathered, dtypes cast) to
+every rank file that needs them. Rank files are hashed while they are written
+(`rankfiles.py`).
 
 A source file that lives in the Hugging Face cache is a blob named by its sha256, and one
 that `hf download --local-dir` fetched has its sha256 recorded beside it: that sha256 is
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shardprep.constants import CHUNK_BYTES
-from shardprep.convert.checkpoint import Checkpoint, known_sha256
+from shardprep.convert.checkpoint import Checkpoint, KnownSha256, known_sha256
 from shardprep.convert.journal import Journal
 from shardprep.convert.place import scatter_chunk
 from shardprep.convert.rankfiles import Mover, Write, open_outputs
@@ -46,13 +49,14 @@ def write_rank_files(
     *,
     progress: bool,
     rehash_source: bool = False,
-    arrived: Callable[[Checkpoint, list[str]], Iterable[str]] | None = None,
+    arrived: Callable[[Checkpoint, list[str]], Iterable[list[str]]] | None = None,
     done: Callable[[Checkpoint, str], None] | None = None,
 ) -> dict[tuple[str, str], str]:
     """Write every file of `todo`; returns the sha256 of each source file read whole.
-    `arrived(checkpoint, files)` yields the source files to read as each is here to be
-    read (the order does not change a byte of the output: every block has its place);
-    `done(checkpoint, file)` is called once every tensor of it is written."""
+    `arrived(checkpoint, files)` yields the source files to read in batches, each batch
+    once all of it is here to be read (the order does not change a byte of the output:
+    every block has its place); `done(checkpoint, file)` is called once every tensor of
+    it is written."""
     files, writes = open_outputs(todo, out)
     full = plan.stages == tuple(range(plan.topology.pp))
     sources = _distinct(checkpoints)
@@ -67,25 +71,21 @@ def write_rank_files(
         for roles, checkpoint in sources:
             # A file of another stage is not read (a Hub source's not fetched).
             needed = [f for f in checkpoint.files if full or _feeds(checkpoint, roles, f, writes)]
-            for file in arrived(checkpoint, needed) if arrived is not None else needed:
-                known = known_sha256(checkpoint, file) if full else None
-                hash_it = full and (known is None or rehash_source)
-                digest = _scatter_file(
-                    reader, mover, checkpoint, roles, file, writes, hash_it, bar, full
-                )
-                if digest and known and digest != known.sha256:
-                    raise CorruptFileError(
-                        f"{checkpoint.root / file} hashes to {digest}, not to {known.claim} "
-                        f"({known.sha256}); the download is damaged or the file was changed "
-                        "since: delete it and download the model again",
-                        path=str(checkpoint.root / file),
-                    )
-                if digest or known:
-                    for role in roles:
-                        source_hashes[(role, file)] = digest or known.sha256  # type: ignore[union-attr]
+            for batch in arrived(checkpoint, needed) if arrived is not None else [needed]:
+                claims = {f: known_sha256(checkpoint, f) if full else None for f in batch}
+                hashed = [f for f in batch if _hash_here(claims[f], full, rehash_source)]
+                together = [f for f in batch if f not in hashed]
+                _scatter_together(reader, mover, checkpoint, roles, together, writes, bar, full)
+                digests = {
+                    f: _scatter_file(reader, mover, checkpoint, roles, f, writes, bar)
+                    for f in hashed
+                }
+                for file in batch:
+                    _record(source_hashes, roles, checkpoint, file, digests.get(file), claims[file])
                 if done is not None:
                     mover.wait()
-                    done(checkpoint, file)
+                    for file in batch:
+                        done(checkpoint, file)
             for name, data in checkpoint.side_tensors.items():
                 info = checkpoint.tensors[name].info
                 scatter_chunk(mover, info, 0, memoryview(data), _targets(writes, roles, name))
@@ -115,6 +115,35 @@ def _distinct(checkpoints: dict[str, Checkpoint]) -> list[tuple[tuple[str, ...],
         roles, _ = found.get(id(checkpoint), ((), checkpoint))
         found[id(checkpoint)] = ((*roles, role), checkpoint)
     return list(found.values())
+
+
+def _hash_here(claim: KnownSha256 | None, full: bool, rehash_source: bool) -> bool:
+    """Whether a source file is hashed as it is read: only in a full conversion (its
+    manifest records every source file), where its sha256 is not known or to be checked."""
+    return full and (claim is None or rehash_source)
+
+
+def _record(
+    hashes: dict[tuple[str, str], str],
+    roles: tuple[str, ...],
+    checkpoint: Checkpoint,
+    file: str,
+    digest: str | None,
+    claim: KnownSha256 | None,
+) -> None:
+    """Record a source file's sha256: what it hashed to, else what is known of it; the
+    two must agree."""
+    if digest and claim and digest != claim.sha256:
+        raise CorruptFileError(
+            f"{checkpoint.root / file} hashes to {digest}, not to {claim.claim} "
+            f"({claim.sha256}); the download is damaged or the file was changed "
+            "since: delete it and download the model again",
+            path=str(checkpoint.root / file),
+        )
+    sha256 = digest or (claim.sha256 if claim else None)
+    if sha256:
+        for role in roles:
+            hashes[(role, file)] = sha256
 
 
 def _targets(
@@ -215,44 +244,90 @@ def _scatter_file(
     roles: tuple[str, ...],
     file: str,
     writes: dict[tuple[str, str], list[Write]],
-    hash_it: bool,
     bar: tqdm,
-    whole: bool,
-) -> str | None:
-    """Read one source file (all of it in file order, hashed, when `hash_it`; else only the
-    tensors this plan needs, in the order of their destinations: `_landing`) and move every
-    tensor's blocks to their rank files. `bar` counts the whole file when `whole` (a full
-    convert), else the tensors written only."""
+) -> str:
+    """Read one source file whole, in file order, hashing it, and move every tensor's
+    blocks to their rank files; returns its sha256."""
     tensors = sorted(
         (t for t in checkpoint.tensors.values() if t.file == file), key=lambda t: t.info.offset
     )
-    digest = hashlib.sha256() if hash_it else None
-    header_size = tensors[0].info.offset if tensors else None
-    if digest is None:
-        tensors.sort(key=lambda t: _landing(_targets(writes, roles, t.name), t.info.offset))
+    digest = hashlib.sha256()
     path = checkpoint.root / file
-    fd = os.open(path, os.O_RDONLY)
-    _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
+    fd = _open_source(path)
     try:
-        header_size = path.stat().st_size if header_size is None else header_size
-        if digest is not None:
-            reader.hash_bytes(digest, os.pread(fd, header_size, 0))
-        bar.update(header_size if whole else 0)
+        header_size = tensors[0].info.offset if tensors else checkpoint.size(file)
+        reader.hash_bytes(digest, os.pread(fd, header_size, 0))
+        bar.update(header_size)
         for tensor in tensors:
-            info, targets = tensor.info, _targets(writes, roles, tensor.name)
-            if digest is None and _copy_whole_rows(mover, fd, info, targets):
-                bar.update(info.nbytes)
-                continue
-            if not targets and digest is None:
-                bar.update(info.nbytes if whole else 0)
-                continue
-            for start, chunk in reader.chunks(fd, info, digest):
-                scatter_chunk(mover, info, start, chunk, targets)
-                bar.update(len(chunk))
+            targets = _targets(writes, roles, tensor.name)
+            _move_tensor(reader, mover, fd, tensor.info, targets, digest, bar, True)
     finally:
         reader.close()
         os.close(fd)
-    return reader.hexdigest(digest) if digest is not None else None
+    return reader.hexdigest(digest)
+
+
+def _scatter_together(
+    reader: SourceReader,
+    mover: Mover,
+    checkpoint: Checkpoint,
+    roles: tuple[str, ...],
+    files: list[str],
+    writes: dict[tuple[str, str], list[Write]],
+    bar: tqdm,
+    whole: bool,
+) -> None:
+    """Move the tensors of several source files, none of them hashed, in the order of
+    their destinations (`_landing`) across the files: a layer whose last part is in the
+    next file (v_proj, say) does not hold back every rank file's prefix, and so its
+    hashing, until that file is read."""
+    fds: dict[str, int] = {}
+    try:
+        for file in files:
+            fds[file] = _open_source(checkpoint.root / file)
+        tensors = [t for t in checkpoint.tensors.values() if t.file in fds]
+        if whole:  # the bytes before each file's first tensor (all of a file without one)
+            first = {f: checkpoint.size(f) for f in files}
+            for tensor in tensors:
+                first[tensor.file] = min(first[tensor.file], tensor.info.offset)
+            bar.update(sum(first.values()))
+        tensors.sort(key=lambda t: _landing(_targets(writes, roles, t.name), t.info.offset))
+        for tensor in tensors:
+            targets = _targets(writes, roles, tensor.name)
+            _move_tensor(reader, mover, fds[tensor.file], tensor.info, targets, None, bar, whole)
+    finally:
+        reader.close()
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _open_source(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
+    return fd
+
+
+def _move_tensor(
+    reader: SourceReader,
+    mover: Mover,
+    fd: int,
+    info: TensorInfo,
+    targets: list[Write],
+    digest: Any | None,
+    bar: tqdm,
+    whole: bool,
+) -> None:
+    """Move one source tensor's blocks to their rank files (file to file in the kernel
+    where they are whole rows and the source is not hashed), counting it on `bar`."""
+    if digest is None and _copy_whole_rows(mover, fd, info, targets):
+        bar.update(info.nbytes)
+        return
+    if not targets and digest is None:
+        bar.update(info.nbytes if whole else 0)
+        return
+    for start, chunk in reader.chunks(fd, info, digest):
+        scatter_chunk(mover, info, start, chunk, targets)
+        bar.update(len(chunk))
 
 
 def _landing(targets: list[Write], offset: int) -> tuple[int, int]:
