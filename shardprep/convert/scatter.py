@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -281,24 +281,48 @@ def _scatter_together(
     their destinations (`_landing`) across the files: a layer whose last part is in the
     next file (v_proj, say) does not hold back every rank file's prefix, and so its
     hashing, until that file is read."""
-    fds: dict[str, int] = {}
-    try:
-        for file in files:
-            fds[file] = _open_source(checkpoint.root / file)
-        tensors = [t for t in checkpoint.tensors.values() if t.file in fds]
-        if whole:  # the bytes before each file's first tensor (all of a file without one)
-            first = {f: checkpoint.size(f) for f in files}
-            for tensor in tensors:
-                first[tensor.file] = min(first[tensor.file], tensor.info.offset)
-            bar.update(sum(first.values()))
-        tensors.sort(key=lambda t: _landing(_targets(writes, roles, t.name), t.info.offset))
+    wanted = set(files)
+    tensors = [t for t in checkpoint.tensors.values() if t.file in wanted]
+    if whole:  # the bytes before each file's first tensor (all of a file without one)
+        first = {f: checkpoint.size(f) for f in files}
         for tensor in tensors:
-            targets = _targets(writes, roles, tensor.name)
-            _move_tensor(reader, mover, fds[tensor.file], tensor.info, targets, None, bar, whole)
-    finally:
-        reader.close()
-        for fd in fds.values():
-            os.close(fd)
+            first[tensor.file] = min(first[tensor.file], tensor.info.offset)
+        bar.update(sum(first.values()))
+    tensors.sort(key=lambda t: _landing(_targets(writes, roles, t.name), t.info.offset))
+    with SourceFiles(checkpoint.root) as sources:
+        try:
+            for tensor in tensors:
+                targets = _targets(writes, roles, tensor.name)
+                fd = sources.fd(tensor.file)
+                _move_tensor(reader, mover, fd, tensor.info, targets, None, bar, whole)
+        finally:
+            reader.close()
+
+
+class SourceFiles:
+    """Source files opened as they are needed, at most `most` at a time (a checkpoint may
+    have hundreds; the least recently used is closed first)."""
+
+    def __init__(self, root: Path, most: int = 32) -> None:
+        self.root = root
+        self.most = most
+        self.open: OrderedDict[str, int] = OrderedDict()
+
+    def fd(self, file: str) -> int:
+        if file in self.open:
+            self.open.move_to_end(file)
+            return self.open[file]
+        while len(self.open) >= self.most:
+            os.close(self.open.popitem(last=False)[1])
+        self.open[file] = _open_source(self.root / file)
+        return self.open[file]
+
+    def __enter__(self) -> SourceFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self.open:
+            os.close(self.open.popitem()[1])
 
 
 def _open_source(path: Path) -> int:

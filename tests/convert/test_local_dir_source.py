@@ -143,3 +143,22 @@ def test_metadata_that_is_not_a_sha256_is_ignored(tmp_path: Path, lines: str) ->
     assert local_dir_sha256(model, name) is None
     hashes = dict(_source_hashes(tmp_path / "out", Options(tp=1, pp=1), model))
     assert hashes[name] == hashlib.sha256((model / name).read_bytes()).hexdigest()
+
+
+def test_source_files_read_together_keep_few_open(tmp_path: Path) -> None:
+    """Read together, a checkpoint's files are opened as needed, a bounded number at once
+    (one may have hundreds), and each descriptor reads its own file."""
+    from shardprep.convert.scatter import SourceFiles
+
+    for name in "abcde":
+        (tmp_path / name).write_bytes(name.encode() * 8)
+    with SourceFiles(tmp_path, most=2) as sources:
+        seen = []
+        for name in "abcaeda":
+            assert os.pread(sources.fd(name), 8, 0) == name.encode() * 8
+            seen.append(len(sources.open))
+        assert max(seen) == 2
+        held = list(sources.open.values())
+    for fd in held:
+        with pytest.raises(OSError):
+            os.fstat(fd)
