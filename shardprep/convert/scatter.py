@@ -1,11 +1,12 @@
 """Moving the bytes of a plan: every source byte read once, every output byte written once.
 
-A source file that is hashed here is read whole, in file order. The files that are not
-(their sha256 is known, or the plan is one stage's) are read together, tensor by tensor in
-the order of the tensors' destinations (`_landing`), whichever file holds each: all of a
-local source's at once, a Hub source's as each download ends. A tensor whose rank slices
-are whole rows of the same dtype goes from file to file inside the kernel
-(`copy_file_range`), unless its bytes are needed here anyway to hash the source; other
+Source files are read from the page cache, tensor by tensor in the order of the tensors'
+destinations (`_landing`), so that each rank file's prefix grows, and is hashed, as the
+copy goes. The files whose sha256 is known (or not wanted: a one-stage plan) are read
+together, whichever file holds each tensor: all of a local source's at once, a Hub
+source's as each download ends. A file hashed here is read on its own, and hashed whole,
+in file order, on another thread meanwhile. A tensor whose rank slices are whole rows of
+the same dtype goes from file to file inside the kernel (`copy_file_range`); other
 tensors are mapped in bounded windows and scattered (columns gathered, dtypes cast) to
 every rank file that needs them. Rank files are hashed while they are written
 (`rankfiles.py`).
@@ -174,19 +175,17 @@ def _bytes_to_read(
 
 class SourceReader:
     """Maps source files window by window (at most CHUNK_BYTES of whole rows each): the
-    bytes are hashed and scattered straight from the page cache, never copied into a
-    buffer first. Hashing a window (on a worker thread) overlaps scattering the next;
-    a window is unmapped once hashed, so at most two are mapped at a time."""
+    bytes are scattered straight from the page cache, never copied into a buffer first;
+    at most two windows are mapped at a time. A source file hashed here is hashed whole,
+    in file order, on the reader's own thread (`hash_file`), while its tensors move."""
 
     def __init__(self, hasher: ThreadPoolExecutor) -> None:
         self.hasher = hasher
-        self.windows: deque[tuple[Future[None] | None, list[Any]]] = deque()
+        self.windows: deque[list[Any]] = deque()
 
-    def chunks(
-        self, fd: int, info: TensorInfo, digest: Any | None
-    ) -> Iterator[tuple[int, memoryview]]:
+    def chunks(self, fd: int, info: TensorInfo) -> Iterator[tuple[int, memoryview]]:
         """(first row, bytes) of consecutive row ranges of at most CHUNK_BYTES (one row
-        at least); each chunk is hashed into `digest` in order, in the background."""
+        at least)."""
         rows_total = info.shape[0] if info.shape else 1
         rows_per_chunk = max(1, CHUNK_BYTES // max(info.row_bytes, 1))
         for start in range(0, rows_total, rows_per_chunk):
@@ -194,27 +193,20 @@ class SourceReader:
             offset, length = info.offset + start * info.row_bytes, (end - start) * info.row_bytes
             while len(self.windows) >= 2:
                 self._unmap_oldest()
-            first = offset - offset % mmap.ALLOCATIONGRANULARITY
-            mapped = mmap.mmap(fd, offset + length - first, prot=mmap.PROT_READ, offset=first)
-            whole = memoryview(mapped)
-            view = whole[offset - first :]
-            # Let the disk fetch the next chunk while this one is hashed and scattered.
+            window = _map(fd, offset, length)
+            # Let the disk fetch the next chunk while this one is scattered.
             _advise(fd, offset + length, CHUNK_BYTES, "POSIX_FADV_WILLNEED")
-            hashed = self.hasher.submit(digest.update, view) if digest is not None else None
-            self.windows.append((hashed, [view, whole, mapped]))
-            yield start, view
+            self.windows.append(window)
+            yield start, window[0]
+
+    def hash_file(self, path: Path) -> Future[str]:
+        return self.hasher.submit(_sha256_of, path)
 
     def _unmap_oldest(self) -> None:
-        hashed, (view, whole, mapped) = self.windows.popleft()
-        error = None
-        if hashed is not None:  # the hash must be done with the bytes before they go
-            wait([hashed])
-            error = None if hashed.cancelled() else hashed.exception()
+        view, whole, mapped = self.windows.popleft()
         view.release()
         whole.release()
         mapped.close()
-        if error is not None:
-            raise error
 
     def close(self) -> None:
         while self.windows:
@@ -225,11 +217,34 @@ class SourceReader:
                 # window; it is unmapped when the last of them goes.
                 continue
 
-    def hash_bytes(self, digest: Any, data: bytes) -> None:
-        self.hasher.submit(digest.update, data)
 
-    def hexdigest(self, digest: Any) -> str:
-        return self.hasher.submit(digest.hexdigest).result()
+def _map(fd: int, offset: int, length: int) -> list[Any]:
+    """[view of bytes offset..offset + length, view of the mapping, the mapping]."""
+    first = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, offset + length - first, prot=mmap.PROT_READ, offset=first)
+    whole = memoryview(mapped)
+    return [whole[offset - first :], whole, mapped]
+
+
+def _sha256_of(path: Path) -> str:
+    """The sha256 of a file, read through the page cache window by window, in order."""
+    digest = hashlib.sha256()
+    fd = _open_source(path)
+    try:
+        size = os.fstat(fd).st_size
+        for offset in range(0, size, CHUNK_BYTES):
+            length = min(CHUNK_BYTES, size - offset)
+            _advise(fd, offset + length, CHUNK_BYTES, "POSIX_FADV_WILLNEED")
+            view, whole, mapped = _map(fd, offset, length)
+            try:
+                digest.update(view)
+            finally:
+                view.release()
+                whole.release()
+                mapped.close()
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
 
 
 def _advise(fd: int, offset: int, length: int, advice: str) -> None:
@@ -246,25 +261,15 @@ def _scatter_file(
     writes: dict[tuple[str, str], list[Write]],
     bar: tqdm,
 ) -> str:
-    """Read one source file whole, in file order, hashing it, and move every tensor's
-    blocks to their rank files; returns its sha256."""
-    tensors = sorted(
-        (t for t in checkpoint.tensors.values() if t.file == file), key=lambda t: t.info.offset
-    )
-    digest = hashlib.sha256()
-    path = checkpoint.root / file
-    fd = _open_source(path)
+    """Read one source file, hashing it whole in file order while its tensors move as
+    `_scatter_together` moves them (both read it from the page cache: it is fetched from
+    disk once); returns its sha256."""
+    hashed = reader.hash_file(checkpoint.root / file)
     try:
-        header_size = tensors[0].info.offset if tensors else checkpoint.size(file)
-        reader.hash_bytes(digest, os.pread(fd, header_size, 0))
-        bar.update(header_size)
-        for tensor in tensors:
-            targets = _targets(writes, roles, tensor.name)
-            _move_tensor(reader, mover, fd, tensor.info, targets, digest, bar, True)
+        _scatter_together(reader, mover, checkpoint, roles, [file], writes, bar, True)
     finally:
-        reader.close()
-        os.close(fd)
-    return reader.hexdigest(digest)
+        wait([hashed])
+    return hashed.result()
 
 
 def _scatter_together(
@@ -294,7 +299,7 @@ def _scatter_together(
             for tensor in tensors:
                 targets = _targets(writes, roles, tensor.name)
                 fd = sources.fd(tensor.file)
-                _move_tensor(reader, mover, fd, tensor.info, targets, None, bar, whole)
+                _move_tensor(reader, mover, fd, tensor.info, targets, bar, whole)
         finally:
             reader.close()
 
@@ -337,19 +342,18 @@ def _move_tensor(
     fd: int,
     info: TensorInfo,
     targets: list[Write],
-    digest: Any | None,
     bar: tqdm,
     whole: bool,
 ) -> None:
     """Move one source tensor's blocks to their rank files (file to file in the kernel
-    where they are whole rows and the source is not hashed), counting it on `bar`."""
-    if digest is None and _copy_whole_rows(mover, fd, info, targets):
+    where they are whole rows of the same dtype), counting it on `bar`."""
+    if _copy_whole_rows(mover, fd, info, targets):
         bar.update(info.nbytes)
         return
-    if not targets and digest is None:
+    if not targets:
         bar.update(info.nbytes if whole else 0)
         return
-    for start, chunk in reader.chunks(fd, info, digest):
+    for start, chunk in reader.chunks(fd, info):
         scatter_chunk(mover, info, start, chunk, targets)
         bar.update(len(chunk))
 

@@ -74,8 +74,7 @@ def test_recorded_sha256_is_trusted_and_rows_move_in_the_kernel(
     monkeypatch.setattr(os, "copy_file_range", copy)
     options = Options(tp=2, pp=2)
     from_local = convert(str(local), tmp_path / "local-out", options, progress=False)
-    # Whole-row slices only go file to file when the source is not hashed here.
-    assert kernel_copies, "a source with a recorded sha256 should not be read for hashing"
+    assert kernel_copies, "whole-row slices should go file to file, in the kernel"
     # ...and in the order of their destinations, whichever source file holds them, so that
     # each rank file's prefix grows (and is hashed) tensor by tensor: in file order, o_proj
     # and the MLP (after q/k/v in the source's sorted names) would land past qkv_proj, which
@@ -85,7 +84,11 @@ def test_recorded_sha256_is_trusted_and_rows_move_in_the_kernel(
     for _, rank_file, offset in kernel_copies:
         per_file.setdefault(rank_file, []).append(offset)
     assert all(offsets == sorted(offsets) for offsets in per_file.values()), per_file
+    copied_from_local = len(kernel_copies)
     plain = convert(str(model), tmp_path / "plain-out", options, progress=False)
+    # A plain folder is hashed here (whole, on another thread) and still copied in the
+    # kernel; the sha256 it records is the real one (what huggingface_hub recorded, above).
+    assert len(kernel_copies) == 2 * copied_from_local
     assert [(f.path, f.sha256) for f in from_local.files] == [
         (f.path, f.sha256) for f in plain.files
     ]
