@@ -46,7 +46,7 @@ def scatter_chunk(
             if target.cols is not None:
                 size = DTYPE_SIZES[info.dtype]
                 block = block[:, target.cols[0] * size : target.cols[1] * size]
-            data = np.ascontiguousarray(block)
+            data = mover.gathered(block)
             if target.dtype != info.dtype:
                 data = _cast(data, info.dtype, target.dtype)
         dest_row = target.dest_row + first - target.rows[0]

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shardprep import safefs
 from shardprep.constants import INCOMPLETE_SUFFIX
 from shardprep.convert.journal import Journal
@@ -146,6 +148,17 @@ class Mover:
         self.pending: list[Future[None]] = []
         # None until the first kernel copy shows whether this kernel and file system can.
         self.kernel_copy: bool | None = None if hasattr(os, "copy_file_range") else False
+        self._scratch = np.empty(0, np.uint8)
+
+    def gathered(self, block: np.ndarray) -> np.ndarray:
+        """`block` (strided: columns of rows) copied into one buffer reused from block to
+        block, which `write` writes out before it returns: memory the process already
+        has, where a new array each time would take new pages from the system."""
+        if self._scratch.size < block.nbytes:
+            self._scratch = np.empty(block.nbytes, np.uint8)
+        out = self._scratch[: block.nbytes].view(block.dtype).reshape(block.shape)
+        np.copyto(out, block)
+        return out
 
     def write(self, index: int, data: memoryview | bytes, offset: int) -> None:
         pwrite_all(self.files[index].fd, data, offset)
