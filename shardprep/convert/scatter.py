@@ -236,12 +236,8 @@ def _sha256_of(path: Path) -> str:
             length = min(CHUNK_BYTES, size - offset)
             _advise(fd, offset + length, CHUNK_BYTES, "POSIX_FADV_WILLNEED")
             view, whole, mapped = _map(fd, offset, length)
-            try:
+            with mapped, whole, view:
                 digest.update(view)
-            finally:
-                view.release()
-                whole.release()
-                mapped.close()
     finally:
         os.close(fd)
     return digest.hexdigest()
@@ -282,10 +278,9 @@ def _scatter_together(
     bar: tqdm,
     whole: bool,
 ) -> None:
-    """Move the tensors of several source files, none of them hashed, in the order of
-    their destinations (`_landing`) across the files: a layer whose last part is in the
-    next file (v_proj, say) does not hold back every rank file's prefix, and so its
-    hashing, until that file is read."""
+    """Move the tensors of source files in the order of their destinations (`_landing`)
+    across the files: a layer whose last part is in the next file (v_proj, say) does not
+    hold back every rank file's prefix, and so its hashing, until that file is read."""
     wanted = set(files)
     tensors = [t for t in checkpoint.tensors.values() if t.file in wanted]
     if whole:  # the bytes before each file's first tensor (all of a file without one)
