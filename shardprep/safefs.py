@@ -78,6 +78,17 @@ def write_atomic(
         raise
 
 
+def append_existing(path: Path, data: str) -> None:
+    """`data` appended to the file at `path`, which must exist and not be a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        view = memoryview(data.encode())
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
 def copy_new(src: Path, dst: Path) -> None:
     """Copy `src` (which may be a link, as in the Hugging Face cache) to a new file `dst`."""
     fd = create_new(dst)

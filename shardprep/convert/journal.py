@@ -4,6 +4,12 @@
 their sha256, for one exact plan (a fingerprint of the plan and of the source files' sizes
 and times). A rerun skips the files that still hash to what it recorded. A complete
 artifact (its manifest present) is treated the same way, if it is this plan's.
+
+It is JSON lines: the plan first, then one line per finished file, appended as each file
+is renamed into place. Appending costs one small write; rewriting the whole record
+through a rename each time took 15 ms a file on ext4 while the conversion's own writes
+were in flight, on the threads that hash. A last line without its newline is a write
+that was cut short, and is ignored.
 """
 
 from __future__ import annotations
@@ -68,35 +74,58 @@ class Journal:
     def record(self, path: str, digest: str) -> None:
         with self.lock:
             self.done[path] = digest
-            self._save()
+            try:
+                safefs.append_existing(self.path, _line({"path": path, "sha256": digest}))
+            except OSError:  # removed or replaced by a link meanwhile: written anew
+                self._save()
 
     def _save(self) -> None:
-        state = {"plan": self.fingerprint, "done": dict(sorted(self.done.items()))}
-        safefs.write_atomic(self.path, json.dumps(state, indent=1) + "\n")
+        lines = [_line({"plan": self.fingerprint})]
+        lines += [_line({"path": p, "sha256": d}) for p, d in sorted(self.done.items())]
+        safefs.write_atomic(self.path, "".join(lines))
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
 
 
+def _line(entry: dict[str, str]) -> str:
+    return json.dumps(entry) + "\n"
+
+
 def _read_state(path: Path, out: Path) -> dict[str, Any]:
     """The journal's content, or one line saying how to start over."""
-    try:
-        state = json.loads(path.read_bytes())
-        plan, done = state["plan"], state["done"]
-        valid = (
-            isinstance(plan, str)
-            and isinstance(done, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in done.items())
-        )
-    except (ValueError, KeyError, TypeError, RecursionError):
-        valid = False
-    if not valid:
+    state = parse_journal(path.read_bytes())
+    if state is None:
         raise CorruptFileError(
             f"{path}, the record of an interrupted convert, is damaged; to start over, "
             f"delete the folder {out} and run the same convert again",
             path=str(path),
         )
-    return {"plan": plan, "done": done}
+    return state
+
+
+def parse_journal(data: bytes) -> dict[str, Any] | None:
+    """`{"plan": ..., "done": {path: sha256}}` from a journal's bytes; None if damaged.
+    Also reads the single JSON object that earlier versions wrote."""
+    try:
+        whole = json.loads(data)
+    except (ValueError, RecursionError):
+        whole = None
+    try:
+        if isinstance(whole, dict) and "done" in whole:
+            plan, done = whole["plan"], whole["done"]
+        else:
+            lines = [json.loads(line) for line in data.split(b"\n")[:-1]]
+            plan = lines[0]["plan"]
+            done = {entry["path"]: entry["sha256"] for entry in lines[1:]}
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+        return None
+    valid = (
+        isinstance(plan, str)
+        and isinstance(done, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in done.items())
+    )
+    return {"plan": plan, "done": done} if valid else None
 
 
 def _check_same_plan(
