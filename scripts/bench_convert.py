@@ -11,8 +11,9 @@ each page-cache state and source layout, takes turns round after round (best of
 
 - `cp` of the source files into a fresh folder, then `sync`;
 - `shardprep convert` of the same files, run as the command line in a child process
-  (interpreter start and imports included), then `sync`; the child reports its own I/O
-  counters and peak RSS;
+  (interpreter start and imports included, with every module's bytecode compiled first,
+  as `pip install` leaves it), then `sync`; the child reports its own I/O counters and
+  peak RSS;
 - with `--before CHECKOUT`, the same command from another checkout of shardprep (for
   before/after tables measured in one run).
 
@@ -213,6 +214,15 @@ def run_cp(source: Path, dest: Path) -> dict:
     return {"seconds": time.perf_counter() - start}
 
 
+def compile_bytecode(checkout: Path) -> None:
+    """Write the bytecode of `checkout`'s package, as an install does: without it (say,
+    under PYTHONDONTWRITEBYTECODE) each run compiles some modules again."""
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(checkout / "shardprep")],
+        check=True, env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+    )  # fmt: skip
+
+
 def run_convert(
     checkout: Path | None, source: Path, dest: Path, tp: int, pp: int, extra: list[str]
 ) -> dict:
@@ -332,6 +342,8 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
         return
     shutil.rmtree(root, ignore_errors=True)
+    for checkout in (THIS_CHECKOUT, *([Path(args.before)] if args.before else [])):
+        compile_bytecode(checkout)
     load_before = os.getloadavg()[0]
     try:
         source = build_source(root / "source", llama_config(parse_size(args.size)))
