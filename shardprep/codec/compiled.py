@@ -64,6 +64,18 @@ def join_f16(out, sym, rem):  # type: ignore[no-untyped-def]
         out[i] = (_W(sym[i]) << _W(7)) | ((r & _W(0x80)) << _W(8)) | (r & _W(0x7F))
 
 
+@numba.njit(types.void(_U16_OUT, _U8_IN, _U8_IN, _U8_IN), **_JIT)
+def join_f16_signs(out, sym, low, signs):  # type: ignore[no-untyped-def]
+    """`reassembly.join_f16_signs` (sym.size == low.size == out.size == 8 * signs.size)."""
+    eighth = signs.size
+    for k in range(8):
+        shift = _W(k)
+        for j in range(eighth):
+            i = k * eighth + j
+            sign = ((_W(signs[j]) >> shift) & _W(1)) << _W(15)
+            out[i] = sign | (_W(sym[i]) << _W(8)) | _W(low[i])
+
+
 @numba.njit(types.void(_U32_OUT, _U8_IN, _U8_IN, types.int64, _U8_IN, _U8_IN), **_JIT)
 def join_f32(out, sym, packed, base, byte1, byte0):  # type: ignore[no-untyped-def]
     """`reassembly.join_f32`: the high halves as `join_bf16`, the low ones as they are."""

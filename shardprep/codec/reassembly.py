@@ -80,6 +80,27 @@ def join_f16(out: np.ndarray, sym: np.ndarray, rem: np.ndarray) -> None:
         _or_remainder(part, rem[i : i + part.size], 0x7F, wide)
 
 
+def join_f16_signs(out: np.ndarray, sym: np.ndarray, low: np.ndarray, signs: np.ndarray) -> None:
+    """u16 `out` = sign << 15 | sym << 8 | low: `sym` the exponent and top 2 mantissa bits,
+    `low` the low byte, `signs` one bit per element, sliced: with q = out.size / 8, bit k
+    of byte j is the sign of element k * q + j (so each pass over the bytes is contiguous,
+    as `_pack6` is)."""
+    _check("F16", out.size, sym.size, low.size, signs.size * 8)
+    fast = compiled()
+    if fast is not None:
+        fast.join_f16_signs(out, sym, low, signs)
+        return
+    eighth = signs.size
+    for k in range(8):
+        for j in range(0, eighth, _DECODE_CHUNK):
+            i, part = k * eighth + j, signs[j : j + _DECODE_CHUNK]
+            dest = out[i : i + part.size]
+            np.copyto(dest, sym[i : i + part.size])
+            dest <<= np.uint16(8)
+            dest |= low[i : i + part.size]
+            dest |= ((part >> np.uint8(k)) & np.uint8(1)).astype(np.uint16) << np.uint16(15)
+
+
 def join_f32(
     out: np.ndarray,
     sym: np.ndarray,

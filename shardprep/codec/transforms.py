@@ -16,8 +16,12 @@ mantissa bits along with the exponent. Segment kinds (stored as a byte):
   given the exponent (randn * 0.02: 1.522 vs ZipNN's 1.510; MiniLM 1.513 vs 1.503;
   exponent alone, sign moved out: 1.509). A segment with more than 1/32 of its
   elements outside every window (say, mostly exact zeros) is PLANES(2) instead.
-- F16: symbol = 5 exponent bits and the top 3 mantissa bits, remainder byte = sign and
-  the low 7 mantissa bits (random: stored raw). MiniLM 1.180, as high/low byte planes.
+- F16 (param = layout): symbol = 5 exponent bits and the top 2 mantissa bits; the low
+  mantissa byte and the signs (one bit per element, sliced as `_slice_signs` says) are
+  stored raw (`F16_SIGNS`, what is written). MiniLM 1.180. Its 7-bit symbols decode 8-13 %
+  faster than the 8-bit ones of the earlier layout (`F16_BYTE`: the top 3 mantissa bits in
+  the symbol, the remainder byte = sign and the low 7), which still decodes, at the same
+  ratio (1.1795 against 1.1794 on MiniLM).
 - F32 (param = base): the high halves as BF16, then the two low bytes as two planes.
   MiniLM: 1.225, against 1.217 for 4-plane byte grouping and 1.092 for plain zstd.
 - PLANES (param = item size): plane j holds byte j of every element. F8_E4M3 and F8_E5M2
@@ -42,12 +46,13 @@ from collections.abc import Callable
 import numpy as np
 import zstandard
 
-from shardprep.codec.reassembly import join_bf16, join_f16, join_f32, spread
+from shardprep.codec.reassembly import join_bf16, join_f16, join_f16_signs, join_f32, spread
 from shardprep.errors import CorruptFileError
 
 PLAIN, PLANES, BF16, F16, F32 = range(5)  # segment kinds, as stored
 LZ_BYTES = 5  # planned only: stored as PLANES(1), compressed with zstd level 3
 RAW, ZSTD = 0, 1  # stream methods, as stored
+F16_BYTE, F16_SIGNS = 0, 1  # F16 layouts (the segment's param): earlier, and written now
 
 # dtype -> (kind, item size); any other dtype (integers, bool, F64...) is LZ_BYTES.
 DTYPE_KINDS = {
@@ -76,11 +81,13 @@ def plane_sizes(kind: int, param: int, n: int) -> list[int] | None:
     windowed = kind in (BF16, F32)
     if item == 0 or item > 8 or n % (32 * item) or (windowed and param > 256 - 1 - _WINDOW):
         return None
+    if kind == F16 and param not in (F16_BYTE, F16_SIGNS):
+        return None
     count = n // item
     escapes = -5 * count
     return {
         BF16: [count, count // 4 * 3, escapes],
-        F16: [count, count],
+        F16: [count, count] if param == F16_BYTE else [count, count, count // 8],
         F32: [count, count // 4 * 3, escapes, count, count],
         PLANES: [count] * item,
     }[kind]
@@ -170,13 +177,24 @@ def _encode_bf16(data: memoryview, item: int) -> Encoded:
 
 def _encode_f16(data: memoryview, item: int) -> Encoded:
     words = np.frombuffer(data, "<u2")
-    sym = np.empty(words.size, np.uint8)
-    rem = np.empty(words.size, np.uint8)
+    sym, low, sign = (np.empty(words.size, np.uint8) for _ in range(3))
     for i in range(0, words.size, _CHUNK):
-        chunk = words[i : i + _CHUNK]
-        np.copyto(sym[i : i + chunk.size], _lanes(chunk, 7, 0xFF), casting="unsafe")
-        _remainder(chunk, 7, rem[i : i + chunk.size])
-    return F16, 0, [sym, rem], False
+        chunk, end = words[i : i + _CHUNK], min(i + _CHUNK, words.size)
+        np.copyto(sym[i:end], _lanes(chunk, 8, 0x7F), casting="unsafe")
+        np.copyto(low[i:end], _lanes(chunk, 0, 0xFF), casting="unsafe")
+        np.copyto(sign[i:end], _lanes(chunk, 15, 0x01), casting="unsafe")
+    return F16, F16_SIGNS, [sym, low, _slice_signs(sign)], False
+
+
+def _slice_signs(sign: np.ndarray) -> np.ndarray:
+    """Signs (bytes 0 or 1) of n elements (n % 32 == 0) in n/8 bytes: bit k of byte j is
+    the sign of element k * n/8 + j (`reassembly.join_f16_signs`). In 32-bit lanes, which
+    numpy shifts in bulk (the bits of a byte never reach the next one)."""
+    rows = sign.view(np.uint32).reshape(8, -1)
+    out = rows[0].copy()
+    for k in range(1, 8):
+        out |= rows[k] << np.uint32(k)
+    return out.view(np.uint8)
 
 
 def _encode_f32(data: memoryview, item: int) -> Encoded:
@@ -286,7 +304,10 @@ def _decode_bf16(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:
 
 
 def _decode_f16(dest: np.ndarray, param: int, planes: list[np.ndarray]) -> None:
-    join_f16(dest.view("<u2"), planes[0], planes[1])
+    if param == F16_BYTE:
+        join_f16(dest.view("<u2"), planes[0], planes[1])
+    else:
+        join_f16_signs(dest.view("<u2"), planes[0], planes[1], planes[2])
 
 
 def _decode_f32(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from shardprep.codec import compress_file, decompress_buffer, reassembly
+from shardprep.codec import compress_file, decompress_buffer, reassembly, transforms
 from shardprep.errors import CorruptFileError
 
 EXAMPLES = settings(
@@ -78,6 +78,9 @@ def test_f16_and_f32_joins_are_the_same_compiled_or_not(
     data = np.frombuffer(noise, np.uint8)
     fast, slow = both_ways(reassembly.join_f16, np.zeros(n, "<u2"), data[:n], data[n:])
     assert fast.tobytes() == slow.tobytes()
+    signs = (data[n:], data[:n], data[n : n + n // 8])
+    fast, slow = both_ways(reassembly.join_f16_signs, np.zeros(n, "<u2"), *signs)
+    assert fast.tobytes() == slow.tobytes()
     sym, packed, low = data[:n], data[n : n + n // 4 * 3], (data[n:], data[:n])
     fast, slow = both_ways(reassembly.join_f32, np.zeros(n, "<u4"), sym, packed, base, *low)
     assert fast.tobytes() == slow.tobytes()
@@ -92,6 +95,8 @@ def test_planes_of_other_sizes_are_refused(enabled: bool) -> None:
             reassembly.join_bf16(out, short, np.zeros(48, np.uint8), 100)
         with pytest.raises(CorruptFileError, match="differ in size"):
             reassembly.join_f16(out, np.zeros(64, np.uint8), short)
+        with pytest.raises(CorruptFileError, match="differ in size"):
+            reassembly.join_f16_signs(out, out.view(np.uint8)[:64], short, np.zeros(8, np.uint8))
         with pytest.raises(CorruptFileError, match="differ in size"):
             reassembly.join_f32(np.zeros(64, "<u4"), short, np.zeros(48, np.uint8), 0, out, out)
     finally:
@@ -120,6 +125,40 @@ def test_both_joins_round_trip_real_files(
         assert decompress_buffer(stored.read_bytes(), threads=2).tobytes() == raw
     finally:
         reassembly.use_compiled(True)
+
+
+def _encode_f16_as_before(data: memoryview, item: int) -> transforms.Encoded:
+    """The earlier F16 layout: symbol = exponent and top 3 mantissa bits, remainder byte =
+    sign and the low 7."""
+    words = np.frombuffer(data, "<u2")
+    sym = ((words >> 7) & 0xFF).astype(np.uint8)
+    rem = (((words >> 8) & 0x80) | (words & 0x7F)).astype(np.uint8)
+    return transforms.F16, transforms.F16_BYTE, [sym, rem], False
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "numpy"])
+def test_f16_files_of_the_earlier_layout_still_decode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool
+) -> None:
+    raw = weights(torch.float16, seed=5)
+    source, old, new = tmp_path / "w.safetensors", tmp_path / "old.zst", tmp_path / "new.zst"
+    source.write_bytes(raw)
+    compress_file(source, new, threads=1, frame_size=65536)
+    monkeypatch.setitem(transforms.ENCODERS, transforms.F16, _encode_f16_as_before)
+    compress_file(source, old, threads=1, frame_size=65536)
+    assert old.read_bytes() != new.read_bytes()
+    reassembly.use_compiled(enabled)
+    try:
+        assert decompress_buffer(old.read_bytes(), threads=2).tobytes() == raw
+        assert decompress_buffer(new.read_bytes(), threads=2).tobytes() == raw
+    finally:
+        reassembly.use_compiled(True)
+
+
+def test_f16_segments_of_an_unknown_layout_are_refused() -> None:
+    assert transforms.plane_sizes(transforms.F16, transforms.F16_SIGNS, 128) == [64, 64, 8]
+    assert transforms.plane_sizes(transforms.F16, transforms.F16_BYTE, 128) == [64, 64]
+    assert transforms.plane_sizes(transforms.F16, 2, 128) is None
 
 
 def test_without_numba_the_numpy_joins_decode(
