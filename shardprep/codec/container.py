@@ -3,7 +3,7 @@
 All integers little-endian::
 
     file    = FileHeader Frame* Trailer
-    FileHeader (24 B) = b"\\x89SPZ\\r\\n\\x1a\\n" | version u16 (1) | flags u16 (0)
+    FileHeader (24 B) = b"\\x89SPZ\\r\\n\\x1a\\n" | version u16 (2) | flags u16 (0)
                         | frame_size u32 | raw_size u64
     Frame   = b"SPFR" | raw_len u32 | n_segments u32 | n_streams u32
               | n_segments x Segment | n_streams x Stream | the stored bytes of each stream
@@ -22,6 +22,9 @@ Every size is checked before anything is allocated or written: frame k must hold
 min(frame_size, raw_size - k * frame_size) bytes, so a file never restores more than the
 raw_size its header states (and the caller may require that size up front), and each
 stream's raw size follows from its segment's kind and length.
+
+Version 2 added an F16 layout (`transforms.F16_SIGNS`); version 1 files are read as
+well, and a reader of version 1 only refuses version 2 files by their version.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ MIN_FRAME_SIZE = 4096
 MAX_FRAME_SIZE = 256 * 1024**2
 
 MAGIC = b"\x89SPZ\r\n\x1a\n"
-VERSION = 1
+VERSION = 2
+READS_VERSIONS = (1, 2)
 FILE_HEADER = struct.Struct("<8sHHIQ")
 _FRAME_MAGIC = b"SPFR"
 _FRAME_HEADER = struct.Struct("<4sIII")
@@ -196,8 +200,11 @@ class Container:
         magic, version, _flags, self.frame_size, self.raw_size = FILE_HEADER.unpack(head)
         if magic != MAGIC:
             raise CorruptFileError("it does not start with the container's magic bytes")
-        if version != VERSION:
-            raise CorruptFileError(f"container version {version}, this shardprep reads {VERSION}")
+        if version not in READS_VERSIONS:
+            raise CorruptFileError(
+                f"container version {version}; this shardprep reads versions "
+                f"{', '.join(map(str, READS_VERSIONS))}: upgrade shardprep"
+            )
         if not MIN_FRAME_SIZE <= self.frame_size <= MAX_FRAME_SIZE:
             raise CorruptFileError(f"frame size {self.frame_size} is out of range")
         if expected_raw_size is not None and self.raw_size != expected_raw_size:

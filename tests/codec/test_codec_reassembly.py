@@ -146,13 +146,19 @@ def test_f16_files_of_the_earlier_layout_still_decode(
     compress_file(source, new, threads=1, frame_size=65536)
     monkeypatch.setitem(transforms.ENCODERS, transforms.F16, _encode_f16_as_before)
     compress_file(source, old, threads=1, frame_size=65536)
-    assert old.read_bytes() != new.read_bytes()
+    version_1 = bytearray(old.read_bytes())
+    version_1[8:10] = (1).to_bytes(2, "little")  # as earlier versions wrote it
+    assert version_1 != new.read_bytes()
     reassembly.use_compiled(enabled)
     try:
-        assert decompress_buffer(old.read_bytes(), threads=2).tobytes() == raw
+        assert decompress_buffer(version_1, threads=2).tobytes() == raw
         assert decompress_buffer(new.read_bytes(), threads=2).tobytes() == raw
     finally:
         reassembly.use_compiled(True)
+    version_3 = bytearray(new.read_bytes())
+    version_3[8:10] = (3).to_bytes(2, "little")
+    with pytest.raises(CorruptFileError, match="container version 3; .* upgrade shardprep"):
+        decompress_buffer(version_3)
 
 
 def test_f16_segments_of_an_unknown_layout_are_refused() -> None:
