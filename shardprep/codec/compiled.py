@@ -76,6 +76,34 @@ def join_f16_signs(out, sym, low, signs):  # type: ignore[no-untyped-def]
             out[i] = sign | (_W(sym[i]) << _W(8)) | _W(low[i])
 
 
+@numba.njit(types.void(_U16_OUT, _U8_IN, _U8_IN, types.int64), **_JIT)
+def join_bf16_7(out, sym, packed, base):  # type: ignore[no-untyped-def]
+    """`reassembly.join_bf16_7` (out.size % 32 == 0, sym.size == out.size,
+    packed.size == out.size // 8 * 7)."""
+    eighth = out.size // 8
+    head = 7 * eighth
+    offset = _W(base << 7)
+    for i in range(head):
+        rem = _W(packed[i])
+        out[i] = ((_W(sym[i]) << _W(6)) + offset) | ((rem & _W(0x80)) << _W(8)) | (rem & _W(0x3F))
+    # Slices, not offsets into `packed`: LLVM vectorises the loop only then (9x faster).
+    c0, c1, c2 = packed[:eighth], packed[eighth : 2 * eighth], packed[2 * eighth : 3 * eighth]
+    c3, c4 = packed[3 * eighth : 4 * eighth], packed[4 * eighth : 5 * eighth]
+    c5, c6 = packed[5 * eighth : 6 * eighth], packed[6 * eighth : 7 * eighth]
+    dest, syms = out[head:], sym[head:]
+    for j in range(eighth):
+        low = (
+            ((_W(c0[j]) >> _W(6)) & _W(0x01))
+            | ((_W(c1[j]) >> _W(5)) & _W(0x02))
+            | ((_W(c2[j]) >> _W(4)) & _W(0x04))
+            | ((_W(c3[j]) >> _W(3)) & _W(0x08))
+            | ((_W(c4[j]) >> _W(2)) & _W(0x10))
+            | ((_W(c5[j]) >> _W(1)) & _W(0x20))
+            | ((_W(c6[j]) << _W(9)) & _W(0x8000))
+        )
+        dest[j] = ((_W(syms[j]) << _W(6)) + offset) | low
+
+
 @numba.njit(types.void(_U32_OUT, _U8_IN, _U8_IN, types.int64, _U8_IN, _U8_IN), **_JIT)
 def join_f32(out, sym, packed, base, byte1, byte0):  # type: ignore[no-untyped-def]
     """`reassembly.join_f32`: the high halves as `join_bf16`, the low ones as they are."""

@@ -23,8 +23,9 @@ min(frame_size, raw_size - k * frame_size) bytes, so a file never restores more 
 raw_size its header states (and the caller may require that size up front), and each
 stream's raw size follows from its segment's kind and length.
 
-Version 2 added an F16 layout (`transforms.F16_SIGNS`); version 1 files are read as
-well, and a reader of version 1 only refuses version 2 files by their version.
+Version 2 added an F16 layout (`transforms.F16_SIGNS`) and a BF16 kind with 7-bit
+symbols (`transforms.BF16_7`); version 1 files are read as well, and a reader of
+version 1 only refuses version 2 files by their version.
 """
 
 from __future__ import annotations

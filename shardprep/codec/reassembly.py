@@ -80,6 +80,30 @@ def join_f16(out: np.ndarray, sym: np.ndarray, rem: np.ndarray) -> None:
         _or_remainder(part, rem[i : i + part.size], 0x7F, wide)
 
 
+def join_bf16_7(out: np.ndarray, sym: np.ndarray, packed: np.ndarray, base: int) -> None:
+    """u16 `out` from BF16_7 symbols and 7-bit remainders (escapes not yet patched)."""
+    _check("BF16", out.size - out.size % 32, out.size, sym.size, packed.size // 7 * 8)
+    fast = compiled()
+    if fast is not None:
+        fast.join_bf16_7(out, sym, packed, base)
+        return
+    eighth = out.size // 8
+    head = 7 * eighth
+    wide = np.empty(min(_DECODE_CHUNK, out.size), np.int16)
+    tail = np.empty(eighth, np.uint8)
+    for i in range(0, out.size, _DECODE_CHUNK):
+        part = out[i : i + _DECODE_CHUNK]
+        np.copyto(part, sym[i : i + part.size])
+        part *= np.uint16(1 << 6)  # numpy multiplies u16 in SIMD but shifts them one by one
+        part += np.uint16(base << 7)
+    for i in range(0, head, _DECODE_CHUNK):
+        rem = packed[i : min(i + _DECODE_CHUNK, head)]
+        _or_remainder(out[i:], rem, 0x3F, wide)
+    _unpack7([packed[k * eighth : (k + 1) * eighth] for k in range(7)], tail)
+    for i in range(0, eighth, _DECODE_CHUNK):
+        _or_remainder(out[head + i :], tail[i : i + _DECODE_CHUNK], 0x3F, wide)
+
+
 def join_f16_signs(out: np.ndarray, sym: np.ndarray, low: np.ndarray, signs: np.ndarray) -> None:
     """u16 `out` = sign << 15 | sym << 8 | low: `sym` the exponent and top 2 mantissa bits,
     `low` the low byte, `signs` one bit per element, sliced: with q = out.size / 8, bit k
@@ -179,6 +203,16 @@ def _unpack6_tail(
     np.left_shift(heads[2], np.uint64(1), out=tmp)
     tmp &= spread(0x80, 1)
     lanes |= tmp
+
+
+def _unpack7(carriers: list[np.ndarray], out: np.ndarray) -> None:
+    """Remainder bytes 's0mmmmmm' from bit 6 of seven carrier byte runs (`_pack7`)."""
+    lanes, one = out.view(np.uint32), np.uint32(0x01010101)
+    lanes[:] = 0
+    for k, carrier in enumerate(carriers):
+        lanes |= (carrier.view(np.uint32) >> np.uint32(6 - k)) & one * (1 << k)
+    lanes |= (lanes << np.uint32(1)) & one * 0x80  # the sign, from bit 6 to bit 7
+    lanes &= one * 0xBF
 
 
 def _or_remainder(out: np.ndarray, rem: np.ndarray, low_mask: int, wide: np.ndarray) -> None:

@@ -6,24 +6,27 @@ mantissa bits along with the exponent. Segment kinds (stored as a byte):
 
 - PLAIN: bytes that go into the frame's stream 0 (the header, gaps, small tensors, the
   elements cut by a frame edge), zstd level 3.
-- BF16 (param = base exponent b): symbol byte = 6 bits of exponent - b (the 63 binades
-  [b, b + 62], picked from a sample of the segment) and the top 2 mantissa bits; the
-  remaining sign and 5 mantissa bits are packed four elements to three bytes and stored
-  raw; escapes (u32 positions, then u8 exponents) fix the rare elements outside the
-  window. Symbols are zstd in a Huffman-only setting. Coding the top mantissa bits with
-  the exponent is what takes the ratio past ZipNN's exponent-only Huffman: within a
-  binade a bell-shaped weight distribution is not flat, so those bits are not random
-  given the exponent (randn * 0.02: 1.522 vs ZipNN's 1.510; MiniLM 1.513 vs 1.503;
-  exponent alone, sign moved out: 1.509). A segment with more than 1/32 of its
-  elements outside every window (say, mostly exact zeros) is PLANES(2) instead.
+- BF16_7 (param = base exponent b, written now): symbol = 6 bits of exponent - b (the
+  63 binades [b, b + 62], picked from a sample of the segment) and the top mantissa bit;
+  the sign and the low 6 mantissa bits are packed eight elements to seven bytes
+  (`_pack7`), raw; escapes (u32 positions, then u8 exponents) fix the rare elements
+  outside the window. Symbols are zstd in a Huffman-only setting. Within a binade a
+  bell-shaped weight distribution is not flat, so the top mantissa bit is not random
+  given the exponent: MiniLM 1.510 with it in the symbol, 1.503 (ZipNN's ratio) with the
+  exponent alone, 1.512 with 2 bits, and zstd decodes the 1-bit symbols fastest of the
+  three (13.5, 14.1 and 14.6 ms). A segment with more than 1/32 of its elements outside
+  every window (say, mostly exact zeros) is PLANES(2) instead.
+- BF16 (param = b): the earlier layout, still decoded: symbol = 6 exponent bits and the
+  top 2 mantissa bits, remainder = sign and the low 5, packed by `_pack6`.
 - F16 (param = layout): symbol = 5 exponent bits and the top 2 mantissa bits; the low
   mantissa byte and the signs (one bit per element, sliced as `_slice_signs` says) are
   stored raw (`F16_SIGNS`, what is written). MiniLM 1.180. Its 7-bit symbols decode 8-13 %
   faster than the 8-bit ones of the earlier layout (`F16_BYTE`: the top 3 mantissa bits in
   the symbol, the remainder byte = sign and the low 7), which still decodes, at the same
   ratio (1.1795 against 1.1794 on MiniLM).
-- F32 (param = base): the high halves as BF16, then the two low bytes as two planes.
-  MiniLM: 1.225, against 1.217 for 4-plane byte grouping and 1.092 for plain zstd.
+- F32 (param = base): the high halves as BF16 (the earlier layout), then the two low
+  bytes as two planes. MiniLM: 1.225, against 1.217 for 4-plane byte grouping and 1.092
+  for plain zstd.
 - PLANES (param = item size): plane j holds byte j of every element. F8_E4M3 and F8_E5M2
   are PLANES(1) in the Huffman-only setting (e4m3 1.22x, e5m2 1.44x on randn scaled to
   the format's maximum; zstd levels 1-19 give the same within 0.01 and are slower).
@@ -46,17 +49,25 @@ from collections.abc import Callable
 import numpy as np
 import zstandard
 
-from shardprep.codec.reassembly import join_bf16, join_f16, join_f16_signs, join_f32, spread
+from shardprep.codec.reassembly import (
+    join_bf16,
+    join_bf16_7,
+    join_f16,
+    join_f16_signs,
+    join_f32,
+    spread,
+)
 from shardprep.errors import CorruptFileError
 
 PLAIN, PLANES, BF16, F16, F32 = range(5)  # segment kinds, as stored
 LZ_BYTES = 5  # planned only: stored as PLANES(1), compressed with zstd level 3
+BF16_7 = 6  # stored: BF16 with 7-bit symbols
 RAW, ZSTD = 0, 1  # stream methods, as stored
 F16_BYTE, F16_SIGNS = 0, 1  # F16 layouts (the segment's param): earlier, and written now
 
 # dtype -> (kind, item size); any other dtype (integers, bool, F64...) is LZ_BYTES.
 DTYPE_KINDS = {
-    "BF16": (BF16, 2),
+    "BF16": (BF16_7, 2),
     "F16": (F16, 2),
     "F32": (F32, 4),
     "F8_E4M3": (PLANES, 1),
@@ -65,10 +76,10 @@ DTYPE_KINDS = {
 
 _PAYS = 0.98  # keep a zstd stream only if it saves at least 2 %
 _CHUNK = 1 << 17  # elements per numpy pass: keeps the temporaries in L2
-_WINDOW = 63  # binades covered by a BF16 symbol; symbol 63 << 2 marks an escape
-_ESCAPE = _WINDOW << 2
+_WINDOW = 63  # binades covered by a BF16 symbol; exponent field 63 marks an escape
 _MAX_ESCAPE_SHARE = 1 / 32
 _SAMPLE_STEP = 16
+_LANE32 = np.uint32(0x01010101)  # times a byte mask: that mask in each byte of a u32
 
 Plane = bytes | memoryview | np.ndarray
 Encoded = tuple[int, int, list[Plane], bool]  # kind, param, planes, lz
@@ -77,8 +88,8 @@ Encoded = tuple[int, int, list[Plane], bool]  # kind, param, planes, lz
 def plane_sizes(kind: int, param: int, n: int) -> list[int] | None:
     """Raw size of each stream of an n-byte segment (-k: escapes, at most k bytes); None
     if no encoder writes such a segment."""
-    item = {BF16: 2, F16: 2, F32: 4, PLANES: param}.get(kind, 0)
-    windowed = kind in (BF16, F32)
+    item = {BF16: 2, BF16_7: 2, F16: 2, F32: 4, PLANES: param}.get(kind, 0)
+    windowed = kind in (BF16, BF16_7, F32)
     if item == 0 or item > 8 or n % (32 * item) or (windowed and param > 256 - 1 - _WINDOW):
         return None
     if kind == F16 and param not in (F16_BYTE, F16_SIGNS):
@@ -87,6 +98,7 @@ def plane_sizes(kind: int, param: int, n: int) -> list[int] | None:
     escapes = -5 * count
     return {
         BF16: [count, count // 4 * 3, escapes],
+        BF16_7: [count, count // 8 * 7, escapes],
         F16: [count, count] if param == F16_BYTE else [count, count, count // 8],
         F32: [count, count // 4 * 3, escapes, count, count],
         PLANES: [count] * item,
@@ -172,7 +184,7 @@ def _encode_bf16(data: memoryview, item: int) -> Encoded:
     base = _pick_base(words)
     if base is None:
         return _encode_planes(data, 2, lz=True)  # runs of zeros: LZ beats Huffman
-    return BF16, base, list(_split_bf16(words, base)), False
+    return BF16_7, base, list(_split_bf16_7(words, base)), False
 
 
 def _encode_f16(data: memoryview, item: int) -> Encoded:
@@ -222,30 +234,56 @@ def _pick_base(words: np.ndarray) -> int | None:
 
 
 def _split_bf16(words: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Symbol, packed remainder and escape planes of bf16 words (a multiple of 32).
+    """Symbol, packed remainder and escape planes of bf16 words (a multiple of 32), the
+    layout of F32's high halves (and of earlier BF16 segments).
 
     symbol = (exponent - base) << 2 | top 2 mantissa bits, or 252 | those bits (escape);
-    remainder = sign and the low 5 mantissa bits, packed by `_pack6`;
-    escapes = u32 positions, then u8 exponents, of the elements outside the window.
+    remainder = sign and the low 5 mantissa bits, packed by `_pack6`.
     """
     n = words.size
-    sym = np.empty(n, np.uint8)
-    rem = np.empty(n, np.uint8)
-    offset = np.uint16(base << 2)
+    sym, rem = np.empty(n, np.uint8), np.empty(n, np.uint8)
     escapes = []
     for i in range(0, n, _CHUNK):
         chunk = words[i : i + _CHUNK]
-        field = _lanes(chunk, 5, 0x3FF)
-        field -= offset  # wraps below the window, so one comparison finds both ends
-        hit = np.flatnonzero(field >= _ESCAPE)
-        if hit.size:
-            field[hit] = _ESCAPE | (field[hit] & 3)
-            escapes.append(hit + i)
-        np.copyto(sym[i : i + chunk.size], field, casting="unsafe")
+        escapes.append(_window_symbols(chunk, base, 2, sym[i : i + chunk.size]) + i)
         _remainder(chunk, 5, rem[i : i + chunk.size])
+    return sym, _pack6(rem), _escape_plane(words, escapes)
+
+
+def _split_bf16_7(words: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Symbol, packed remainder and escape planes of bf16 words (a multiple of 32).
+
+    symbol = (exponent - base) << 1 | top mantissa bit, or 126 | that bit (escape);
+    remainder = sign and the low 6 mantissa bits, packed by `_pack7`.
+    """
+    n = words.size
+    sym, rem = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    escapes = []
+    for i in range(0, n, _CHUNK):
+        chunk = words[i : i + _CHUNK]
+        escapes.append(_window_symbols(chunk, base, 1, sym[i : i + chunk.size]) + i)
+        _remainder(chunk, 6, rem[i : i + chunk.size])
+    return sym, _pack7(rem), _escape_plane(words, escapes)
+
+
+def _window_symbols(chunk: np.ndarray, base: int, top: int, out: np.ndarray) -> np.ndarray:
+    """out = (exponent - base) << top | the top `top` mantissa bits, with exponent - base
+    replaced by 63 (escape) outside the window; returns the escapes' positions."""
+    field = _lanes(chunk, 7 - top, (0x100 << top) - 1)
+    field -= np.uint16(base << top)  # wraps below the window: one comparison finds both ends
+    escape = _WINDOW << top
+    hit = np.flatnonzero(field >= escape)
+    if hit.size:
+        field[hit] = escape | (field[hit] & ((1 << top) - 1))
+    np.copyto(out, field, casting="unsafe")
+    return hit
+
+
+def _escape_plane(words: np.ndarray, escapes: list[np.ndarray]) -> np.ndarray:
+    """u32 positions, then u8 exponents, of the elements outside the window."""
     where = np.concatenate(escapes) if escapes else np.empty(0, np.int64)
     exponents = ((words[where] >> 7) & 0xFF).astype(np.uint8)
-    return sym, _pack6(rem), np.concatenate([where.astype("<u4").view(np.uint8), exponents])
+    return np.concatenate([where.astype("<u4").view(np.uint8), exponents])
 
 
 def _lanes(words: np.ndarray, shift: int, mask: int) -> np.ndarray:
@@ -283,6 +321,22 @@ def _pack6(rem: np.ndarray) -> np.ndarray:
     return rem[: 3 * quarter]
 
 
+def _pack7(rem: np.ndarray) -> np.ndarray:
+    """Remainders 's0mmmmmm' of n elements (n % 32 == 0) into 7n/8 bytes.
+
+    The first 7n/8 bytes keep their own remainder; bit 6 of bytes j, j + n/8, ...,
+    j + 6n/8 carries bit 0, 1, ..., 6 of element 7n/8 + j's value 'smmmmmm'. In 32-bit
+    lanes (n/8 is a multiple of 4), which numpy shifts in bulk.
+    """
+    eighth = rem.size // 8
+    tail = rem[7 * eighth :].view(np.uint32)
+    value = (tail & _LANE32 * 0x3F) | ((tail >> np.uint32(1)) & _LANE32 * 0x40)
+    for k in range(7):
+        head = rem[k * eighth : (k + 1) * eighth].view(np.uint32)
+        head |= (value << np.uint32(6 - k)) & _LANE32 * 0x40
+    return rem[: 7 * eighth]
+
+
 # ---------------------------------------------------------------------------- decoders
 #
 # Each fills `dest` (a segment of the caller's output buffer) from the segment's planes.
@@ -300,6 +354,12 @@ def _decode_planes(dest: np.ndarray, param: int, planes: list[np.ndarray]) -> No
 def _decode_bf16(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:
     words = dest.view("<u2")
     join_bf16(words, planes[0], planes[1], base)
+    _patch_escapes(words, planes[2])
+
+
+def _decode_bf16_7(dest: np.ndarray, base: int, planes: list[np.ndarray]) -> None:
+    words = dest.view("<u2")
+    join_bf16_7(words, planes[0], planes[1], base)
     _patch_escapes(words, planes[2])
 
 
@@ -328,13 +388,14 @@ def _patch_escapes(words: np.ndarray, escapes: np.ndarray) -> None:
 ENCODERS: dict[int, Callable[[memoryview, int], Encoded]] = {
     PLANES: _encode_planes,
     LZ_BYTES: _encode_lz_bytes,
-    BF16: _encode_bf16,
+    BF16_7: _encode_bf16,
     F16: _encode_f16,
     F32: _encode_f32,
 }
 DECODERS: dict[int, Callable[[np.ndarray, int, list[np.ndarray]], None]] = {
     PLANES: _decode_planes,
     BF16: _decode_bf16,
+    BF16_7: _decode_bf16_7,
     F16: _decode_f16,
     F32: _decode_f32,
 }

@@ -66,6 +66,8 @@ def test_bf16_join_is_the_same_compiled_or_not(
     out = backing[int(unaligned) : int(unaligned) + 2 * n].view("<u2")
     fast, slow = both_ways(reassembly.join_bf16, out, sym, packed, base)
     assert fast.tobytes() == slow.tobytes()
+    fast, slow = both_ways(reassembly.join_bf16_7, out, sym, data[n : n + n // 8 * 7], base)
+    assert fast.tobytes() == slow.tobytes()
 
 
 @EXAMPLES
@@ -86,6 +88,20 @@ def test_f16_and_f32_joins_are_the_same_compiled_or_not(
     assert fast.tobytes() == slow.tobytes()
 
 
+def test_joins_of_segments_longer_than_a_numpy_pass_are_the_same_compiled_or_not() -> None:
+    compiled_or_skip()
+    n = 5 * (1 << 17) + 32  # numpy joins in passes of 1 << 18 elements
+    data = np.random.default_rng(1).integers(0, 256, 2 * n, dtype=np.uint8)
+    sym, packed7, packed6 = data[:n], data[n : n + n // 8 * 7], data[n : n + n // 4 * 3]
+    for join, args in (
+        (reassembly.join_bf16_7, (sym, packed7, 90)),
+        (reassembly.join_bf16, (sym, packed6, 90)),
+        (reassembly.join_f16_signs, (sym, data[n:], data[: n // 8])),
+    ):
+        fast, slow = both_ways(join, np.zeros(n, "<u2"), *args)
+        assert fast.tobytes() == slow.tobytes(), join.__name__
+
+
 @pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "numpy"])
 def test_planes_of_other_sizes_are_refused(enabled: bool) -> None:
     reassembly.use_compiled(enabled)
@@ -93,6 +109,8 @@ def test_planes_of_other_sizes_are_refused(enabled: bool) -> None:
         out, short = np.zeros(64, "<u2"), np.zeros(63, np.uint8)
         with pytest.raises(CorruptFileError, match="differ in size"):
             reassembly.join_bf16(out, short, np.zeros(48, np.uint8), 100)
+        with pytest.raises(CorruptFileError, match="differ in size"):
+            reassembly.join_bf16_7(out, np.zeros(64, np.uint8), np.zeros(48, np.uint8), 100)
         with pytest.raises(CorruptFileError, match="differ in size"):
             reassembly.join_f16(out, np.zeros(64, np.uint8), short)
         with pytest.raises(CorruptFileError, match="differ in size"):
@@ -136,15 +154,32 @@ def _encode_f16_as_before(data: memoryview, item: int) -> transforms.Encoded:
     return transforms.F16, transforms.F16_BYTE, [sym, rem], False
 
 
+def _encode_bf16_as_before(data: memoryview, item: int) -> transforms.Encoded:
+    """The earlier BF16 kind: 8-bit symbols (exponent and top 2 mantissa bits), as F32's
+    high halves still are."""
+    words = np.frombuffer(data, "<u2")
+    base = transforms._pick_base(words)
+    assert base is not None
+    return transforms.BF16, base, list(transforms._split_bf16(words, base)), False
+
+
+EARLIER_LAYOUTS = {
+    "f16": (torch.float16, transforms.F16, _encode_f16_as_before),
+    "bf16": (torch.bfloat16, transforms.BF16_7, _encode_bf16_as_before),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(EARLIER_LAYOUTS))
 @pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "numpy"])
-def test_f16_files_of_the_earlier_layout_still_decode(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool
+def test_files_of_the_earlier_layouts_still_decode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool, layout: str
 ) -> None:
-    raw = weights(torch.float16, seed=5)
+    dtype, kind, encode_as_before = EARLIER_LAYOUTS[layout]
+    raw = weights(dtype, seed=5)
     source, old, new = tmp_path / "w.safetensors", tmp_path / "old.zst", tmp_path / "new.zst"
     source.write_bytes(raw)
     compress_file(source, new, threads=1, frame_size=65536)
-    monkeypatch.setitem(transforms.ENCODERS, transforms.F16, _encode_f16_as_before)
+    monkeypatch.setitem(transforms.ENCODERS, kind, encode_as_before)
     compress_file(source, old, threads=1, frame_size=65536)
     version_1 = bytearray(old.read_bytes())
     version_1[8:10] = (1).to_bytes(2, "little")  # as earlier versions wrote it
@@ -161,10 +196,14 @@ def test_f16_files_of_the_earlier_layout_still_decode(
         decompress_buffer(version_3)
 
 
-def test_f16_segments_of_an_unknown_layout_are_refused() -> None:
+def test_segments_of_an_unknown_layout_are_refused() -> None:
     assert transforms.plane_sizes(transforms.F16, transforms.F16_SIGNS, 128) == [64, 64, 8]
     assert transforms.plane_sizes(transforms.F16, transforms.F16_BYTE, 128) == [64, 64]
     assert transforms.plane_sizes(transforms.F16, 2, 128) is None
+    assert transforms.plane_sizes(transforms.BF16_7, 100, 128) == [64, 56, -320]
+    assert transforms.plane_sizes(transforms.BF16, 100, 128) == [64, 48, -320]
+    assert transforms.plane_sizes(transforms.BF16_7, 193, 128) is None  # window past 255
+    assert transforms.plane_sizes(transforms.BF16_7, 100, 96) is None  # not 32 elements
 
 
 def test_without_numba_the_numpy_joins_decode(
