@@ -166,7 +166,7 @@ def spread(byte_mask: int, width: int) -> np.uint64:
 
 
 def _numpy_join_bf16(out: np.ndarray, sym: np.ndarray, packed: np.ndarray, base: int) -> None:
-    """Inverse of `transforms._split_bf16` without the escapes, in cache-sized chunks."""
+    """Inverse of `transforms._split_bf16` (top 2) without the escapes, in cache-sized chunks."""
     quarter = out.size // 4
     head = 3 * quarter
     offset = np.uint16(base << 7)

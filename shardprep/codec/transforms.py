@@ -184,7 +184,7 @@ def _encode_bf16(data: memoryview, item: int) -> Encoded:
     base = _pick_base(words)
     if base is None:
         return _encode_planes(data, 2, lz=True)  # runs of zeros: LZ beats Huffman
-    return BF16_7, base, list(_split_bf16_7(words, base)), False
+    return BF16_7, base, list(_split_bf16(words, base, top=1)), False
 
 
 def _encode_f16(data: memoryview, item: int) -> Encoded:
@@ -216,7 +216,7 @@ def _encode_f32(data: memoryview, item: int) -> Encoded:
         return _encode_planes(data, 4, lz=True)
     grid = np.frombuffer(data, np.uint8).reshape(-1, 4)
     low = [np.ascontiguousarray(grid[:, 1]), np.ascontiguousarray(grid[:, 0])]
-    return F32, base, [*_split_bf16(high, base), *low], False
+    return F32, base, [*_split_bf16(high, base, top=2), *low], False
 
 
 def _pick_base(words: np.ndarray) -> int | None:
@@ -233,37 +233,23 @@ def _pick_base(words: np.ndarray) -> int | None:
     return base
 
 
-def _split_bf16(words: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Symbol, packed remainder and escape planes of bf16 words (a multiple of 32), the
-    layout of F32's high halves (and of earlier BF16 segments).
-
-    symbol = (exponent - base) << 2 | top 2 mantissa bits, or 252 | those bits (escape);
-    remainder = sign and the low 5 mantissa bits, packed by `_pack6`.
-    """
-    n = words.size
-    sym, rem = np.empty(n, np.uint8), np.empty(n, np.uint8)
-    escapes = []
-    for i in range(0, n, _CHUNK):
-        chunk = words[i : i + _CHUNK]
-        escapes.append(_window_symbols(chunk, base, 2, sym[i : i + chunk.size]) + i)
-        _remainder(chunk, 5, rem[i : i + chunk.size])
-    return sym, _pack6(rem), _escape_plane(words, escapes)
-
-
-def _split_bf16_7(words: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _split_bf16(
+    words: np.ndarray, base: int, top: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Symbol, packed remainder and escape planes of bf16 words (a multiple of 32).
 
-    symbol = (exponent - base) << 1 | top mantissa bit, or 126 | that bit (escape);
-    remainder = sign and the low 6 mantissa bits, packed by `_pack7`.
+    symbol = (exponent - base) << top | the top `top` mantissa bits, or 63 << top | those
+    bits (escape); remainder = sign and the other mantissa bits, packed by `_pack7`
+    (top 1: BF16_7) or `_pack6` (top 2: F32's high halves, and earlier BF16 segments).
     """
     n = words.size
     sym, rem = np.empty(n, np.uint8), np.empty(n, np.uint8)
     escapes = []
     for i in range(0, n, _CHUNK):
         chunk = words[i : i + _CHUNK]
-        escapes.append(_window_symbols(chunk, base, 1, sym[i : i + chunk.size]) + i)
-        _remainder(chunk, 6, rem[i : i + chunk.size])
-    return sym, _pack7(rem), _escape_plane(words, escapes)
+        escapes.append(_window_symbols(chunk, base, top, sym[i : i + chunk.size]) + i)
+        _remainder(chunk, 7 - top, rem[i : i + chunk.size])
+    return sym, _pack7(rem) if top == 1 else _pack6(rem), _escape_plane(words, escapes)
 
 
 def _window_symbols(chunk: np.ndarray, base: int, top: int, out: np.ndarray) -> np.ndarray:

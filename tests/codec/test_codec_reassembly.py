@@ -160,7 +160,7 @@ def _encode_bf16_as_before(data: memoryview, item: int) -> transforms.Encoded:
     words = np.frombuffer(data, "<u2")
     base = transforms._pick_base(words)
     assert base is not None
-    return transforms.BF16, base, list(transforms._split_bf16(words, base)), False
+    return transforms.BF16, base, list(transforms._split_bf16(words, base, top=2)), False
 
 
 EARLIER_LAYOUTS = {
