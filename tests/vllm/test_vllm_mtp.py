@@ -36,11 +36,18 @@ MTP = {"method": "mtp", "num_speculative_tokens": 1}
 LAYERS = 3  # the MTP layer is model.layers.3
 # Tokens are compared in float32: in bfloat16 vLLM's CPU build does not give the same
 # greedy tokens from one run to the next (batching moves near-ties). float32 MLA needs the
-# CPU_MLA attention backend. The reference speculates too: a step that verifies a draft
-# token runs MLA over two query positions, not one, and on a random tiny model that moves
-# near-ties even in float32 (seen: the second of eight tokens differed from plain greedy
-# decoding), so only the same speculative run with vLLM's own loader is a bitwise reference.
-FLOAT32 = {"dtype": "float32", "engine": {"attention_config": {"backend": "CPU_MLA"}}}
+# CPU_MLA attention backend, for the draft too: its backend is a setting of its own, and
+# left unset vLLM picks AMX_MLA for it on a CPU with AMX tiles, whose weight packing takes
+# 16-bit weights only ("expect weight to be bfloat16, float16, ..."). The reference
+# speculates too: a step that verifies a draft token runs MLA over two query positions,
+# not one, and on a random tiny model that moves near-ties even in float32 (seen: the
+# second of eight tokens differed from plain greedy decoding), so only the same
+# speculative run with vLLM's own loader is a bitwise reference.
+FLOAT32_MTP = {
+    "dtype": "float32",
+    "engine": {"attention_config": {"backend": "CPU_MLA"}},
+    "speculative_config": MTP | {"attention_backend": "CPU_MLA"},
+}
 
 
 def mtp_model(root: Path) -> Path:
@@ -91,9 +98,9 @@ def test_mtp_speculates_through_sharded_fast_at_tp2_with_collectives_refused(
     model = mtp_model(tmp_path)
     artifact = tmp_path / "artifact"
     convert(str(model), artifact, Options(tp=2, pp=1, dtype="float32"), progress=False)
-    reference = vllm_env.generate(model, 2, 1, "auto", speculative_config=MTP, **FLOAT32)
+    reference = vllm_env.generate(model, 2, 1, "auto", **FLOAT32_MTP)
     tokens = vllm_env.generate(
-        artifact, 2, 1, "dump-sharded-fast", speculative_config=MTP, **FLOAT32,
+        artifact, 2, 1, "dump-sharded-fast", **FLOAT32_MTP,
         dump_dir=tmp_path / "dump", env={"SHARDPREP_TRAP_COLLECTIVES": "1"},
     )  # fmt: skip
     dumps = vllm_env.dump_files(tmp_path / "dump")
@@ -113,7 +120,7 @@ def test_mtp_speculates_through_sharded_fast_at_tp2_with_collectives_refused(
     finer = tmp_path / "tp2-pp2"
     convert(str(model), finer, Options(tp=2, pp=2, dtype="float32"), progress=False)
     regrouped = vllm_env.generate(
-        finer, 2, 1, "dump-sharded-fast", speculative_config=MTP, **FLOAT32,
+        finer, 2, 1, "dump-sharded-fast", **FLOAT32_MTP,
         dump_dir=tmp_path / "regrouped", env={"SHARDPREP_TRAP_COLLECTIVES": "1"},
     )  # fmt: skip
     assert regrouped == reference

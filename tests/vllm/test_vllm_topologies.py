@@ -23,7 +23,7 @@ import torch
 import vllm_env
 from test_vllm_layout import _FLAGS, assert_same_state, loaded, rank_tensors
 from test_vllm_moe import TRAP
-from test_vllm_mtp import FLOAT32, MTP, without
+from test_vllm_mtp import FLOAT32_MTP, without
 
 from shardprep.convert.run import Options, convert
 from shardprep.format.manifest import read_manifest
@@ -209,11 +209,11 @@ def test_deepseek_mtp_at_tp1_pp1(tiny, tmp_path: Path) -> None:
         f"model.layers.{MTP_LAYERS}.shared_head.head.weight",
     }
     default = vllm_env.generate(
-        model, 1, 1, "dump-default", speculative_config=MTP, **FLOAT32,
+        model, 1, 1, "dump-default", **FLOAT32_MTP,
         dump_dir=tmp_path / "default",
     )  # fmt: skip
     fast = vllm_env.generate(
-        artifact, 1, 1, "dump-sharded-fast", speculative_config=MTP, **FLOAT32,
+        artifact, 1, 1, "dump-sharded-fast", **FLOAT32_MTP,
         dump_dir=tmp_path / "fast", env=TRAP,
     )  # fmt: skip
     assert [len(seq) for seq in fast] == [8, 8]
@@ -253,7 +253,7 @@ def test_deepseek_mtp_at_tp1_and_more_stages(
     split = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
     dumps = vllm_env.dump_state(
         artifact, 1, pp, tmp_path / "fast", load_format="dump-sharded-fast", env=TRAP | split,
-        speculative_config=MTP, allow_engine_failure=True, **FLOAT32,
+        allow_engine_failure=True, **FLOAT32_MTP,
     )  # fmt: skip
     assert dumps.keys() == vllm_env.expected_dumps(1, pp, with_draft=True)
     for key, path in dumps.items():
