@@ -45,9 +45,7 @@ class Journal:
     ) -> Journal:
         path = out / PARTIAL_MARKER
         if path.is_file():
-            state = _read_state(path, out)
-            done = state["done"] if state["plan"] == fingerprint else {}
-            return cls(path, fingerprint, done)
+            return cls.resume(path, out, fingerprint)
         if (out / MANIFEST_NAME).is_file():
             previous = mf.read_manifest(out)
             done = {f.path: f.sha256 for f in previous.files}
@@ -64,6 +62,15 @@ class Journal:
             )
         out.mkdir(parents=True, exist_ok=True)
         journal = cls(path, fingerprint)
+        journal._save()
+        return journal
+
+    @classmethod
+    def resume(cls, path: Path, out: Path, fingerprint: str) -> Journal:
+        """The journal at `path`, written anew before anything is appended to it: this
+        plan's line first (another plan's records dropped), no line cut short."""
+        state = _read_state(path, out)
+        journal = cls(path, fingerprint, state["done"] if state["plan"] == fingerprint else {})
         journal._save()
         return journal
 

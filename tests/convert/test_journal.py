@@ -40,6 +40,20 @@ def test_a_line_cut_short_is_ignored(tmp_path: Path) -> None:
     assert parse_journal(data) == {"plan": "plan-1", "done": {"a": DIGEST_A}}
 
 
+def test_a_resumed_journal_appends_after_whole_lines_of_its_own_plan(tmp_path: Path) -> None:
+    journal = _journal(tmp_path)
+    journal.record("a", DIGEST_A)
+    with journal.path.open("ab") as handle:  # a write cut short by a crash
+        handle.write(json.dumps({"path": "b", "sha256": DIGEST_B})[:-9].encode())
+    resumed = Journal.resume(journal.path, tmp_path, "plan-1")
+    resumed.record("b", DIGEST_B)
+    done = {"a": DIGEST_A, "b": DIGEST_B}
+    assert parse_journal(journal.path.read_bytes()) == {"plan": "plan-1", "done": done}
+    other = Journal.resume(journal.path, tmp_path, "plan-2")
+    other.record("c", DIGEST_A)
+    assert parse_journal(journal.path.read_bytes()) == {"plan": "plan-2", "done": {"c": DIGEST_A}}
+
+
 def test_a_damaged_line_is_reported(tmp_path: Path) -> None:
     journal = _journal(tmp_path)
     journal.record("a", DIGEST_A)
