@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardprep.codec import transforms as tf
+from shardprep.codec.reassembly import frame_decoder
 from shardprep.errors import CorruptFileError
 from shardprep.format.headers import Header
 
@@ -301,7 +302,12 @@ def _check_tables(
 
 
 def decode_frame(frame: Frame, out: np.ndarray) -> None:
-    """Restore one frame into `out` (exactly `frame.raw_len` bytes, u8)."""
+    """Restore one frame into `out` (exactly `frame.raw_len` bytes, u8): in one compiled
+    call where `frame_decoder` has one, else (and to say what is wrong when that call
+    refuses the frame) stream by stream through `transforms`."""
+    native = frame_decoder()
+    if native is not None and native(frame, out):
+        return
     planes, pos = [], 0
     for i, (method, size, stored) in enumerate(frame.streams):
         data = frame.payload[pos : pos + stored]

@@ -2,8 +2,9 @@
 
 Each join has a numpy form (a few vectorised passes per cache-sized chunk) and, when numba
 is installed, a compiled one (`compiled`): a single pass that releases the GIL, several
-times faster. Both write the same bytes (the tests hold them to it), so the stored format
-does not depend on which one ran. `use_compiled(False)` forces numpy.
+times faster. With numba and a system libzstd, a whole frame is decoded in one compiled
+call (`compiled.decode_frame`). All write the same bytes (the tests hold them to it), so
+the stored format does not depend on which one ran. `use_compiled(False)` forces numpy.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
 
+from shardprep.codec import libzstd
 from shardprep.errors import CorruptFileError
+
+FrameDecoder = Callable[..., bool]  # (container.Frame, out) -> decoded
 
 # Passes of 256 Ki elements: a typical tensor segment (up to 256 Ki elements) is then one
 # chunk, not one and a sliver; 5 % less CPU on MiniLM than 128 Ki, no slower on 1 GiB.
@@ -24,6 +29,7 @@ _DECODE_CHUNK = 1 << 18
 logger = logging.getLogger("shardprep.codec")
 
 _compiled: ModuleType | bool | None = None  # None: not tried yet; False: numpy only
+_frames: FrameDecoder | bool | None = None  # the same, for `frame_decoder`
 
 
 def compiled() -> ModuleType | None:
@@ -44,10 +50,21 @@ def compiled() -> ModuleType | None:
     return _compiled or None
 
 
-def use_compiled(enabled: bool) -> None:
-    """Use the compiled joins when numba is installed (True, the default) or numpy only."""
-    global _compiled
+def frame_decoder() -> FrameDecoder | None:
+    """`compiled.decode_frame` where numba and a system libzstd are both there."""
+    global _frames
+    if _frames is None:
+        fast = compiled()
+        _frames = fast.decode_frame if fast and libzstd.library() else False
+    return _frames or None
+
+
+def use_compiled(enabled: bool, *, frames: bool = True) -> None:
+    """Use the compiled joins when numba is installed (True, the default) or numpy only;
+    `frames=False` keeps the joins compiled but decodes frames stream by stream."""
+    global _compiled, _frames
     _compiled = None if enabled else False
+    _frames = None if enabled and frames else False
 
 
 def _check(what: str, *sizes: int) -> None:

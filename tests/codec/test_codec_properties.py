@@ -33,9 +33,10 @@ FUZZ = settings(
 
 @pytest.fixture(autouse=True, scope="module")
 def compiled_joins_ready() -> None:
-    """With numba, the joins compile (or load from its cache) once, here: not inside an
-    example that is timed and whose memory is traced."""
+    """With numba, the joins and the frame decoder compile (or load from its cache) once,
+    here: not inside an example that is timed and whose memory is traced."""
     reassembly.compiled()
+    reassembly.frame_decoder()
 
 
 # ---------------------------------------------------------------------------- inputs
