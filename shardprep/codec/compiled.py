@@ -133,7 +133,7 @@ def f32_loop(out, sym, packed, base, byte1, byte0):  # type: ignore[no-untyped-d
 
 
 # Called from Python with the caller's arrays (readonly inputs, outputs maybe unaligned);
-# `compiled_frame` compiles the same loops again for the arrays it makes itself.
+# `_decode` below compiles the same loops again for the arrays it makes itself.
 join_bf16 = numba.njit(types.void(_U16_OUT, _U8_IN, _U8_IN, types.int64), **_JIT)(bf16_loop)
 join_f16 = numba.njit(types.void(_U16_OUT, _U8_IN, _U8_IN), **_JIT)(f16_loop)
 join_f16_signs = numba.njit(types.void(_U16_OUT, _U8_IN, _U8_IN, _U8_IN), **_JIT)(f16_signs_loop)
@@ -180,22 +180,28 @@ def _call(typingctx, fn, dctx, dst, capacity, src, size):  # type: ignore[no-unt
     return types.uint64(*args), codegen
 
 
+# `src` = (fn, dctx, payload, streams, offsets): libzstd's ZSTD_decompressDCtx and the
+# thread's context, the frame's stream bytes, its stream table (method, raw size, stored
+# size) and where each stream starts in the payload.
+
+
 @numba.njit(inline="always", **_INNER)
-def _decode_into(fn, dctx, payload, at, stored, dest):  # type: ignore[no-untyped-def]
-    """Whether the zstd stream payload[at : at + stored] decodes to exactly dest.size bytes."""
-    source = payload[at : at + stored]
+def _decode_into(src, i, dest):  # type: ignore[no-untyped-def]
+    """Whether zstd stream i decodes to exactly dest.size bytes, into `dest`."""
+    fn, dctx, payload, streams, offsets = src
+    source = payload[offsets[i] : offsets[i] + streams[i, 2]]
     written = _call(fn, dctx, dest.ctypes.data, dest.size, source.ctypes.data, source.size)
     return written == dest.size
 
 
 @numba.njit(inline="always", **_INNER)
-def _plane(fn, dctx, payload, streams, offsets, i, scratch, at):  # type: ignore[no-untyped-def]
-    """Stream i's bytes: a raw one in place, a zstd one decoded into scratch[at:]."""
-    method, size, stored = streams[i, 0], streams[i, 1], streams[i, 2]
-    if method == tf.RAW:
-        return True, payload[offsets[i] : offsets[i] + size]
-    dest = scratch[at : at + size]
-    return _decode_into(fn, dctx, payload, offsets[i], stored, dest), dest
+def _plane(src, i, scratch, at):  # type: ignore[no-untyped-def]
+    """(ok, stream i's bytes): a raw stream in place, a zstd one decoded into scratch[at:]."""
+    _, _, payload, streams, offsets = src
+    if streams[i, 0] == tf.RAW:
+        return True, payload[offsets[i] : offsets[i] + streams[i, 1]]
+    dest = scratch[at : at + streams[i, 1]]
+    return _decode_into(src, i, dest), dest
 
 
 @numba.njit(inline="always", **_INNER)
@@ -215,14 +221,14 @@ def _patch(words, escapes, shift):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_INNER)
-def _planes(fn, dctx, payload, streams, offsets, i, scratch, at, dest, item):  # type: ignore[no-untyped-def]
-    """A PLANES segment of `item`-byte elements: plane j holds byte j of each. A single
-    zstd plane is decoded straight into `dest`."""
-    if item == 1 and streams[i, 0] == tf.ZSTD:
-        return _decode_into(fn, dctx, payload, offsets[i], streams[i, 2], dest)
+def _planes(src, i, scratch, at, dest, item):  # type: ignore[no-untyped-def]
+    """PLANES: plane j holds byte j of each `item`-byte element. A single zstd plane is
+    decoded straight into `dest`."""
+    if item == 1 and src[3][i, 0] == tf.ZSTD:
+        return _decode_into(src, i, dest)
     grid = dest.reshape(-1, item)
     for j in range(item):
-        ok, plane = _plane(fn, dctx, payload, streams, offsets, i + j, scratch, at)
+        ok, plane = _plane(src, i + j, scratch, at)
         if not ok:
             return False
         grid[:, j] = plane
@@ -230,12 +236,11 @@ def _planes(fn, dctx, payload, streams, offsets, i, scratch, at, dest, item):  #
 
 
 @numba.njit(**_INNER)
-def _bf16_segment(fn, dctx, payload, streams, offsets, i, scratch, at, dest, base, seven):  # type: ignore[no-untyped-def]
-    ok1, sym = _plane(fn, dctx, payload, streams, offsets, i, scratch, at)
-    at += streams[i, 1]
-    ok2, packed = _plane(fn, dctx, payload, streams, offsets, i + 1, scratch, at)
-    at += streams[i + 1, 1]
-    ok3, escapes = _plane(fn, dctx, payload, streams, offsets, i + 2, scratch, at)
+def _bf16_segment(src, i, scratch, at, dest, base, seven):  # type: ignore[no-untyped-def]
+    sizes = src[3][:, 1]
+    ok1, sym = _plane(src, i, scratch, at)
+    ok2, packed = _plane(src, i + 1, scratch, at + sizes[i])
+    ok3, escapes = _plane(src, i + 2, scratch, at + sizes[i] + sizes[i + 1])
     if not (ok1 and ok2 and ok3):
         return False
     words = dest.view(np.uint16)
@@ -247,38 +252,28 @@ def _bf16_segment(fn, dctx, payload, streams, offsets, i, scratch, at, dest, bas
 
 
 @numba.njit(**_INNER)
-def _f16_byte_segment(fn, dctx, payload, streams, offsets, i, scratch, at, dest):  # type: ignore[no-untyped-def]
-    ok1, sym = _plane(fn, dctx, payload, streams, offsets, i, scratch, at)
-    at += streams[i, 1]
-    ok2, rem = _plane(fn, dctx, payload, streams, offsets, i + 1, scratch, at)
-    if ok1 and ok2:
-        _f16(dest.view(np.uint16), sym, rem)
-    return ok1 and ok2
-
-
-@numba.njit(**_INNER)
-def _f16_signs_segment(fn, dctx, payload, streams, offsets, i, scratch, at, dest):  # type: ignore[no-untyped-def]
-    ok1, sym = _plane(fn, dctx, payload, streams, offsets, i, scratch, at)
-    at += streams[i, 1]
-    ok2, low = _plane(fn, dctx, payload, streams, offsets, i + 1, scratch, at)
-    at += streams[i + 1, 1]
-    ok3, signs = _plane(fn, dctx, payload, streams, offsets, i + 2, scratch, at)
+def _f16_segment(src, i, scratch, at, dest, layout):  # type: ignore[no-untyped-def]
+    sizes = src[3][:, 1]
+    ok1, sym = _plane(src, i, scratch, at)
+    ok2, low = _plane(src, i + 1, scratch, at + sizes[i])
+    if layout == tf.F16_BYTE:
+        if ok1 and ok2:
+            _f16(dest.view(np.uint16), sym, low)
+        return ok1 and ok2
+    ok3, signs = _plane(src, i + 2, scratch, at + sizes[i] + sizes[i + 1])
     if ok1 and ok2 and ok3:
         _f16_signs(dest.view(np.uint16), sym, low, signs)
     return ok1 and ok2 and ok3
 
 
 @numba.njit(**_INNER)
-def _f32_segment(fn, dctx, payload, streams, offsets, i, scratch, at, dest, base):  # type: ignore[no-untyped-def]
-    ok1, sym = _plane(fn, dctx, payload, streams, offsets, i, scratch, at)
-    at += streams[i, 1]
-    ok2, packed = _plane(fn, dctx, payload, streams, offsets, i + 1, scratch, at)
-    at += streams[i + 1, 1]
-    ok3, escapes = _plane(fn, dctx, payload, streams, offsets, i + 2, scratch, at)
-    at += streams[i + 2, 1]
-    ok4, byte1 = _plane(fn, dctx, payload, streams, offsets, i + 3, scratch, at)
-    at += streams[i + 3, 1]
-    ok5, byte0 = _plane(fn, dctx, payload, streams, offsets, i + 4, scratch, at)
+def _f32_segment(src, i, scratch, at, dest, base):  # type: ignore[no-untyped-def]
+    sizes = src[3][:, 1]
+    ok1, sym = _plane(src, i, scratch, at)
+    ok2, packed = _plane(src, i + 1, scratch, at + sizes[i])
+    ok3, escapes = _plane(src, i + 2, scratch, at + sizes[i : i + 2].sum())
+    ok4, byte1 = _plane(src, i + 3, scratch, at + sizes[i : i + 3].sum())
+    ok5, byte0 = _plane(src, i + 4, scratch, at + sizes[i : i + 4].sum())
     if not (ok1 and ok2 and ok3 and ok4 and ok5):
         return False
     words = dest.view(np.uint32)
@@ -291,7 +286,8 @@ def _decode(fn, dctx, payload, streams, segments, out, scratch):  # type: ignore
     offsets = np.zeros(streams.shape[0] + 1, np.int64)
     for i in range(streams.shape[0]):
         offsets[i + 1] = offsets[i] + streams[i, 2]
-    ok, plain = _plane(fn, dctx, payload, streams, offsets, 0, scratch, 0)
+    src = (fn, dctx, payload, streams, offsets)
+    ok, plain = _plane(src, 0, scratch, 0)
     free = streams[0, 1]  # scratch[:free] holds the plain stream, the rest each segment's
     taken, i, pos = 0, 1, 0
     for s in range(segments.shape[0]):
@@ -301,23 +297,20 @@ def _decode(fn, dctx, payload, streams, segments, out, scratch):  # type: ignore
         if kind == tf.PLAIN:
             dest[:] = plain[taken : taken + n]
             taken += n
-            continue
-        args = (fn, dctx, payload, streams, offsets, i, scratch, free)
-        if kind == tf.PLANES:
-            ok &= _planes(*args, dest, param)
+        elif kind == tf.PLANES:
+            ok &= _planes(src, i, scratch, free, dest, param)
             i += param
-        elif kind == tf.F16 and param == tf.F16_BYTE:
-            ok &= _f16_byte_segment(*args, dest)
-            i += 2
         elif kind == tf.F16:
-            ok &= _f16_signs_segment(*args, dest)
-            i += 3
+            ok &= _f16_segment(src, i, scratch, free, dest, param)
+            i += 2 if param == tf.F16_BYTE else 3
         elif kind == tf.F32:
-            ok &= _f32_segment(*args, dest, param)
+            ok &= _f32_segment(src, i, scratch, free, dest, param)
             i += 5
-        else:
-            ok &= _bf16_segment(*args, dest, param, kind == tf.BF16_7)
+        elif kind == tf.BF16 or kind == tf.BF16_7:
+            ok &= _bf16_segment(src, i, scratch, free, dest, param, kind == tf.BF16_7)
             i += 3
+        else:
+            return False
         if not ok:
             return False
     return ok
