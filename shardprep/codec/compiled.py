@@ -149,8 +149,9 @@ join_f32 = numba.njit(types.void(_U32_OUT, _U8_IN, _U8_IN, types.int64, _U8_IN, 
 # libzstd (`libzstd`, called by address) into scratch memory the thread reuses, each
 # segment joined as soon as its planes are decoded, while they are in the core's cache.
 # Against the frame decoded stream by stream (`container`: zstandard's bytes objects, then
-# these joins, with Python in between), MiniLM in bf16 took 9.6 ms instead of 12.7 on two
-# threads, 18.0 instead of 21.9 on one: less time waiting for the GIL, less in zstd.
+# these joins, with Python in between), MiniLM in bf16 took 8.8-9.8 ms instead of
+# 11.6-12.5 on two threads, 17.3-18.8 instead of 20.9-22.9 on one: less time waiting for
+# the GIL, less in zstd (BENCHMARKS.md).
 # `container` has checked every size in the frame's tables first, and libzstd writes at
 # most the capacity it is given. A stream that does not decode to its size, or an escape
 # outside its segment, makes `decode_frame` return False: the caller then decodes the frame
@@ -166,8 +167,8 @@ _f32 = numba.njit(**_INNER)(f32_loop)
 
 @intrinsic
 def _call(typingctx, fn, dctx, dst, capacity, src, size):  # type: ignore[no-untyped-def]
-    """fn(dctx, dst, capacity, src, size) for a C function of six 64-bit integers (the
-    address is an argument, not a constant, so the compiled code can be cached)."""
+    """fn(dctx, dst, capacity, src, size), `fn` the address of a C function of five 64-bit
+    integers that returns one (an argument, not a constant, so the code can be cached)."""
     args = (fn, dctx, dst, capacity, src, size)
     if not all(isinstance(a, types.Integer) and a.bitwidth == 64 for a in args):
         return None
