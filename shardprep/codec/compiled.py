@@ -3,7 +3,7 @@ numpy makes six, with the GIL released so frames decode in parallel on threads; 
 the system's libzstd, a whole frame decoded in one call (`decode_frame`).
 
 Imported only when numba is installed (`pip install shardprep[fast]`). The signatures are
-explicit, so everything compiles once, on import (about 9 s in all; `cache=True` keeps the
+explicit, so everything compiles once, on import (about 10 s in all; `cache=True` keeps the
 machine code on disk for the next process, which loads it in under half a second), and
 never again halfway through a file: inputs are read-only C arrays (writable ones convert),
 outputs may be unaligned. The callers check every size first: these loops do not check
@@ -186,7 +186,7 @@ def _call(typingctx, fn, dctx, dst, capacity, src, size):  # type: ignore[no-unt
 # size) and where each stream starts in the payload.
 
 
-@numba.njit(inline="always", **_INNER)
+@numba.njit(**_INNER)
 def _decode_into(src, i, dest):  # type: ignore[no-untyped-def]
     """Whether zstd stream i decodes to exactly dest.size bytes, into `dest`."""
     fn, dctx, payload, streams, offsets = src
@@ -195,7 +195,7 @@ def _decode_into(src, i, dest):  # type: ignore[no-untyped-def]
     return written == dest.size
 
 
-@numba.njit(inline="always", **_INNER)
+@numba.njit(**_INNER)
 def _plane(src, i, scratch, at):  # type: ignore[no-untyped-def]
     """(ok, stream i's bytes): a raw stream in place, a zstd one decoded into scratch[at:]."""
     _, _, payload, streams, offsets = src
@@ -205,7 +205,7 @@ def _plane(src, i, scratch, at):  # type: ignore[no-untyped-def]
     return _decode_into(src, i, dest), dest
 
 
-@numba.njit(inline="always", **_INNER)
+@numba.njit(**_INNER)
 def _patch(words, escapes, shift):  # type: ignore[no-untyped-def]
     """`transforms._patch_escapes` on u16 words (shift 0) or on the high halves of u32
     words (shift 16); False if an escape points outside the segment."""
