@@ -51,6 +51,7 @@ import zstandard
 from safetensors.torch import load_file, save
 
 from shardprep import codec
+from shardprep.codec import libzstd, reassembly
 from shardprep.codec import streams as codec_streams
 
 ZIPNN_ABSENT = "NOTE: zipnn is not installed (pip install zipnn): no zipnn rows, no comparison"
@@ -363,9 +364,11 @@ def load_baseline_package(root: Path) -> tuple[ModuleType, ModuleType]:
         package = importlib.import_module("shardprep.codec")
         streams = importlib.import_module("shardprep.codec.streams")
         # Its compiled joins are imported on first use: now, or they would be this one's.
-        reassembly = importlib.import_module("shardprep.codec.reassembly")
-        if hasattr(reassembly, "compiled"):
-            reassembly.compiled()
+        earlier = importlib.import_module("shardprep.codec.reassembly")
+        if hasattr(earlier, "compiled"):
+            earlier.compiled()
+        if hasattr(earlier, "frame_decoder"):
+            earlier.frame_decoder()
     finally:
         sys.path.remove(str(root))
         for name in [n for n in sys.modules if n.split(".")[0] == "shardprep"]:
@@ -471,8 +474,18 @@ def settings(args: argparse.Namespace) -> dict[str, object]:
         "synthetic_mib": args.size_mib,
         "baseline": args.baseline,
         "trim_heap": args.trim_heap,
+        "decoder": decoder(),
         "versions": versions,
     }
+
+
+def decoder() -> str:
+    """How this shardprep decodes frames here (`reassembly`)."""
+    lib = libzstd.library()
+    if reassembly.frame_decoder() is not None and lib is not None:
+        major, minor, patch = lib.version // 10000, lib.version // 100 % 100, lib.version % 100
+        return f"one compiled call per frame (libzstd {major}.{minor}.{patch})"
+    return "compiled joins, zstandard" if reassembly.compiled() else "numpy joins, zstandard"
 
 
 def print_table(rows: list[Row], config: dict[str, object]) -> None:
