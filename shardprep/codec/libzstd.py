@@ -1,4 +1,4 @@
-"""The system's libzstd, found through ctypes, for `compiled_frame` to call by address.
+"""The system's libzstd, found through ctypes, for `compiled.decode_frame` to call by address.
 
 `zstandard` allocates a new bytes object for every stream it decodes and its bundled
 libzstd decodes our Huffman-only streams more slowly than the system's does: the symbol
