@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from codec_layouts import EARLIER_LAYOUTS
 from hostile import safetensors_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -58,11 +59,10 @@ def frames(data: bytes) -> list[container.Frame]:
 
 def both_ways(frame: container.Frame) -> tuple[bool, bytes, bytes]:
     """(accepted, bytes) of the compiled call, and the bytes of the stream-by-stream path."""
-    native, fast, slow = native_or_skip(), np.zeros(frame.raw_len, np.uint8), None
-    accepted = native(frame, fast)
+    fast, slow = np.zeros(frame.raw_len, np.uint8), np.zeros(frame.raw_len, np.uint8)
+    accepted = native_or_skip()(frame, fast)
     reassembly.use_compiled(True, frames=False)
     try:
-        slow = np.zeros(frame.raw_len, np.uint8)
         container.decode_frame(frame, slow)
     finally:
         reassembly.use_compiled(True)
@@ -111,28 +111,14 @@ def weights(dtype: torch.dtype) -> bytes:
     return save({"w": values.to(dtype), "zeros": torch.zeros(5000, dtype=dtype)})
 
 
-def _encode_f16_as_before(data: memoryview, item: int) -> tf.Encoded:
-    words = np.frombuffer(data, "<u2")
-    sym = ((words >> 7) & 0xFF).astype(np.uint8)
-    rem = (((words >> 8) & 0x80) | (words & 0x7F)).astype(np.uint8)
-    return tf.F16, tf.F16_BYTE, [sym, rem], False
-
-
-def _encode_bf16_as_before(data: memoryview, item: int) -> tf.Encoded:
-    words = np.frombuffer(data, "<u2")
-    base = tf._pick_base(words)
-    assert base is not None
-    return tf.BF16, base, list(tf._split_bf16(words, base, top=2)), False
-
-
 @pytest.mark.parametrize(
     ("dtype", "kind", "encoder"),
     [
         (torch.bfloat16, None, None),
         (torch.float16, None, None),
         (torch.float32, None, None),
-        (torch.bfloat16, tf.BF16_7, _encode_bf16_as_before),
-        (torch.float16, tf.F16, _encode_f16_as_before),
+        EARLIER_LAYOUTS["bf16"],
+        EARLIER_LAYOUTS["f16"],
     ],
     ids=["bf16", "f16", "f32", "bf16-earlier", "f16-earlier"],
 )

@@ -10,6 +10,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 import torch
+from codec_layouts import EARLIER_LAYOUTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
@@ -143,30 +144,6 @@ def test_both_joins_round_trip_real_files(
         assert decompress_buffer(stored.read_bytes(), threads=2).tobytes() == raw
     finally:
         reassembly.use_compiled(True)
-
-
-def _encode_f16_as_before(data: memoryview, item: int) -> transforms.Encoded:
-    """The earlier F16 layout: symbol = exponent and top 3 mantissa bits, remainder byte =
-    sign and the low 7."""
-    words = np.frombuffer(data, "<u2")
-    sym = ((words >> 7) & 0xFF).astype(np.uint8)
-    rem = (((words >> 8) & 0x80) | (words & 0x7F)).astype(np.uint8)
-    return transforms.F16, transforms.F16_BYTE, [sym, rem], False
-
-
-def _encode_bf16_as_before(data: memoryview, item: int) -> transforms.Encoded:
-    """The earlier BF16 kind: 8-bit symbols (exponent and top 2 mantissa bits), as F32's
-    high halves still are."""
-    words = np.frombuffer(data, "<u2")
-    base = transforms._pick_base(words)
-    assert base is not None
-    return transforms.BF16, base, list(transforms._split_bf16(words, base, top=2)), False
-
-
-EARLIER_LAYOUTS = {
-    "f16": (torch.float16, transforms.F16, _encode_f16_as_before),
-    "bf16": (torch.bfloat16, transforms.BF16_7, _encode_bf16_as_before),
-}
 
 
 @pytest.mark.parametrize("layout", sorted(EARLIER_LAYOUTS))
