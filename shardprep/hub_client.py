@@ -35,7 +35,8 @@ from shardprep import __version__
 from shardprep.constants import MANIFEST_NAME
 from shardprep.errors import ConfigError, HubError, ManifestError, printable
 from shardprep.format import manifest as mf
-from shardprep.format.headers import Header, header_length, parse_header, sha256_file
+from shardprep.format.headers import Header, header_length, parse_header
+from shardprep.hashing import sha256_file
 from shardprep.progress import Progress as tqdm
 
 # The stored name of a compressed file is its logical path plus this suffix.

@@ -19,6 +19,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "shardprep",
         "shardprep.errors",
         "shardprep.constants",
+        "shardprep.hashing",
         "shardprep.progress",
         "shardprep.safefs",
         "shardprep.sizes",

@@ -26,7 +26,7 @@ from shardprep.constants import LOCK_NAME, MANIFEST_NAME, PARTIAL_MARKER, SOURCE
 from shardprep.convert.checkpoint import Checkpoint, known_sha256
 from shardprep.errors import CorruptFileError, OutputExistsError
 from shardprep.format import manifest as mf
-from shardprep.format.headers import sha256_file
+from shardprep.hashing import sha256_file
 from shardprep.plan.records import Plan
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import mmap
 import os
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +27,7 @@ from shardprep.constants import INCOMPLETE_SUFFIX
 from shardprep.convert.journal import Journal
 from shardprep.format.dtypes import DTYPE_SIZES
 from shardprep.format.headers import encode_header, numel
+from shardprep.hashing import update_from_file
 from shardprep.plan.records import FilePlan
 
 # A rank file's sha256 is fed in steps of at least this many bytes: small enough that the
@@ -229,15 +229,8 @@ class Mover:
 
 def _hash_range(handle: OpenFile, start: int, end: int) -> None:
     """Feed [start, end) of a rank file, just written and so in the page cache, to its
-    sha256 (bytes in order: ranges of one file are queued in order on one thread). The
-    pages are mapped, not copied out: hashing is the only pass over them here."""
-    first = start - start % mmap.ALLOCATIONGRANULARITY
-    mapped = mmap.mmap(handle.fd, end - first, prot=mmap.PROT_READ, offset=first)
-    try:
-        with memoryview(mapped) as whole, whole[start - first :] as view:
-            handle.digest.update(view)
-    finally:
-        mapped.close()
+    sha256 (bytes in order: ranges of one file are queued in order on one thread)."""
+    update_from_file(handle.digest, handle.fd, start, end)
     if hasattr(os, "POSIX_FADV_DONTNEED"):
         # Nothing here reads these bytes again; on Linux this starts writing them to
         # disk now, while the rest converts, instead of all at the end.

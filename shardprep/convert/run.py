@@ -42,8 +42,9 @@ from shardprep.convert.scatter import write_rank_files
 from shardprep.errors import ShardprepError
 from shardprep.format import manifest as mf
 from shardprep.format.dtypes import safetensors_name
-from shardprep.format.headers import TensorInfo, sha256_file
+from shardprep.format.headers import TensorInfo
 from shardprep.format.request import ConversionRequest
+from shardprep.hashing import sha256_file
 from shardprep.plan import archs
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import Plan, SourceModel

@@ -35,6 +35,7 @@ from shardprep.convert.place import scatter_chunk
 from shardprep.convert.rankfiles import Mover, Write, open_outputs
 from shardprep.errors import CorruptFileError
 from shardprep.format.headers import TensorInfo
+from shardprep.hashing import update_from_file
 from shardprep.plan.records import FilePlan, Plan
 from shardprep.progress import Progress as tqdm
 
@@ -227,17 +228,11 @@ def _map(fd: int, offset: int, length: int) -> list[Any]:
 
 
 def _sha256_of(path: Path) -> str:
-    """The sha256 of a file, read through the page cache window by window, in order."""
-    digest = hashlib.sha256()
+    """The sha256 of a file, read through the page cache in order."""
     fd = _open_source(path)
     try:
-        size = os.fstat(fd).st_size
-        for offset in range(0, size, CHUNK_BYTES):
-            length = min(CHUNK_BYTES, size - offset)
-            _advise(fd, offset + length, CHUNK_BYTES, "POSIX_FADV_WILLNEED")
-            view, whole, mapped = _map(fd, offset, length)
-            with mapped, whole, view:
-                digest.update(view)
+        digest = hashlib.sha256()
+        update_from_file(digest, fd, 0, os.fstat(fd).st_size, ahead=True)
     finally:
         os.close(fd)
     return digest.hexdigest()

@@ -15,7 +15,8 @@ from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
 from shardprep.format.dtypes import MODEL_DTYPES, cast, torch_dtype
-from shardprep.format.headers import read_header, sha256_file
+from shardprep.format.headers import read_header
+from shardprep.hashing import sha256_file
 from shardprep.plan.cuts import Block
 from shardprep.progress import Progress as tqdm
 

@@ -7,7 +7,6 @@ hashing as it goes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -225,11 +224,3 @@ def encode_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str]) -> b
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
-
-def sha256_file(path: Path, chunk: int = 16 * 1024**2) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()

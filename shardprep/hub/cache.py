@@ -42,8 +42,8 @@ from shardprep.constants import (
     cache_root,
 )
 from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
-from shardprep.format.headers import sha256_file
 from shardprep.format.manifest import Manifest
+from shardprep.hashing import sha256_file
 from shardprep.hub.cache_manifest import (
     cached_manifest,
     place_manifest,

@@ -24,7 +24,7 @@ from shardprep import __version__, safefs
 from shardprep.constants import MANIFEST_NAME
 from shardprep.errors import ConfigError, CorruptFileError, HubError
 from shardprep.format import manifest as mf
-from shardprep.format.headers import sha256_file
+from shardprep.hashing import sha256_file
 from shardprep.hub.modelcard import model_card
 from shardprep.hub_client import CODEC_SUFFIXES, check_repo_id, hub_errors, stored_path
 from shardprep.progress import Progress as tqdm

@@ -27,13 +27,9 @@ from shardprep.errors import (
     TopologyMismatchError,
     summarize,
 )
-from shardprep.format.headers import (
-    Header,
-    TensorInfo,
-    read_header,
-    sha256_file,
-)
+from shardprep.format.headers import Header, TensorInfo, read_header
 from shardprep.format.manifest import FileEntry, Manifest, ParamSpec, rank_key, read_manifest
+from shardprep.hashing import sha256_file
 from shardprep.loader.cpu_read import read_into
 
 if TYPE_CHECKING:
