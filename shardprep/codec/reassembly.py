@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from types import ModuleType
 
@@ -26,6 +27,10 @@ FrameDecoder = Callable[..., bool]  # (container.Frame, out) -> decoded
 # chunk, not one and a sliver; 5 % less CPU on MiniLM than 128 Ki, no slower on 1 GiB.
 _DECODE_CHUNK = 1 << 18
 
+# Compiling takes about 10 s, once per installation (numba's cache then loads it in under
+# half a second): past this many seconds a line says why nothing moves.
+COMPILE_NOTICE_S = 2.0
+
 logger = logging.getLogger("shardprep.codec")
 
 _compiled: ModuleType | bool | None = None  # None: not tried yet; False: numpy only
@@ -36,6 +41,9 @@ def compiled() -> ModuleType | None:
     """The compiled joins, imported (and compiled) on first use; None without numba."""
     global _compiled
     if _compiled is None:
+        notice = threading.Timer(COMPILE_NOTICE_S, logger.warning, [_COMPILING])
+        notice.daemon = True
+        notice.start()
         try:
             if sys.byteorder != "little":
                 raise ImportError("the compiled joins assume little-endian words")
@@ -47,7 +55,12 @@ def compiled() -> ModuleType | None:
             _compiled = False
         else:
             _compiled = module
+        finally:
+            notice.cancel()
     return _compiled or None
+
+
+_COMPILING = "Compiling the codec's decoder with numba (once per installation, about 10 s)."
 
 
 def frame_decoder() -> FrameDecoder | None:

@@ -4,6 +4,7 @@ form write the same bytes for any input, and both round-trip real files."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -215,5 +216,32 @@ def test_a_numba_that_fails_falls_back_to_numpy_with_a_warning(
         out = np.zeros(32, "<u2")
         reassembly.join_f16(out, np.ones(32, np.uint8), np.full(32, 0x81, np.uint8))
         assert set(out.tolist()) == {0x8000 | 1 << 7 | 1}
+    finally:
+        reassembly.use_compiled(True)
+
+
+def test_a_compile_that_takes_long_is_announced(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    compiled_or_skip()
+    # Imported again: numba loads the machine code from its cache, which takes longer than
+    # a notice due at once.
+    monkeypatch.delitem(sys.modules, "shardprep.codec.compiled")
+    monkeypatch.setattr(reassembly, "COMPILE_NOTICE_S", 0.0)
+    reassembly.use_compiled(True)
+    try:
+        with caplog.at_level("WARNING", logger="shardprep.codec"):
+            assert reassembly.compiled() is not None
+        assert "Compiling the codec's decoder with numba (once per installation" in caplog.text
+        caplog.clear()
+        monkeypatch.delitem(sys.modules, "shardprep.codec.compiled")
+        monkeypatch.setattr(reassembly, "COMPILE_NOTICE_S", 60.0)
+        reassembly.use_compiled(True)
+        with caplog.at_level("WARNING", logger="shardprep.codec"):
+            assert reassembly.compiled() is not None
+        assert "Compiling" not in caplog.text
+        for timer in [t for t in threading.enumerate() if isinstance(t, threading.Timer)]:
+            timer.join(timeout=5)  # cancelled: ends at once, not in a minute
+            assert not timer.is_alive()
     finally:
         reassembly.use_compiled(True)
