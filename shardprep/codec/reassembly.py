@@ -30,6 +30,7 @@ _DECODE_CHUNK = 1 << 18
 # Compiling takes about 10 s, once per installation (numba's cache then loads it in under
 # half a second): past this many seconds a line says why nothing moves.
 COMPILE_NOTICE_S = 2.0
+_COMPILING = "Compiling the codec's decoder with numba (once per installation, about 10 s)."
 
 logger = logging.getLogger("shardprep.codec")
 
@@ -58,9 +59,6 @@ def compiled() -> ModuleType | None:
         finally:
             notice.cancel()
     return _compiled or None
-
-
-_COMPILING = "Compiling the codec's decoder with numba (once per installation, about 10 s)."
 
 
 def frame_decoder() -> FrameDecoder | None:
