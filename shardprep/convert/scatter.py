@@ -78,10 +78,7 @@ def write_rank_files(
                 hashed = [f for f in batch if _hash_here(claims[f], full, rehash_source)]
                 together = [f for f in batch if f not in hashed]
                 _scatter_together(reader, mover, checkpoint, roles, together, writes, bar, full)
-                digests = {
-                    f: _scatter_file(reader, mover, checkpoint, roles, f, writes, bar)
-                    for f in hashed
-                }
+                digests = _scatter_hashed(reader, mover, checkpoint, roles, hashed, writes, bar)
                 for file in batch:
                     _record(source_hashes, roles, checkpoint, file, digests.get(file), claims[file])
                 if done is not None:
@@ -243,24 +240,31 @@ def _advise(fd: int, offset: int, length: int, advice: str) -> None:
         os.posix_fadvise(fd, offset, length, getattr(os, advice))
 
 
-def _scatter_file(
+def _scatter_hashed(
     reader: SourceReader,
     mover: Mover,
     checkpoint: Checkpoint,
     roles: tuple[str, ...],
-    file: str,
+    files: list[str],
     writes: dict[tuple[str, str], list[Write]],
     bar: tqdm,
-) -> str:
-    """Read one source file, hashing it whole in file order while its tensors move as
-    `_scatter_together` moves them (both read it from the page cache: it is fetched from
-    disk once); returns its sha256."""
-    hashed = reader.hash_file(checkpoint.root / file)
+) -> dict[str, str]:
+    """Read source files one after the other, each hashed whole in file order on the
+    reader's thread while its tensors move as `_scatter_together` moves them (both read
+    it from the page cache: it is fetched from disk once); returns their sha256. The
+    tensors of the next file move while the hashing finishes the last one, never
+    further ahead: it hashes what the move just brought into the page cache."""
+    hashes: dict[str, Future[str]] = {}
     try:
-        _scatter_together(reader, mover, checkpoint, roles, [file], writes, bar, True)
+        for file in files:
+            behind = list(hashes.values())[-1:]
+            hashes[file] = reader.hash_file(checkpoint.root / file)
+            _scatter_together(reader, mover, checkpoint, roles, [file], writes, bar, True)
+            for future in behind:
+                future.result()
     finally:
-        wait([hashed])
-    return hashed.result()
+        wait(hashes.values())
+    return {file: future.result() for file, future in hashes.items()}
 
 
 def _scatter_together(

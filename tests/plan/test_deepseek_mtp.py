@@ -128,16 +128,16 @@ def test_the_checkpoint_is_read_once_for_target_and_draft(
 ) -> None:
     from shardprep.convert import scatter
 
-    reads: list[tuple[str, tuple[str, ...]]] = []
-    original = scatter._scatter_file
+    reads: list[tuple[list[str], tuple[str, ...]]] = []
+    original = scatter._scatter_hashed
 
-    def counting(reader, mover, checkpoint, roles, file, *rest):  # type: ignore[no-untyped-def]
-        reads.append((file, roles))
-        return original(reader, mover, checkpoint, roles, file, *rest)
+    def counting(reader, mover, checkpoint, roles, files, *rest):  # type: ignore[no-untyped-def]
+        reads.append((files, roles))
+        return original(reader, mover, checkpoint, roles, files, *rest)
 
-    monkeypatch.setattr(scatter, "_scatter_file", counting)
+    monkeypatch.setattr(scatter, "_scatter_hashed", counting)
     convert(str(mtp_model), tmp_path / "artifact", Options(tp=2, pp=2), progress=False)
-    assert reads == [("model.safetensors", ("target", "draft"))]
+    assert reads == [(["model.safetensors"], ("target", "draft"))]
 
 
 def test_a_promised_mtp_layer_the_checkpoint_lacks_converts_the_target_alone(
