@@ -5,7 +5,8 @@ destinations (`_landing`), so that each rank file's prefix grows, and is hashed,
 copy goes. The files whose sha256 is known (or not wanted: a one-stage plan) are read
 together, whichever file holds each tensor: all of a local source's at once, a Hub
 source's as each download ends. A file hashed here is read on its own, and hashed whole,
-in file order, on another thread meanwhile. A tensor whose rank slices are whole rows of
+in file order, on another thread meanwhile (which may finish it while the next file
+moves). A tensor whose rank slices are whole rows of
 the same dtype goes from file to file inside the kernel (`copy_file_range`); other
 tensors are mapped in bounded windows and scattered (columns gathered, dtypes cast) to
 every rank file that needs them. Rank files are hashed while they are written
