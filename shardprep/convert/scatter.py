@@ -6,11 +6,10 @@ copy goes. The files whose sha256 is known (or not wanted: a one-stage plan) are
 together, whichever file holds each tensor: all of a local source's at once, a Hub
 source's as each download ends. A file hashed here is read on its own, and hashed whole,
 in file order, on another thread meanwhile (which may finish it while the next file
-moves). A tensor whose rank slices are whole rows of
-the same dtype goes from file to file inside the kernel (`copy_file_range`); other
-tensors are mapped in bounded windows and scattered (columns gathered, dtypes cast) to
-every rank file that needs them. Rank files are hashed while they are written
-(`rankfiles.py`).
+moves). A tensor whose rank slices are whole rows of the same dtype goes from file to
+file inside the kernel (`copy_file_range`); other tensors are mapped in bounded windows
+and scattered (columns gathered, dtypes cast) to every rank file that needs them. Rank
+files are hashed while they are written (`rankfiles.py`).
 
 A source file that lives in the Hugging Face cache is a blob named by its sha256, and one
 that `hf download --local-dir` fetched has its sha256 recorded beside it: that sha256 is
@@ -258,11 +257,11 @@ def _scatter_hashed(
     hashes: dict[str, Future[str]] = {}
     try:
         for file in files:
-            behind = list(hashes.values())[-1:]
+            previous = next(reversed(hashes.values()), None)
             hashes[file] = reader.hash_file(checkpoint.root / file)
             _scatter_together(reader, mover, checkpoint, roles, [file], writes, bar, True)
-            for future in behind:
-                future.result()
+            if previous is not None:
+                previous.result()
     finally:
         wait(hashes.values())
     return {file: future.result() for file, future in hashes.items()}
