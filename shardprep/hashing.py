@@ -50,6 +50,8 @@ def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        if hasattr(os, "POSIX_FADV_SEQUENTIAL"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         update_from_file(digest, fd, 0, os.fstat(fd).st_size, ahead=True)
     finally:
         os.close(fd)

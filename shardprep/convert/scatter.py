@@ -19,7 +19,6 @@ anyway and fails if it differs).
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 from collections import OrderedDict, deque
@@ -35,7 +34,7 @@ from shardprep.convert.place import scatter_chunk
 from shardprep.convert.rankfiles import Mover, Write, open_outputs
 from shardprep.errors import CorruptFileError
 from shardprep.format.headers import TensorInfo
-from shardprep.hashing import update_from_file
+from shardprep.hashing import sha256_file
 from shardprep.plan.records import FilePlan, Plan
 from shardprep.progress import Progress as tqdm
 
@@ -198,7 +197,7 @@ class SourceReader:
             yield start, window[0]
 
     def hash_file(self, path: Path) -> Future[str]:
-        return self.hasher.submit(_sha256_of, path)
+        return self.hasher.submit(sha256_file, path)
 
     def _unmap_oldest(self) -> None:
         view, whole, mapped = self.windows.popleft()
@@ -222,17 +221,6 @@ def _map(fd: int, offset: int, length: int) -> list[Any]:
     mapped = mmap.mmap(fd, offset + length - first, prot=mmap.PROT_READ, offset=first)
     whole = memoryview(mapped)
     return [whole[offset - first :], whole, mapped]
-
-
-def _sha256_of(path: Path) -> str:
-    """The sha256 of a file, read through the page cache in order."""
-    fd = _open_source(path)
-    try:
-        digest = hashlib.sha256()
-        update_from_file(digest, fd, 0, os.fstat(fd).st_size, ahead=True)
-    finally:
-        os.close(fd)
-    return digest.hexdigest()
 
 
 def _advise(fd: int, offset: int, length: int, advice: str) -> None:
