@@ -32,6 +32,7 @@ class RankPlace:
     tp_rank: int
     tp_size: int
     dp_rank: int = 0
+    dp_size: int = 1
 
     @classmethod
     def current(cls) -> RankPlace:
@@ -49,7 +50,13 @@ class RankPlace:
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),
             dp_rank=dp.rank_in_group if dp.world_size > 1 else 0,
+            dp_size=dp.world_size,
         )
+
+    @property
+    def processes(self) -> int:
+        """The worker processes that load the model at once (every data-parallel copy's)."""
+        return self.tp_size * self.pp_size * self.dp_size
 
 
 def check_dtype(artifact: Path, entry: ModelEntry, running: torch.dtype) -> None:

@@ -36,6 +36,7 @@ from shardprep.loader.checks import (
 )
 from shardprep.loader.contract import check_contract
 from shardprep.loader.fill import Destinations, fill_parameters
+from shardprep.loader.gds import GdsRequest
 from shardprep.loader.reader import read_rank
 from shardprep.loader.regroup import check_served, load_regrouped, running_split
 
@@ -77,6 +78,9 @@ class LoaderOptions:
 
     verify: bool = False
     """Check each rank file's sha256 against the manifest before reading it."""
+    gds: bool | None = None
+    """Read with GPUDirect Storage (`gds.py`): true even when several workers load (each
+    then opens every visible GPU), false never; by default only where one worker loads."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> LoaderOptions:
@@ -143,7 +147,7 @@ class ShardedFastLoader(BaseModelLoader):
         tensors = read_rank(
             artifact, role, place.pp_rank, place.tp_rank, manifest=manifest,
             device=_device_of(model), verify=self.options.verify, into=Destinations(model),
-            dp_rank=place.dp_rank,
+            dp_rank=place.dp_rank, gds=GdsRequest(self.options.gds, place.processes),
         )  # fmt: skip
         where = f"{artifact} ({role}, rank pp{place.pp_rank} tp{place.tp_rank})"
         family = draft_family(manifest, entry) or target_family(entry)

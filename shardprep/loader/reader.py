@@ -2,17 +2,16 @@
 
 Each part file is checked first (present, the size the manifest records, a strict header
 that lists exactly the tensors the manifest gives this rank, and the sha256 when
-`verify`), then read with fastsafetensors on a `SingleGroup` (GDS when the device is
-CUDA and `/dev/nvidia-fs*` exists, else its no-GDS path), one part at a time, so the
-extra memory is one part. When fastsafetensors is missing or fails on a file, the rest
-of the process reads with safetensors' `safe_open`; which path was taken, and why, is
-logged once per process. On the CPU, a caller that can say where each tensor belongs
-(`into`) gets it copied there (`shardprep.loader.cpu_read`).
+`verify`), then read with fastsafetensors on a `SingleGroup` (GDS where `gds.py` says so,
+else its no-GDS path), one part at a time, so the extra memory is one part. Where GDS
+fails on a file, it and the rest are read without GDS; when fastsafetensors is missing or
+fails on a file, the rest of the process reads with safetensors' `safe_open`; which path
+was taken, and why, is logged once per process. On the CPU, a caller that can say where
+each tensor belongs (`into`) gets it copied there (`shardprep.loader.cpu_read`).
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from shardprep.format.headers import Header, TensorInfo, read_header
 from shardprep.format.manifest import FileEntry, Manifest, ParamSpec, rank_key, read_manifest
 from shardprep.hashing import sha256_file
 from shardprep.loader.cpu_read import read_into
+from shardprep.loader.gds import GdsChoice, GdsRequest
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("shardprep.loader")
 
 BACKENDS = ("auto", "fastsafetensors", "safetensors")
-GDS_DEVICES = "/dev/nvidia-fs*"
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,7 @@ def read_rank(
     backend: str = "auto",
     into: Callable[[str, TensorInfo], torch.Tensor | None] | None = None,
     dp_rank: int = 0,
+    gds: GdsRequest | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of rank (pp_rank, tp_rank) of `role` (and,
     where the experts are stored per dp rank, those of `dp_rank`).
@@ -70,7 +70,8 @@ def read_rank(
     on `device`; each part's memory is released once its tensors are dropped. With
     `into`, on the CPU and the `auto` backend, each tensor is read straight into the
     contiguous tensor `into(name, info)` returns (and that one is yielded), or into a
-    new tensor where it returns None.
+    new tensor where it returns None. `gds` says whether GPUDirect Storage may be used
+    (by default: where one worker loads).
     """
     artifact = Path(artifact)
     if backend not in BACKENDS:
@@ -85,7 +86,9 @@ def read_rank(
             _announce("direct", "device cpu: each tensor is read straight into its parameter")
             yield from read_into(rank_file.path, rank_file.header, into)  # type: ignore[arg-type]
         else:
-            yield from read_file(rank_file.path, rank_file.header, device=device, backend=backend)
+            yield from read_file(
+                rank_file.path, rank_file.header, device=device, backend=backend, gds=gds
+            )
 
 
 def check_rank_files(
@@ -193,7 +196,12 @@ def _check_against_manifest(
 
 
 def read_file(
-    path: Path, header: Header, *, device: str = "cpu", backend: str = "auto"
+    path: Path,
+    header: Header,
+    *,
+    device: str = "cpu",
+    backend: str = "auto",
+    gds: GdsRequest | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the tensors of one checked file, in file order, with the chosen backend."""
     names = [n for n, _ in sorted(header.tensors.items(), key=lambda item: item[1].offset)]
@@ -202,7 +210,7 @@ def read_file(
         yield from _read_safetensors(path, names, device)
         return
     try:
-        opened = _open_fast(path, device)
+        opened = _open_fast(path, device, gds)
     except Exception as exc:
         if backend == "fastsafetensors":
             raise
@@ -216,10 +224,11 @@ def read_file(
 
 @dataclass
 class _State:
-    """Process-wide: why fastsafetensors cannot be used here (None while it can), and
-    which paths were already announced."""
+    """Process-wide: why fastsafetensors cannot be used here (None while it can), why
+    GDS cannot (None while it may), and which paths were already announced."""
 
     fast_unusable: str | None = None
+    gds_unusable: str | None = None
     announced: set[str] = field(default_factory=set)
 
 
@@ -243,11 +252,6 @@ def backend_in_use() -> str:
     return "safetensors" if _state.fast_unusable else "fastsafetensors"
 
 
-def use_gds(device: str) -> bool:
-    """GDS only for a CUDA device on a machine with the nvidia-fs driver loaded."""
-    return device.startswith("cuda") and bool(glob.glob(GDS_DEVICES))
-
-
 @dataclass
 class _FastFile:
     loader: object
@@ -264,28 +268,37 @@ class _FastFile:
             self.loader.close()  # type: ignore[attr-defined]
 
 
-def _open_fast(path: Path, device: str) -> _FastFile:
-    """Stage one whole file on `device` with fastsafetensors on a single-process group."""
+def _open_fast(path: Path, device: str, gds: GdsRequest | None) -> _FastFile:
+    """Stage one whole file on `device` with fastsafetensors on a single-process group;
+    where GDS fails on it, the file (and every later one) is staged without GDS."""
     try:
-        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+        import fastsafetensors  # noqa: F401
     except ImportError as exc:
         raise RuntimeError(f"fastsafetensors is not importable ({exc})") from exc
-    gds = use_gds(device)
-    loader = SafeTensorsFileLoader(SingleGroup(), device=device, nogds=not gds)
+    choice = (gds or GdsRequest()).decide(device)
+    if choice.use and _state.gds_unusable:
+        choice = GdsChoice(False, _state.gds_unusable)
+    if not choice.use:
+        return _stage(path, device, choice)
+    try:
+        return _stage(path, device, choice)
+    except Exception as exc:  # a file system that cuFile cannot register, a driver error
+        _state.gds_unusable = f"no GDS: it failed on {path}: {type(exc).__name__}: {exc}"
+        logger.warning("shardprep reads without GDS from now on (%s)", _state.gds_unusable)
+        return _stage(path, device, GdsChoice(False, _state.gds_unusable))
+
+
+def _stage(path: Path, device: str, choice: GdsChoice) -> _FastFile:
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    loader = SafeTensorsFileLoader(SingleGroup(), device=device, nogds=not choice.use)
     try:
         loader.add_filenames({0: [str(path)]})
         buffer = loader.copy_files_to_device()
     except BaseException:
         loader.close()
         raise
-    why = "GDS" if gds else f"no GDS: device {device}, {_gds_absence(device)}"
-    return _FastFile(loader, buffer, why)
-
-
-def _gds_absence(device: str) -> str:
-    if not device.startswith("cuda"):
-        return "GDS needs a CUDA device"
-    return f"no {GDS_DEVICES} on this machine"
+    return _FastFile(loader, buffer, choice.why)
 
 
 def _read_safetensors(

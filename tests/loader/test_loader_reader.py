@@ -23,6 +23,7 @@ from shardprep.errors import (
 )
 from shardprep.format.manifest import Manifest, read_manifest
 from shardprep.loader import cpu_read, reader
+from shardprep.loader.gds import GdsChoice, GdsRequest
 from shardprep.loader.reader import read_rank
 
 TP, PP = 2, 2
@@ -107,8 +108,8 @@ def test_one_part_is_staged_at_a_time(artifact: Path, monkeypatch: pytest.Monkey
     events: list[str] = []
     real_open = reader._open_fast
 
-    def recording_open(path: Path, device: str) -> reader._FastFile:
-        opened = real_open(path, device)
+    def recording_open(path: Path, device: str, gds: GdsRequest | None) -> reader._FastFile:
+        opened = real_open(path, device, gds)
         events.append(f"open {path.name}")
         real_close = opened.buffer.close
         opened.buffer.close = lambda: (events.append(f"close {path.name}"), real_close())
@@ -162,6 +163,36 @@ def test_falls_back_once_when_fastsafetensors_fails_on_the_file_system(
         list(read_rank(artifact, "target", 0, 0, backend="fastsafetensors"))
 
 
+def test_reads_on_without_gds_where_gds_fails(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GDS cannot run here: GDS is chosen, and its failure at construction (as where
+    `cuFileDriverOpen` fails) stands in for it. The file is read again without GDS, and
+    so is every later one, without trying GDS again."""
+    import fastsafetensors
+
+    tried: list[bool] = []
+    real_init = fastsafetensors.SafeTensorsFileLoader.__init__
+
+    def init(self: object, *args: object, nogds: bool = False, **kwargs: object) -> None:
+        tried.append(nogds)
+        if not nogds:
+            raise RuntimeError("cuFileDriverOpen failed (gds)")
+        real_init(self, *args, nogds=nogds, **kwargs)
+
+    monkeypatch.setattr(fastsafetensors.SafeTensorsFileLoader, "__init__", init)
+    monkeypatch.setattr(GdsRequest, "decide", lambda self, device: GdsChoice(True, "GDS"))
+    manifest = read_manifest(artifact)
+    with caplog.at_level(logging.INFO, logger="shardprep.loader"):
+        for role, pp, tp in RANKS:
+            got = dict(read_rank(artifact, role, pp, tp))
+            assert_same_bytes(got, expected_tensors(artifact, manifest, role, pp, tp))
+    assert tried[0] is False and all(tried[1:]) and len(tried) > 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cuFileDriverOpen failed (gds)" in warnings[0]
+    assert reader.backend_in_use() == "fastsafetensors"
+
+
 def test_logs_the_fastsafetensors_path_once(
     artifact: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -173,13 +204,6 @@ def test_logs_the_fastsafetensors_path_once(
         "shardprep reads rank files with fastsafetensors (no GDS: device cpu, "
         "GDS needs a CUDA device)"
     ]
-
-
-def test_gds_only_for_cuda_with_nvidia_fs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reader.glob, "glob", lambda pattern: ["/dev/nvidia-fs0"])
-    assert reader.use_gds("cuda:0") and not reader.use_gds("cpu")
-    monkeypatch.setattr(reader.glob, "glob", lambda pattern: [])
-    assert not reader.use_gds("cuda:0")
 
 
 def test_corrupt_header_is_caught(artifact: Path, tmp_path: Path) -> None:

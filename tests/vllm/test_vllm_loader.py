@@ -101,14 +101,18 @@ def test_register_is_idempotent() -> None:
 
 def test_extra_config_keys_are_checked() -> None:
     assert plugin.LoaderOptions.from_extra_config({"verify": True}).verify is True
+    assert plugin.LoaderOptions.from_extra_config({}).gds is None
+    assert plugin.LoaderOptions.from_extra_config({"gds": False}).gds is False
     with pytest.raises(ConfigError) as info:
         plugin.LoaderOptions.from_extra_config({"pattern": "x", "verify": True})
     assert str(info.value) == (
         "--model-loader-extra-config has unknown key(s) ['pattern'] for --load-format "
-        "sharded-fast; the allowed keys are ['verify']"
+        "sharded-fast; the allowed keys are ['gds', 'verify']"
     )
     with pytest.raises(ConfigError, match="'verify' must be true or false"):
         plugin.LoaderOptions.from_extra_config({"verify": "yes"})
+    with pytest.raises(ConfigError, match="'gds' must be true or false"):
+        plugin.LoaderOptions.from_extra_config({"gds": 1})
 
 
 class Toy(nn.Module):
