@@ -5,11 +5,11 @@ destinations (`_landing`), so that each rank file's prefix grows, and is hashed,
 copy goes. The files whose sha256 is known (or not wanted: a one-stage plan) are read
 together, whichever file holds each tensor: all of a local source's at once, a Hub
 source's as each download ends. A file hashed here is read on its own, and hashed whole,
-in file order, on another thread meanwhile (which may finish it while the next file
-moves). A tensor whose rank slices are whole rows of the same dtype goes from file to
-file inside the kernel (`copy_file_range`); other tensors are mapped in bounded windows
-and scattered (columns gathered, dtypes cast) to every rank file that needs them. Rank
-files are hashed while they are written (`rankfiles.py`).
+in file order, on another thread meanwhile (which may finish it while the next files
+move, up to `HASH_LAG` bytes behind). A tensor whose rank slices are whole rows of the
+same dtype goes from file to file inside the kernel (`copy_file_range`); other tensors
+are mapped in bounded windows and scattered (columns gathered, dtypes cast) to every
+rank file that needs them. Rank files are hashed while they are written (`rankfiles.py`).
 
 A source file that lives in the Hugging Face cache is a blob named by its sha256, and one
 that `hf download --local-dir` fetched has its sha256 recorded beside it: that sha256 is
@@ -39,6 +39,11 @@ from shardprep.plan.records import FilePlan, Plan
 from shardprep.progress import Progress as tqdm
 
 OUTPUT_HASHERS = 2  # worker threads hashing rank files (each file always on the same one)
+SOURCE_HASHERS = 2  # worker threads hashing source files, a file each
+# How far the hashing of source files may fall behind their move, in bytes of files whose
+# sha256 is not finished (always at least the file just moved): the page cache must keep
+# what is not hashed yet, or it is read from disk again.
+HASH_LAG = 4 * 1024**3
 
 
 def write_rank_files(
@@ -63,7 +68,8 @@ def write_rank_files(
     sources = _distinct(checkpoints)
     total = sum(_bytes_to_read(cp, roles, writes, full) for roles, cp in sources)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
-    hashers = [ThreadPoolExecutor(1) for _ in range(OUTPUT_HASHERS + 1)]
+    hashers = [ThreadPoolExecutor(SOURCE_HASHERS)]
+    hashers += [ThreadPoolExecutor(1) for _ in range(OUTPUT_HASHERS)]
     mover = Mover(files, journal, hashers[1:])
     source_hashes: dict[tuple[str, str], str] = {}
     try:
@@ -174,7 +180,8 @@ class SourceReader:
     """Maps source files window by window (at most CHUNK_BYTES of whole rows each): the
     bytes are scattered straight from the page cache, never copied into a buffer first;
     at most two windows are mapped at a time. A source file hashed here is hashed whole,
-    in file order, on the reader's own thread (`hash_file`), while its tensors move."""
+    in file order, on one of the reader's own threads (`hash_file`), while its tensors
+    move."""
 
     def __init__(self, hasher: ThreadPoolExecutor) -> None:
         self.hasher = hasher
@@ -237,22 +244,31 @@ def _scatter_hashed(
     writes: dict[tuple[str, str], list[Write]],
     bar: tqdm,
 ) -> dict[str, str]:
-    """Read source files one after the other, each hashed whole in file order on the
-    reader's thread while its tensors move as `_scatter_together` moves them (both read
-    it from the page cache: it is fetched from disk once); returns their sha256. The
-    tensors of the next file move while the hashing finishes the last one, never
-    further ahead: it hashes what the move just brought into the page cache."""
+    """Read source files one after the other, each hashed whole in file order on one of
+    the reader's threads while its tensors move as `_scatter_together` moves them (both
+    read it from the page cache: it is fetched from disk once); returns their sha256.
+    The next files move while the hashing finishes the last ones (`catch_up`): a large
+    file's hash does not hold back the small files after it, and what is hashed is what
+    the move brought into the page cache, at most `HASH_LAG` bytes ago."""
     hashes: dict[str, Future[str]] = {}
+    behind: deque[tuple[Future[str], int]] = deque()  # hashes not known to be finished
     try:
         for file in files:
-            previous = next(reversed(hashes.values()), None)
             hashes[file] = reader.hash_file(checkpoint.root / file)
+            behind.append((hashes[file], checkpoint.size(file)))
             _scatter_together(reader, mover, checkpoint, roles, [file], writes, bar, True)
-            if previous is not None:
-                previous.result()
+            catch_up(behind, HASH_LAG)
     finally:
         wait(hashes.values())
     return {file: future.result() for file, future in hashes.items()}
+
+
+def catch_up(behind: deque[tuple[Future[str], int]], lag: int) -> None:
+    """Before the next source file moves: forget the oldest hashes that are finished, and
+    wait for the oldest while the files still being hashed hold more than `lag` bytes.
+    The newest, the file just moved, is never waited for."""
+    while len(behind) > 1 and (behind[0][0].done() or sum(size for _, size in behind) > lag):
+        behind.popleft()[0].result()
 
 
 def _scatter_together(
