@@ -15,7 +15,12 @@ each page-cache state and source layout, takes turns round after round (best of
   as `pip install` leaves it), then `sync`; the child reports its own I/O counters and
   peak RSS;
 - with `--before CHECKOUT`, the same command from another checkout of shardprep (for
-  before/after tables measured in one run).
+  before/after tables measured in one run);
+- with `--least-work`, the least work of the kind any conversion must do, with nothing
+  else, then `sync`: each file copied inside the kernel (`copy_file_range`) 64 MiB at a
+  time, each step of the copy hashed and handed to the disk as convert does, and
+  (`folder` only, where the manifest needs it) the file itself hashed, as tasks on one
+  thread per core, each hash through `shardprep.hashing`: no plan, no cut, no header.
 
 Besides wall time (best of the rounds, each contender's own best), it prints the CPU
 seconds the contender's processes used (user + system, same round), which a machine
@@ -68,6 +73,37 @@ print(json.dumps({"status": status, "read_bytes": int(io["read_bytes"]),
                   "shardprep": shardprep.__file__,
                   "rchar": int(io["rchar"]),
                   "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+# The least work of a conversion: every file copied in the kernel 64 MiB at a time, each
+# step of the copy hashed and handed to the disk (as convert does), and, with a last
+# argument "hash-source", the file hashed too; one thread per core.
+LEAST_WORK = """
+import hashlib, os, sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from shardprep.hashing import sha256_file, update_from_file
+source, dest, hash_source = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "hash-source"
+STEP = 64 * 1024**2
+def copy_and_hash(path):
+    src = os.open(path, os.O_RDONLY)
+    dst = os.open(dest / path.name, os.O_RDWR | os.O_CREAT, 0o644)
+    size, done, digest = os.fstat(src).st_size, 0, hashlib.sha256()
+    while done < size:
+        n = os.copy_file_range(src, dst, min(STEP, size - done), done, done)
+        update_from_file(digest, dst, done, done + n)
+        os.posix_fadvise(dst, done, n, os.POSIX_FADV_DONTNEED)
+        done += n
+    os.close(src)
+    os.close(dst)
+    return digest.hexdigest()
+with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+    tasks = []
+    for path in sorted(source.glob("*.safetensors")):
+        tasks.append(pool.submit(copy_and_hash, path))
+        if hash_source:
+            tasks.append(pool.submit(sha256_file, path))
+    [task.result() for task in tasks]
 """
 
 
@@ -245,10 +281,20 @@ def run_convert(
     return {"seconds": seconds, **report}
 
 
+def run_least_work(source: Path, dest: Path, hash_source: bool) -> dict:
+    dest.mkdir(parents=True)
+    cmd = [sys.executable, "-P", "-c", LEAST_WORK, str(source), str(dest)]
+    cmd.append("hash-source" if hash_source else "copies-only")
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(THIS_CHECKOUT)))
+    os.sync()
+    return {"seconds": time.perf_counter() - start}
+
+
 Contender = Callable[[Path, Path], dict]  # (source folder, destination) -> figures
 
 
-def contenders(args: argparse.Namespace) -> dict[str, Contender]:
+def contenders(args: argparse.Namespace, source: Source) -> dict[str, Contender]:
     """Everything timed against `cp`, by label."""
     extra = list(args.convert_args)
     chosen: dict[str, Contender] = {
@@ -260,6 +306,9 @@ def contenders(args: argparse.Namespace) -> dict[str, Contender]:
         chosen["convert (before)"] = lambda src, dst: run_convert(
             before, src, dst, args.tp, args.pp, []
         )
+    if args.least_work:
+        # Only a plain folder's source files are hashed: the other layouts record theirs.
+        chosen["least work"] = lambda src, dst: run_least_work(src, dst, src == source.folder)
     return chosen
 
 
@@ -271,7 +320,7 @@ def measure(args: argparse.Namespace, source: Source, root: Path) -> list[dict]:
             best: dict[str, dict] = {}
             dropped = True
             for _ in range(args.repeat):  # take turns; keep the best of each
-                for label, run in contenders(args).items():
+                for label, run in contenders(args, source).items():
                     dest = root / "dest"
                     shutil.rmtree(dest, ignore_errors=True)
                     dropped = prepare(cache, path) and dropped
@@ -321,6 +370,10 @@ def main() -> None:
     parser.add_argument("--layout", default="folder,local,hub", help="folder, local, hub")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--before", help="another shardprep checkout, timed side by side")
+    parser.add_argument(
+        "--least-work", action="store_true",
+        help="also time the least work a conversion must do (copies and hashes only)",
+    )  # fmt: skip
     parser.add_argument(
         "--convert-args", nargs=argparse.REMAINDER, default=[],
         help="extra flags for this checkout's `shardprep convert` (last on the line)",
