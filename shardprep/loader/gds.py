@@ -27,7 +27,7 @@ class GdsChoice:
 @dataclass(frozen=True)
 class GdsRequest:
     """What the user asked for (`asked`: True, False or None for the default) and how
-    many worker processes load at once (vLLM's tp x pp)."""
+    many worker processes load at once (vLLM's tp x pp x dp)."""
 
     asked: bool | None = None
     processes: int = 1
