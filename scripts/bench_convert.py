@@ -2,7 +2,7 @@
 
     python scripts/bench_convert.py --size 4GB [--cache cold,warm] [--layout folder,local,hub]
                                     [--tp 8 --pp 2] [--repeat 3] [--before CHECKOUT]
-                                    [--dir DIR] [--json]
+                                    [--least-work] [--dir DIR] [--json]
     python scripts/bench_convert.py --plan-deepseek [--tp 8 --pp 2] [--dir DIR]
 
 Builds a synthetic Llama-shaped bf16 checkpoint of about SIZE (random weights), then, for
