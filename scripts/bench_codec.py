@@ -15,8 +15,9 @@ Methods: `shardprep` is the codec itself in memory (no sha256; comparable to the
 none of which hashes), through `decompress_buffer`; `before` (with `--baseline PATH`) is
 an earlier checkout's codec package (with its own default frame size unless
 `--frame-size` is given), or an earlier single-file codec.py, the same way;
-`shardprep-file` is the public `compress_file`/`decompress_file` on tmpfs, which adds
-file I/O and the two sha256 (raw and stored) that they return and verify;
+`shardprep-file` is the public `compress_file`/`decompress_file` in `--workdir` (tmpfs
+unless told), which adds file I/O and the two sha256 (raw and stored) that they return
+and verify, and `before-file` the same of a `--baseline` checkout;
 `zstd-1`/`zstd-3` are plain zstd over the same frame size; `zipnn` is PyPI `zipnn`
 (without it the table says so at its foot). Every method gets the same `--threads`: the
 frame workers of shardprep and plain zstd, zipnn's own `threads` (its C code's).
@@ -233,20 +234,22 @@ class BaselineMemory(Method):
 class ShardprepFile(Method):
     """The public file API (file I/O and sha256 of raw and stored bytes included)."""
 
-    def __init__(self, threads: int, frame_size: int, workdir: Path) -> None:
-        self.threads, self.frame_size = threads, frame_size
+    def __init__(
+        self, threads: int, frame_size: int, workdir: Path, package: ModuleType = codec
+    ) -> None:
+        self.threads, self.frame_size, self.package = threads, frame_size, package
         self.raw_path, self.stored, self.back = (workdir / n for n in ("raw", "stored", "back"))
 
     def setup(self, raw: bytes) -> None:
         self.raw_path.write_bytes(raw)
 
     def compress(self) -> None:
-        codec.compress_file(
+        self.package.compress_file(
             self.raw_path, self.stored, threads=self.threads, frame_size=self.frame_size
         )
 
     def decompress(self) -> None:
-        codec.decompress_file(self.stored, self.back, threads=self.threads)
+        self.package.decompress_file(self.stored, self.back, threads=self.threads)
 
     def stored_size(self) -> int:
         return self.stored.stat().st_size
@@ -333,6 +336,7 @@ def methods_for(
         package, streams = load_baseline_package(Path(args.baseline))
         own = args.frame_size or package.DEFAULT_FRAME_SIZE  # its default, as its users had
         methods["before"] = lambda: ShardprepMemory(threads, own, workdir, package, streams)
+        methods["before-file"] = lambda: ShardprepFile(threads, own, workdir, package)
     elif args.baseline:
         module = load_baseline(Path(args.baseline))
         methods["before"] = lambda: BaselineMemory(module, threads, frame_size)

@@ -27,11 +27,14 @@ seconds the contender's processes used (user + system, same round), which a mach
 shared with other jobs disturbs much less than wall time.
 
 `cold` drops the page cache before each contender (needs root; otherwise says so);
-`warm` reads the source files once before each. `folder` converts a plain model folder
-(every source byte is hashed for the manifest); `local` the same folder as
-`hf download --local-dir` leaves it (each file's sha256 recorded in
-`.cache/huggingface/download/`, which the manifest records as it is); `hub` the same
-files laid out as a Hugging Face cache snapshot (symlinks to blobs named by their
+`warm` reads the source files once before each. Then, before each, up to 1.25x the
+source's size of free memory is touched and freed (`fault_in`): on a virtual machine that
+hands free memory back to its host, the first touch of such memory costs far more, and
+without this `cp`, which fills fresh page cache for every byte, paid it or not by chance.
+`folder` converts a plain model folder (every source byte is hashed for the manifest);
+`local` the same folder as `hf download --local-dir` leaves it (each file's sha256
+recorded in `.cache/huggingface/download/`, which the manifest records as it is); `hub`
+the same files laid out as a Hugging Face cache snapshot (symlinks to blobs named by their
 sha256, recorded as they are). Sha256 of every rank file is included in every case.
 
 `--plan-deepseek` measures `shardprep plan` instead, on a DeepSeek-V3-shaped checkpoint
@@ -241,6 +244,35 @@ def prepare(cache: str, source: Path) -> bool:
     return True
 
 
+def free_memory() -> int | None:
+    """MemFree of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in lines)
+    return int(fields["MemFree"].split()[0]) * 1024
+
+
+def fault_in(nbytes: int) -> None:
+    """Touch and free up to `nbytes` of memory (never the page cache the run needs).
+
+    A virtual machine with free page reporting (virtio-balloon) hands memory that stays
+    free for a few seconds back to its host, and the next first touch of each such page
+    costs a fault in the host: here 1-1.7 s per GB, paid by whichever contender fills
+    fresh pages. `cp` fills a page-cache page for every byte it copies and so paid it in
+    full, by chance of the timing; convert hands its pages back as it goes. Touched here
+    first, the pages are back on the free lists, not yet reported, when the contender
+    starts: each starts as it would on a machine without reporting."""
+    free = free_memory()
+    if free is None:
+        return
+    size = min(nbytes, free - 1024**3)
+    if size > 0:  # in a child: a child's peak RSS starts from its parent's at fork
+        touch = f"import numpy; numpy.ones({size}, numpy.uint8)"
+        subprocess.run([sys.executable, "-c", touch], check=True)
+
+
 def run_cp(source: Path, dest: Path) -> dict:
     files = [str(p) for p in sorted(source.glob("*.safetensors"))]
     dest.mkdir(parents=True)
@@ -324,6 +356,7 @@ def measure(args: argparse.Namespace, source: Source, root: Path) -> list[dict]:
                     dest = root / "dest"
                     shutil.rmtree(dest, ignore_errors=True)
                     dropped = prepare(cache, path) and dropped
+                    fault_in(source.total + source.total // 4)
                     before = resource.getrusage(resource.RUSAGE_CHILDREN)
                     figures = run(path, dest)
                     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardprep.constants import INCOMPLETE_SUFFIX
 from shardprep.errors import OutputExistsError
+from shardprep.pieces import WRITE_PIECE
 
 _NEW = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -93,7 +94,7 @@ def copy_new(src: Path, dst: Path) -> None:
     """Copy `src` (which may be a link, as in the Hugging Face cache) to a new file `dst`."""
     fd = create_new(dst)
     with open(src, "rb") as source, os.fdopen(fd, "wb") as target:
-        shutil.copyfileobj(source, target, 1 << 20)
+        shutil.copyfileobj(source, target, WRITE_PIECE)
 
 
 def refuse_linked_folders(root: Path, names: tuple[str, ...]) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 
 from shardprep.constants import INCOMPLETE_SUFFIX
 from shardprep.errors import CorruptFileError
+from shardprep.pieces import write_all
 
 MAX_PENDING_UPDATES = 4  # updates a BackgroundSha256 may still hold once update() returns
 _T = TypeVar("_T")
@@ -89,7 +90,7 @@ class HashingWriter:
 
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
         self._sha.update(data)
-        self._handle.write(data)
+        write_all(self._handle, data)
         self.count += memoryview(data).nbytes
 
     def digest(self) -> bytes:

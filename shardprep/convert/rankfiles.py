@@ -28,16 +28,12 @@ from shardprep.convert.journal import Journal
 from shardprep.format.dtypes import DTYPE_SIZES
 from shardprep.format.headers import encode_header, numel
 from shardprep.hashing import update_from_file
+from shardprep.pieces import pwrite_all
 from shardprep.plan.records import FilePlan
 
 # A rank file's sha256 is fed in steps of at least this many bytes: small enough that the
 # 16-odd files of a conversion do not hold back hundreds of MB complete but not yet hashed.
 HASH_STEP = 8 * 1024**2
-# Blocks are written at most this much per call: single writes of several MB were measured
-# to cost up to 15x more kernel time once the page cache had been filled by large reads
-# (likely larger page-cache folios, on a virtual machine that hands free memory back;
-# BENCHMARKS.md, "Writes of at most 2 MiB").
-WRITE_PIECE = 2 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -243,10 +239,3 @@ def _commit(handle: OpenFile, journal: Journal) -> None:
     handle.fd = -1
     os.replace(handle.tmp, handle.path)
     journal.record(handle.plan.path, handle.digest.hexdigest())
-
-
-def pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view[:WRITE_PIECE], offset)
-        view, offset = view[n:], offset + n
