@@ -259,7 +259,7 @@ def fault_in(nbytes: int) -> None:
 
     A virtual machine with free page reporting (virtio-balloon) hands memory that stays
     free for a few seconds back to its host, and the next first touch of each such page
-    costs a fault in the host: here 1-1.7 s per GB, paid by whichever contender fills
+    costs a fault in the host: here 0.6-1.7 s per GB, paid by whichever contender fills
     fresh pages. `cp` fills a page-cache page for every byte it copies and so paid it in
     full, by chance of the timing; convert hands its pages back as it goes. Touched here
     first, the pages are back on the free lists, not yet reported, when the contender
