@@ -255,3 +255,26 @@ def test_after_fill_redoes_the_kda_decode_copies_vllms_weight_loaders_make() -> 
     assert vllm.decode_conv1d_weight.any()
     assert torch.equal(ours.decode_conv1d_weight, vllm.decode_conv1d_weight)
     assert torch.equal(ours.decode_norm_weight, vllm.decode_norm_weight)
+
+
+@pytest.mark.parametrize("architecture", [KIMI, "KimiK25ForConditionalGeneration"])
+def test_a_tower_replicated_at_tp8_converts_to_an_artifact_its_reader_takes(
+    tmp_path: Path, architecture: str
+) -> None:
+    """tp8 splits the text model's 8 heads but not the tower's 4: the tower's fused qkv is
+    replicated, and its piece names no heads (the reader refuses heads on a replicated
+    piece); verify and the reader take the artifact."""
+    from shardprep.format.manifest import read_regions
+
+    text = {"num_attention_heads": 8, "num_key_value_heads": 8}
+    if architecture == KIMI:
+        linear = dict(tiny_config(KIMI)["text_config"]["linear_attn_config"], num_heads=8)
+        text |= {"moe_intermediate_size": 128, "linear_attn_config": linear}
+    else:
+        text |= {"moe_intermediate_size": 64, "intermediate_size": 128}
+    source = make_tiny_model(tmp_path / "src", architecture, **text)
+    convert(str(source), tmp_path / "out", Options(tp=8, pp=2), progress=False)
+    manifest = read_regions(tmp_path / "out", read_manifest(tmp_path / "out"))
+    (wqkv,) = manifest.models[0].pieces["vision_tower.encoder.blocks.0.wqkv.weight"]
+    assert (wqkv.cut, wqkv.heads) == ("replicate", 0)
+    assert verify(tmp_path / "out").ok

@@ -158,7 +158,8 @@ def tower_params(
     `linear_1/2`), each tensor cut as `tensors` says when `split`, whole otherwise."""
     params = []
     for name, (_, cut) in tensors.items():
-        piece = Piece(name, cut if split else Cut.REPLICATE, 3 if cut is Cut.PARTS_ROWS else 0)
+        cut = cut if split else Cut.REPLICATE
+        piece = Piece(name, cut, 3 if cut is Cut.PARTS_ROWS else 0)
         vllm = name.replace("proj.0.", "linear_1.").replace("proj.2.", "linear_2.")
         params.append(Param(vllm, (piece,), stages))
     return params
