@@ -8,6 +8,8 @@ from pathlib import Path
 FORMAT = "shardprep/1"
 
 MANIFEST_NAME = "shardprep.json"
+# Where every rank tensor's parts came from: read only to serve another topology.
+REGIONS_NAME = "shardprep.regions.json"
 SHARDS_DIR = "shards"
 DRAFT_DIR = "draft"
 SHARD_PATTERN = "model-pp-{pp}-tp-{tp}-part-{part}.safetensors"

@@ -76,11 +76,11 @@ def _model_problems(manifest: Manifest) -> list[str]:
         empty = sorted(k for k, params in model.ranks.items() if not params)
         if empty:
             problems.append(f"the {model.role} rank(s) {', '.join(empty[:4])} hold no parameter")
-        problems += _piece_problems(model)
+        problems += piece_problems(model)
     return problems
 
 
-def _piece_problems(model: ModelEntry) -> list[str]:
+def piece_problems(model: ModelEntry) -> list[str]:
     """Pieces, where recorded, cover every rank parameter, and name sources of known shape."""
     if not model.pieces and not model.source_shapes:
         return []

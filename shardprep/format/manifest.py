@@ -7,11 +7,13 @@ every field checked by `shardprep.format.checks`) and written atomically.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from shardprep import safefs
-from shardprep.constants import FORMAT, MANIFEST_NAME, MAX_JSON_BYTES
+from shardprep.constants import FORMAT, MANIFEST_NAME, MAX_JSON_BYTES, REGIONS_NAME
 from shardprep.errors import ManifestError
 from shardprep.format import jsonio
 from shardprep.format.checks import check_consistency
@@ -23,6 +25,7 @@ from shardprep.format.records import (
     ModelEntry,
     ParamSpec,
     PieceEntry,
+    RegionsFile,
     ScaleEntry,
     Source,
     SourceFile,
@@ -31,6 +34,7 @@ from shardprep.format.records import (
     rank_key,
     split_rank_key,
 )
+from shardprep.format.regions import read_regions, regions_document, regions_record
 from shardprep.format.request import ConversionRequest
 from shardprep.format.schema import check_document
 from shardprep.format.vllm_layout import VllmLayout, legacy_layout
@@ -44,6 +48,7 @@ __all__ = [
     "ModelEntry",
     "ParamSpec",
     "PieceEntry",
+    "RegionsFile",
     "ScaleEntry",
     "Source",
     "SourceFile",
@@ -54,6 +59,7 @@ __all__ = [
     "parse_manifest",
     "rank_key",
     "read_manifest",
+    "read_regions",
     "split_rank_key",
     "write_manifest",
 ]
@@ -105,17 +111,43 @@ def read_manifest(folder: Path) -> Manifest:
 
 
 def load_manifest_file(path: Path, where: str) -> Manifest:
-    """Read a manifest file of any name, its size checked before it is read."""
+    """Read a manifest file of any name, its size checked before it is read. A process
+    parses the same bytes once (a worker reads its manifest when it fetches, then when it
+    loads the target, then the draft)."""
     size = path.stat().st_size
     if size > MAX_JSON_BYTES:
         raise ManifestError(
             f"{where} is {size:,} bytes, over the {MAX_JSON_BYTES:,}-byte limit for a manifest"
         )
-    return parse_manifest(path.read_bytes(), where=where)
+    raw = path.read_bytes()
+    key = hashlib.sha256(raw).digest()
+    manifest = _PARSED.get(key)
+    if manifest is None:
+        manifest = parse_manifest(raw, where=where)
+        if len(_PARSED) >= PARSED_KEPT:
+            del _PARSED[next(iter(_PARSED))]
+        _PARSED[key] = manifest
+    return manifest
+
+
+# The manifests this process parsed, by the sha256 of their bytes (records are frozen).
+_PARSED: dict[bytes, Manifest] = {}
+PARSED_KEPT = 4
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
-    """Write atomically: a temporary name, then rename; the temporary file never stays."""
+    """Write atomically: a temporary name, then rename; the temporary file never stays.
+    Pieces held inline go to the regions file first, which the manifest then names."""
+    if any(model.pieces for model in manifest.models):
+        raw = regions_document(manifest.models)
+        safefs.write_atomic(folder / REGIONS_NAME, raw, prefix=".regions-", suffix=".tmp")
+        manifest = dataclasses.replace(
+            manifest,
+            regions=regions_record(raw, manifest.models),
+            models=tuple(
+                dataclasses.replace(model, pieces={}, source_shapes={}) for model in manifest.models
+            ),
+        )
     path = folder / MANIFEST_NAME
     safefs.write_atomic(path, manifest.to_json(), prefix=".manifest-", suffix=".tmp")
     return path
@@ -133,6 +165,7 @@ _NESTED: dict[tuple[type, str], type] = {
     (Manifest, "extra_files"): ExtraFile,
     (Manifest, "request"): ConversionRequest,
     (Manifest, "vllm_layout"): VllmLayout,
+    (Manifest, "regions"): RegionsFile,
     (ModelEntry, "source"): Source,
     (ModelEntry, "experts"): Experts,
     (Source, "files"): SourceFile,

@@ -154,6 +154,18 @@ class ExtraFile:
 
 
 @dataclass(frozen=True)
+class RegionsFile:
+    """The regions file beside the manifest (`shardprep.format.regions`): the pieces and
+    source shapes of the models in `roles`, and the kinds of cut they use."""
+
+    path: str
+    bytes: int
+    sha256: str
+    cuts: tuple[str, ...]
+    roles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Topology:
     """tp x pp, with the explicit number of layers on each stage."""
 
@@ -191,6 +203,8 @@ class Manifest:
     request: ConversionRequest | None = None  # None in artifacts made before it was recorded
     # The plan and its sources' identity, hashed: a rerun keeps the files only if it matches.
     plan_fingerprint: str | None = None
+    # Where the models' pieces are, when not inline (artifacts before it held them here).
+    regions: RegionsFile | None = None
 
     def model(self, role: str) -> ModelEntry | None:
         return next((m for m in self.models if m.role == role), None)
@@ -209,7 +223,7 @@ class Manifest:
     def served_tps(self) -> tuple[int, ...]:
         """The tp sizes this artifact serves at any pp (the divisors of its tp, when every
         model records its pieces and every stage is here); () for its own topology only."""
-        if not self.models or not all(m.pieces for m in self.models):
+        if not self.models or not all(self.records_pieces(m) for m in self.models):
             return ()
         if tuple(self.stages) != tuple(range(self.topology.pp)):
             return ()
@@ -229,8 +243,22 @@ class Manifest:
         takes them so at tp1, or with expert parallelism; no rank file holds part of one."""
         return any(m.experts is not None and m.experts.expert_parallel for m in self.models)
 
+    def records_pieces(self, model: ModelEntry) -> bool:
+        """Whether the pieces of `model` are recorded (inline or in the regions file)."""
+        return bool(model.pieces) or (self.regions is not None and model.role in self.regions.roles)
+
+    @property
+    def side_files(self) -> tuple[ExtraFile, ...]:
+        """The files beside the shards that every copy of the artifact holds: those copied
+        from the source, and the regions file."""
+        regions = self.regions
+        mine = (ExtraFile(regions.path, regions.bytes, regions.sha256),) if regions else ()
+        return (*self.extra_files, *mine)
+
     @property
     def _cuts(self) -> set[str]:
+        if self.regions is not None:
+            return set(self.regions.cuts)
         return {
             piece.cut
             for model in self.models
@@ -253,7 +281,9 @@ class Manifest:
         own = f"tp{topo.tp} x pp{topo.pp} only"
         if self.padded_for_tp:
             return f"{own} (its MXFP4 experts are padded for tp{topo.tp})"
-        if tuple(self.stages) != tuple(range(topo.pp)) and all(m.pieces for m in self.models):
+        if tuple(self.stages) != tuple(range(topo.pp)) and all(
+            self.records_pieces(m) for m in self.models
+        ):
             return f"{own} (it holds stage(s) {', '.join(map(str, self.stages))})"
         if "zero_rows" in self._cuts:
             return f"{own} (made before shardprep aligned its zero rows for each tp)"
@@ -264,10 +294,15 @@ class Manifest:
         for entry in data["files"]:
             if entry["dp"] is None:  # a file shared by every dp rank, as before dp existed
                 del entry["dp"]
+        if data["regions"] is None:
+            del data["regions"]
         for model in data["models"]:
             model["pieces"] = {
                 name: [piece_json(p) for p in pieces] for name, pieces in model["pieces"].items()
             }
+            for key in ("pieces", "source_shapes"):
+                if not model[key]:  # in the regions file, or not recorded
+                    del model[key]
         return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 

@@ -190,6 +190,6 @@ def wanted_files(manifest: Manifest, part: Part) -> list[Wanted]:
                 codec=f.codec,
             )
         )
-    for e in manifest.extra_files:
+    for e in manifest.side_files:
         items.append(Wanted(e.path, e.bytes, e.sha256, e.path, e.bytes, e.sha256, "none"))
     return items

@@ -59,12 +59,12 @@ def publish(
     manifest = _verified_manifest(artifact, progress)
     staging = _staging_folder(artifact)
     files = _stage_rank_files(artifact, staging, manifest, codec, progress)
-    for extra in manifest.extra_files:
+    for extra in manifest.side_files:
         _link(artifact / extra.path, staging / extra.path)
     published = dataclasses.replace(manifest, files=files)
     mf.write_manifest(staging, published)
     safefs.write_atomic(staging / CARD_NAME, model_card(published, repo_id))
-    names = [MANIFEST_NAME, CARD_NAME, *(e.path for e in manifest.extra_files)]
+    names = [MANIFEST_NAME, CARD_NAME, *(e.path for e in manifest.side_files)]
     names += [stored_path(f) for f in files]
     api = HfApi(endpoint=endpoint, token=token)
     # huggingface_hub's nested upload bars cannot be made plain: off outside a terminal

@@ -44,7 +44,7 @@ def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 def test_an_untouched_artifact_says_which_stages(artifact: Path, capsys) -> None:
     assert main(["verify", str(artifact), "-q"]) == 0
-    assert capsys.readouterr().out.startswith("ok (stages 0, 1): 9 files")
+    assert capsys.readouterr().out.startswith("ok (stages 0, 1): 10 files")
 
 
 def test_float_offsets_that_once_passed_fail_verify_and_publish(copy: Path, capsys) -> None:

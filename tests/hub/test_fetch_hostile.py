@@ -128,7 +128,7 @@ def test_fetch_verify_finds_and_repairs_a_flipped_byte(
 
     assert main(["verify", str(folder), "-q"]) == 0  # a one-stage folder verifies
     out, _ = _captured()
-    assert out.startswith("ok (stage 1 of 0, 1; stage 0 not fetched here): 4 files")
+    assert out.startswith("ok (stage 1 of 0, 1; stage 0 not fetched here): 5 files")
     assert main(["publish", str(folder), "org/copy", "--endpoint", hub.endpoint, "-q"]) == 1
     _, err = _captured()
     assert "it is a fetched folder that holds stage 1 of 0, 1; stage 0 not fetched here" in err

@@ -69,7 +69,7 @@ def _stage_paths(artifact: Path, stage: int) -> list[str]:
 
 
 def _wanted_paths(artifact: Path, stage: int) -> list[str]:
-    extras = [e.path for e in _manifest(artifact).extra_files]
+    extras = [e.path for e in _manifest(artifact).side_files]
     return _stage_paths(artifact, stage) + extras
 
 
@@ -172,7 +172,7 @@ def test_fetch_a_rank_of_a_coarser_tp(
     repo = "shardprep-test/Tiny-TP4-PP2"
     publish(artifact, repo, endpoint=hub.endpoint, progress=False)
     files = _manifest(artifact).files
-    extras = {e.path for e in _manifest(artifact).extra_files}
+    extras = {e.path for e in _manifest(artifact).side_files}
 
     def paths(stages: set[int], ranks: set[int]) -> set[str]:
         return {f.path for f in files if f.pp in stages and f.tp in ranks}
@@ -318,7 +318,7 @@ def test_compressed_round_trip_is_byte_identical(
     assert not (artifact / ".shardprep-publish").exists()
 
     folder = fetch(REPO, all_stages=True, endpoint=hub.endpoint, progress=False)
-    for path in shards + [e.path for e in _manifest(artifact).extra_files]:
+    for path in shards + [e.path for e in _manifest(artifact).side_files]:
         assert (folder / path).read_bytes() == (artifact / path).read_bytes(), path
     assert not any(p.suffix == ".zst" for p in _files_under(folder))
     manifest = read_manifest(folder)

@@ -59,7 +59,7 @@ def test_a_worker_downloads_the_ranks_that_hold_what_it_reads(
     url = hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url)
     manifest = read_manifest(artifact)
-    extras = {e.path for e in manifest.extra_files}
+    extras = {e.path for e in manifest.side_files}
 
     def paths(stage: int, ranks: set[int]) -> set[str]:
         return {f.path for f in manifest.files if f.pp == stage and f.tp in ranks}
