@@ -25,7 +25,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from shardprep.constants import DRAFT_DIR, MANIFEST_NAME
 from shardprep.errors import ConfigError, ManifestError
-from shardprep.format.manifest import Manifest, ModelEntry, read_manifest
+from shardprep.format.manifest import Manifest, ModelEntry, read_manifest, read_regions
 from shardprep.loader.checks import (
     RankPlace,
     check_dtype,
@@ -131,6 +131,8 @@ class ShardedFastLoader(BaseModelLoader):
             vllm_partition = tuple(manifest.topology.partition)
         if (place.tp_size, place.pp_size, vllm_partition) != _own(manifest):
             check_served(artifact, manifest, place.tp_size, place.pp_size)
+            manifest = read_regions(artifact, manifest)
+            entry = model_entry(manifest, role, artifact)
             load_regrouped(
                 artifact, manifest, entry, model, place, vllm_partition,
                 verify=self.options.verify,

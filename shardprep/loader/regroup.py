@@ -25,8 +25,7 @@ from shardprep.format.manifest import (
     Manifest,
     ModelEntry,
     ParamSpec,
-    PieceEntry,
-    rank_key,
+    read_regions,
     split_rank_key,
 )
 from shardprep.loader.cpu_read import torch_dtypes
@@ -39,7 +38,6 @@ logger = logging.getLogger("shardprep.loader")
 if TYPE_CHECKING:
     from shardprep.loader.checks import RankPlace
     from shardprep.plan.archs.base import DraftFamily
-    from shardprep.plan.cuts import Piece
     from shardprep.plan.topology import ExpertSplit
 
 
@@ -166,77 +164,28 @@ def regroup_rank(
     count: ReadCount | None = None,
     stages: Collection[int] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for each parameter in `wanted` that the artifact has, cut for
-    tp rank `tp_rank` of `tp`. `experts`: vLLM's (ExpertSplit, moe rank) of this rank.
-    `stages`: the artifact stages this rank reads (`worker_stages`); a tensor that other
-    stages hold too (the embeddings a draft shares) is read from them."""
-    from shardprep.plan.regions import locate, rank_tensor, stored_blocks
-    from shardprep.plan.topology import ExpertSplit
+    """Yield (name, tensor) for each parameter `plan_regroup` makes, read from the
+    artifact's rank files with positioned reads; the pieces from the regions file."""
+    from shardprep.plan.regroup import plan_regroup  # pure, but only another topology's
 
-    topo = manifest.topology
+    manifest = read_regions(artifact, manifest)
+    entry = manifest.model(entry.role) or entry
     count = count if count is not None else ReadCount()
-    holders = _holders(entry)
-    art_split = None
-    if entry.experts is not None:
-        e = entry.experts
-        art_split = ExpertSplit(e.num_experts, topo.tp, e.dp, e.expert_parallel, e.placement)
-    new_split, moe_rank = experts if experts is not None else (None, tp_rank)
-    ways = new_split.size if new_split is not None else tp
-    cut = ways > 1 and (new_split is None or not new_split.uses_ep)
-    if cut and art_split is not None and art_split.uses_ep:  # parts of experts: not stored
-        raise TopologyMismatchError(
-            f"artifact {artifact} holds whole experts on each rank (converted with "
-            f"--enable-expert-parallel) but vLLM runs tp{tp} without expert parallelism, "
-            f"which cuts every expert {ways} ways; start vLLM with --enable-expert-parallel "
-            "(or at tp1), or convert again without it"
-        )
-    ratio = topo.tp // tp
-    own_ranks = set(range(tp_rank * ratio, (tp_rank + 1) * ratio))
-
     files: dict[str, list[RankFile]] = {}
     fds: dict[Path, int] = {}
     dtypes = torch_dtypes(torch)
+    planned = plan_regroup(
+        artifact, manifest, entry, wanted, tp=tp, tp_rank=tp_rank, experts=experts,
+        stages=stages,
+    )  # fmt: skip
     try:
-        for name in wanted:
-            if name not in entry.pieces:
-                continue
-            pieces = tuple(map(_piece, entry.pieces[name]))
-            held = [(h, spec) for h, params in holders.items() if (spec := params.get(name))]
-            if not held:
-                continue
-            dtype = held[0][1].dtype
-            split = new_split if art_split is not None else None
-            try:
-                mine = rank_tensor(
-                    name, pieces, entry.source_shapes, dtype, tp, tp_rank, split, moe_rank
-                )
-                stored = []
-                for holder, _ in held:
-                    _, holder_tp, dp = split_rank_key(holder)
-                    theirs = rank_tensor(
-                        name, pieces, entry.source_shapes, dtype, topo.tp, holder_tp,
-                        art_split, (dp or 0) * topo.tp + holder_tp,
-                    )  # fmt: skip
-                    stored += stored_blocks(holder, theirs)
-                prefer = sorted(
-                    (h for h, _ in held),
-                    key=lambda h: (
-                        split_rank_key(h)[0] not in stages,
-                        split_rank_key(h)[1] not in own_ranks,
-                        h,
-                    ),
-                )
-                reads, zeros = locate(mine, stored, prefer)
-            except PlanError as exc:
-                raise TopologyMismatchError(
-                    f"artifact {artifact} cannot serve tp{tp} rank {tp_rank}: {exc}; it "
-                    f"serves {manifest.served_topologies()}"
-                ) from None
-            out = torch.empty(mine.stacked_shape, dtype=dtypes[dtype])
+        for made in planned:
+            name, mine = made.name, made.tensor
+            out = torch.empty(mine.stacked_shape, dtype=dtypes[mine.dtype])
             flat = out.view(out.shape[0] if out.dim() else 1, -1)
-            for start, end in zeros:
+            for start, end in made.zeros:
                 flat[start:end].zero_()
-            for read in reads:
+            for read in made.reads:
                 rank_file, info = _find(
                     artifact, manifest, entry, files, read.holder, read.tensor, verify
                 )
@@ -254,31 +203,12 @@ def regroup_rank(
                     _pread_into(fd, part, *span)
                     dest[:, read.dest_cols[0] : read.dest_cols[1]] = part
                 count.read += span[1]
-            padding = sum(end - start for start, end in zeros) * flat[:1].nbytes
+            padding = sum(end - start for start, end in made.zeros) * flat[:1].nbytes
             count.own += out.numel() * out.element_size() - padding
             yield name, out.view(mine.shape)
     finally:
         for fd in fds.values():
             os.close(fd)
-
-
-def _holders(entry: ModelEntry) -> dict[str, dict[str, ParamSpec]]:
-    """The artifact's ranks (with their dp rank where experts are stored per dp rank)
-    and the parameters each holds."""
-    apart = entry.experts is not None and entry.experts.dp > 1
-    found: dict[str, dict[str, ParamSpec]] = {}
-    for key in entry.ranks:
-        pp, tp, dp = split_rank_key(key)
-        if apart and dp is None:
-            continue
-        holder = rank_key(pp, tp, dp if apart else None)
-        found[holder] = entry.rank_params(pp, tp, dp or 0)
-    if apart:  # a rank whose experts are all in its shared files still counts
-        for key in entry.ranks:
-            pp, tp, dp = split_rank_key(key)
-            for d in range(entry.experts.dp) if dp is None else ():  # type: ignore[union-attr]
-                found.setdefault(rank_key(pp, tp, d), entry.rank_params(pp, tp, d))
-    return found
 
 
 def _find(
@@ -314,14 +244,6 @@ def _pread_into(fd: int, dest: torch.Tensor, offset: int, length: int) -> None:
         if got <= 0:
             raise OSError(f"short read at byte {offset + done} of a rank file")
         done += got
-
-
-def _piece(p: PieceEntry) -> Piece:
-    from shardprep.plan.cuts import Cut, Piece, ScaleOf
-
-    of = p.scale_of
-    scale = of and ScaleOf(of.shape, Cut(of.cut), of.block, of.grid, of.heads)
-    return Piece(p.source, Cut(p.cut), p.heads, p.expert, scale)
 
 
 def running_split(

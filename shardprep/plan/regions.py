@@ -78,9 +78,10 @@ def stored_blocks(holder: str, tensor: TensorPlan) -> list[Stored]:
     found, row = [], 0
     if not tensor.shape:  # a scalar: one row
         return [Stored(holder, tensor.name, 0, b, 1) for b in tensor.blocks if b.source]
+    height = tensor.stacked_shape[0]  # once: it sums every block's height
     for block in tensor.blocks:
         if block.source is not None:
-            found.append(Stored(holder, tensor.name, row, block, tensor.stacked_shape[0]))
+            found.append(Stored(holder, tensor.name, row, block, height))
         row += block.height
     return found
 

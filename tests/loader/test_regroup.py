@@ -236,7 +236,9 @@ def test_an_artifact_without_pieces_serves_only_its_own_topology(
     _, _, artifact = dense
     manifest = read_manifest(artifact)
     old = dataclasses.replace(
-        manifest, models=tuple(dataclasses.replace(m, pieces={}) for m in manifest.models)
+        manifest,
+        models=tuple(dataclasses.replace(m, pieces={}) for m in manifest.models),
+        regions=None,
     )
     assert old.served_tps == ()
     with pytest.raises(TopologyMismatchError, match="serves tp2 x pp2 only .made before"):
