@@ -1,0 +1,138 @@
+"""Two nodes as the seed runs them, at tiny size: vLLM's own multi-node executor
+(`vllm serve REPO --nnodes 2 --node-rank 0|1 --master-addr --master-port`, `--headless` on
+node 1), started on a Hub repo id with `--load-format sharded-fast`. Each node is a process
+tree of its own, with its own Hugging Face home, shardprep cache, TMPDIR and Hub endpoint
+(two test Hubs over the same repos, each counting what its node downloads).
+
+A DeepSeek-V3 (MLA, routed experts) with its MTP draft, converted at tp1 x pp2 in float32
+and published: one worker per node, each node one pipeline stage. Two runs of the pair:
+
+- without the draft, serving: node 0's server gives the greedy tokens of the single-node
+  default loader;
+- with the draft, loading (the CPU build runs no draft at pp > 1): every rank, target and
+  draft, holds the single-node default loader's state, each loaded with every collective
+  trapped;
+
+and across both, each node downloaded exactly its stage's rank files, once, the draft's
+only on the last node (they are part of its stage).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import vllm_env
+from hub_server import HubServer
+from test_vllm_moe import TRAP, assert_same_dumps
+from vllm_nodes import Node, load_two_nodes, serve_two_nodes
+
+from shardprep.convert.run import Options, convert
+from shardprep.demo.tiny import make_tiny_model
+from shardprep.format.manifest import read_manifest
+from shardprep.hub.cache import repo_folder
+from shardprep.hub.publish import publish
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("hf_client_env"),
+    pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
+    pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning"),
+]
+
+REPO = "shardprep-test/TinyDeepSeekV3-MTP-TP1-PP2"
+# One prompt: the server answers requests one by one, and a batch of two prompts moves
+# near-ties of this random model (seen: the second prompt's fifth token), so the offline
+# reference must run it alone too.
+PROMPTS = [[9, 10, 11]]
+LAYERS = 3  # layers 0-1 on node 0, layer 2 on node 1; the MTP layer is model.layers.3
+CPU_MLA = {"attention_config": {"backend": "CPU_MLA"}}  # float32 MLA (see test_vllm_mtp.py)
+MTP = {"method": "mtp", "num_speculative_tokens": 1, "attention_backend": "CPU_MLA"}
+RANK_FOLDERS = ("shards/", "draft/shards/")
+
+
+def rank_downloads(hub: HubServer) -> dict[str | None, list[str]]:
+    """The rank files this Hub served, once per download, by the worker that asked for them
+    (the dump loader labels its requests `target-pp{P}-tp{T}`)."""
+    found = {
+        origin: sorted(p for p in paths if p.startswith(RANK_FOLDERS))
+        for origin, paths in hub.downloads_by_origin(REPO).items()
+    }
+    return {origin: paths for origin, paths in found.items() if paths}
+
+
+def cached_rank_files(node: Node) -> dict[str, bytes]:
+    (commit,) = [p for p in repo_folder(REPO, cache_dir=node.cache).iterdir() if len(p.name) == 40]
+    files = [p for folder in RANK_FOLDERS for p in (commit / folder).glob("*.safetensors")]
+    return {str(p.relative_to(commit)): p.read_bytes() for p in files}
+
+
+def run_both(nodes: tuple[Node, Node]) -> tuple[list[list[int]], list[vllm_env.DumpFiles]]:
+    """The two runs of the pair: serving without the draft (its tokens, and what each node
+    loaded, moved aside), then loading with it; (tokens, [served dumps, loaded dumps])."""
+    tokens = serve_two_nodes(
+        REPO, nodes, 1, 2, "dump-sharded-fast", PROMPTS, env=TRAP, engine=CPU_MLA
+    )
+    served = moved_dumps(nodes, "served")
+    expected = vllm_env.expected_dumps(1, 2, with_draft=True)
+    load_two_nodes(
+        lambda: expected <= dumped(nodes).keys(), REPO, nodes, 1, 2, "dump-sharded-fast",
+        env=TRAP, engine=CPU_MLA, speculative_config=MTP,
+    )  # fmt: skip
+    return tokens, [served, dumped(nodes)]
+
+
+def dumped(nodes: tuple[Node, ...]) -> vllm_env.DumpFiles:
+    return {key: path for node in nodes for key, path in vllm_env.dump_files(node.dumps).items()}
+
+
+def moved_dumps(nodes: tuple[Node, Node], name: str) -> vllm_env.DumpFiles:
+    """Each node's dumps, checked to be its own stage's, moved to `name` beside them."""
+    assert sorted(vllm_env.dump_files(nodes[0].dumps)) == [("target", 0, 0)]
+    assert sorted(vllm_env.dump_files(nodes[1].dumps)) == [("target", 1, 0)]
+    moved = {}
+    for node in nodes:
+        for key, path in vllm_env.dump_files(node.dumps).items():
+            moved[key] = path.rename(node.root / f"{name}-{path.name}")
+    return moved
+
+
+def test_two_nodes_serve_a_hub_repo_each_fetching_only_its_stage(tmp_path: Path) -> None:
+    vllm_env.require_dump_plugin()
+    model = make_tiny_model(
+        tmp_path / "model", "DeepseekV3ForCausalLM",
+        num_hidden_layers=LAYERS, num_nextn_predict_layers=1,
+    )  # fmt: skip
+    artifact = tmp_path / "artifact"
+    convert(str(model), artifact, Options(tp=1, pp=2, dtype="float32"), progress=False)
+    manifest = read_manifest(artifact)
+    store = tmp_path / "hub-storage"
+    with HubServer(store) as hub0, HubServer(store) as hub1:
+        publish(artifact, REPO, endpoint=hub0.endpoint, progress=False)
+        nodes = (Node(tmp_path / "node0", hub0.endpoint), Node(tmp_path / "node1", hub1.endpoint))
+        tokens, (served, loaded) = run_both(nodes)
+        downloads = [rank_downloads(hub0), rank_downloads(hub1)]
+
+    draft_files = {f.path for f in manifest.files if f.role == "draft"}
+    assert draft_files and all(f.pp == 1 for f in manifest.files if f.role == "draft")
+    for stage, node in enumerate(nodes):  # the draft's files are part of the last stage
+        own = sorted(f.path for f in manifest.files if f.pp == stage)
+        assert downloads[stage] == {f"target-pp{stage}-tp0": own}, stage
+        cached = cached_rank_files(node)
+        assert sorted(cached) == own
+        assert all(data == (artifact / path).read_bytes() for path, data in cached.items())
+    assert sorted(vllm_env.dump_files(nodes[0].dumps)) == [("target", 0, 0)]
+    assert sorted(vllm_env.dump_files(nodes[1].dumps)) == [("draft", 1, 0), ("target", 1, 0)]
+
+    reference = vllm_env.generate(model, 1, 2, "auto", prompts=PROMPTS, engine=CPU_MLA)
+    assert [len(seq) for seq in tokens] == [8]
+    assert tokens == reference
+    default = vllm_env.dump_state(
+        model, 1, 2, tmp_path / "default", engine=CPU_MLA, speculative_config=MTP,
+        allow_engine_failure=True,
+    )  # fmt: skip
+    # vLLM's proposer gives the draft the target's head after loading: no rank file has it.
+    shared = set(manifest.model("draft").shared_with_target)
+    assert_same_dumps(loaded, default, leave_out={("draft", 1, 0): shared})
+    assert_same_dumps(served, {k: v for k, v in default.items() if k[0] == "target"})
