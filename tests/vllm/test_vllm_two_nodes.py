@@ -14,18 +14,21 @@ and published: one worker per node, each node one pipeline stage. Two runs of th
   trapped;
 
 and across both, each node downloaded exactly its stage's rank files, once, the draft's
-only on the last node (they are part of its stage).
+only on the last node (they are part of its stage). A second, quick test checks that each
+node's command is the README's two-node recipe but for the harness's flags.
 """
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 
 import pytest
 import vllm_env
 from hub_server import HubServer
 from test_vllm_moe import TRAP, assert_same_dumps
-from vllm_nodes import Node, load_two_nodes, serve_two_nodes
+from vllm_nodes import CLI_MAIN, Node, engine_flags, load_two_nodes, node_command, serve_two_nodes
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model
@@ -49,7 +52,16 @@ PROMPTS = [[9, 10, 11]]
 LAYERS = 3  # layers 0-1 on node 0, layer 2 on node 1; the MTP layer is model.layers.3
 CPU_MLA = {"attention_config": {"backend": "CPU_MLA"}}  # float32 MLA (see test_vllm_mtp.py)
 MTP = {"method": "mtp", "num_speculative_tokens": 1, "attention_backend": "CPU_MLA"}
+LOAD_FORMAT = "dump-sharded-fast"  # sharded-fast, then each rank's state dumped
 RANK_FOLDERS = ("shards/", "draft/shards/")
+README = Path(__file__).resolve().parents[2] / "README.md"
+ALIASES = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size"}
+# What the harness adds for the CPU build and a tiny model (vllm_runner.engine_kwargs), and
+# node 0's server address; the rest of each node's command is the README's.
+HARNESS_FLAGS = {
+    "--dtype", "--skip-tokenizer-init", "--max-model-len", "--seed", "--kv-cache-memory-bytes",
+    "--compilation-config", "--attention-config", "--host", "--port",
+}  # fmt: skip
 
 
 def rank_downloads(hub: HubServer) -> dict[str | None, list[str]]:
@@ -71,13 +83,11 @@ def cached_rank_files(node: Node) -> dict[str, bytes]:
 def run_both(nodes: tuple[Node, Node]) -> tuple[list[list[int]], list[vllm_env.DumpFiles]]:
     """The two runs of the pair: serving without the draft (its tokens, and what each node
     loaded, moved aside), then loading with it; (tokens, [served dumps, loaded dumps])."""
-    tokens = serve_two_nodes(
-        REPO, nodes, 1, 2, "dump-sharded-fast", PROMPTS, env=TRAP, engine=CPU_MLA
-    )
+    tokens = serve_two_nodes(REPO, nodes, 1, 2, LOAD_FORMAT, PROMPTS, env=TRAP, engine=CPU_MLA)
     served = moved_dumps(nodes, "served")
     expected = vllm_env.expected_dumps(1, 2, with_draft=True)
     load_two_nodes(
-        lambda: expected <= dumped(nodes).keys(), REPO, nodes, 1, 2, "dump-sharded-fast",
+        lambda: expected <= dumped(nodes).keys(), REPO, nodes, 1, 2, LOAD_FORMAT,
         env=TRAP, engine=CPU_MLA, speculative_config=MTP,
     )  # fmt: skip
     return tokens, [served, dumped(nodes)]
@@ -136,3 +146,30 @@ def test_two_nodes_serve_a_hub_repo_each_fetching_only_its_stage(tmp_path: Path)
     shared = set(manifest.model("draft").shared_with_target)
     assert_same_dumps(loaded, default, leave_out={("draft", 1, 0): shared})
     assert_same_dumps(served, {k: v for k, v in default.items() if k[0] == "target"})
+
+
+def readme_nodes() -> list[list[str]]:
+    """The README's two-node `vllm serve` commands (node 0, node 1), as argument lists."""
+    section = README.read_text().split("### Two nodes, one stage each", 1)[1]
+    joined = re.sub(r"\\\n\s*", " ", section.split("\n### ", 1)[0])
+    return [shlex.split(line) for line in re.findall(r"^ {4}(vllm serve .*)$", joined, re.M)]
+
+
+def flag_names(args: list[str]) -> list[str]:
+    return [ALIASES.get(a, a) for a in args if a.startswith("-")]
+
+
+def test_the_readme_recipe_is_the_one_the_test_runs() -> None:
+    readme = readme_nodes()
+    assert [flag_names(cmd).count("--headless") for cmd in readme] == [0, 1]
+    flags = engine_flags(REPO, 1, 2, LOAD_FORMAT, engine=CPU_MLA, speculative_config=MTP)
+    for rank, cmd in enumerate(readme):
+        ours = node_command(REPO, rank, 29501, 8000 if rank == 0 else None, flags)
+        assert ours[1:3] == ["-c", CLI_MAIN]  # vLLM's CLI, run from Python
+        ours = ["vllm", *ours[3:]]
+        assert ours[:3] == ["vllm", "serve", REPO]
+        assert sorted(set(flag_names(ours)) - HARNESS_FLAGS) == sorted(flag_names(cmd)), rank
+        for flag in ("--nnodes", "--node-rank"):
+            assert ours[ours.index(flag) + 1] == cmd[cmd.index(flag) + 1], (rank, flag)
+        load_format = cmd[cmd.index("--load-format") + 1]
+        assert ours[ours.index("--load-format") + 1] == "dump-" + load_format
