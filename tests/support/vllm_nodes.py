@@ -13,8 +13,10 @@ CLI from Python with that lookup answered (`CLI_MAIN`).
     serve_two_nodes(model, nodes, tp, pp, load_format, prompts, **kw) -> tokens per prompt
     load_two_nodes(done, model, nodes, tp, pp, load_format, **kw) -> None (stopped once done())
 
-Keyword arguments as `vllm_env.runner_args` takes them. One vLLM runs at a time on this
-machine (`vllm_env.one_vllm_at_a_time`); both nodes together count as one.
+Keyword arguments as `vllm_env.runner_args` takes them; `load_two_nodes` also takes
+`per_node`, more of them for each node (a draft's folder, which is each node's own). One
+vLLM runs at a time on this machine (`vllm_env.one_vllm_at_a_time`); both nodes together
+count as one.
 """
 
 from __future__ import annotations
@@ -108,7 +110,9 @@ def engine_flags(model: str, tp: int, pp: int, load_format: str, **kw: Any) -> l
     return vllm_runner.cli_flags(kwargs)
 
 
-def node_environ(node: Node, tmpdir: Path, core: int, extra: Mapping[str, str] | None) -> dict:
+def node_environ(
+    node: Node, tmpdir: Path, core: int, extra: Mapping[str, str] | None
+) -> dict[str, str]:
     """The harness's environment for one worker, bound to its own core of the two."""
     env = vllm_env.vllm_environ(1, tmpdir, {**node.env(), **(extra or {})})
     cores = max(1, min(os.cpu_count() or 1, 2))
@@ -120,7 +124,7 @@ def node_environ(node: Node, tmpdir: Path, core: int, extra: Mapping[str, str] |
 def two_nodes(
     model: str,
     nodes: tuple[Node, Node],
-    flags: list[str],
+    flags: tuple[list[str], list[str]],
     env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[int, list[Running]]]:
     """Both nodes started, under the harness's lock; yields node 0's HTTP
@@ -136,7 +140,8 @@ def two_nodes(
                 node.root.mkdir(parents=True, exist_ok=True)
                 tmpdir = Path(tempfile.mkdtemp(prefix=f"shardprep-node{rank}-"))
                 log = node.root / f"run-{len(list(node.root.glob('run-*.log')))}.log"
-                cmd = node_command(model, rank, master, http if rank == 0 else None, flags)
+                port = http if rank == 0 else None
+                cmd = node_command(model, rank, master, port, flags[rank])
                 with open(log, "wb") as out:
                     proc = subprocess.Popen(
                         cmd, cwd=vllm_env.REPO, env=node_environ(node, tmpdir, rank, env),
@@ -153,7 +158,7 @@ def two_nodes(
                 path.unlink(missing_ok=True)
     LOG.info(
         "two vLLM nodes ran %.0f s (after %.0f s waiting for the lock): vllm serve %s %s",
-        time.monotonic() - started, started - asked, model, " ".join(flags),
+        time.monotonic() - started, started - asked, model, " ".join(flags[1]),
     )  # fmt: skip
 
 
@@ -198,7 +203,7 @@ def serve_two_nodes(
 ) -> list[list[int]]:
     """Greedy token ids of one `/v1/completions` request per prompt to node 0's server."""
     flags = engine_flags(model, tp, pp, load_format, max_tokens=max_tokens, **kw)
-    with two_nodes(model, nodes, flags, env) as (port, runs):
+    with two_nodes(model, nodes, (flags, flags), env) as (port, runs):
         deadline = time.monotonic() + timeout
         wait_for(healthy(port), runs, deadline, "node 0 served /health")
         base = f"http://127.0.0.1:{port}"
@@ -215,10 +220,11 @@ def load_two_nodes(
     *,
     env: Mapping[str, str] | None = None,
     timeout: float = vllm_env.DEFAULT_TIMEOUT,
+    per_node: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {}),
     **kw: Any,
 ) -> None:
     """Run both nodes until `done()` holds (what loading leaves, e.g. every dump written),
     then stop them."""
-    flags = engine_flags(model, tp, pp, load_format, **kw)
-    with two_nodes(model, nodes, flags, env) as (_, runs):
+    flags = [engine_flags(model, tp, pp, load_format, **kw, **more) for more in per_node]
+    with two_nodes(model, nodes, (flags[0], flags[1]), env) as (_, runs):
         wait_for(done, runs, time.monotonic() + timeout, "loading was done")

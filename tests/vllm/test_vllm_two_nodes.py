@@ -14,24 +14,30 @@ and published: one worker per node, each node one pipeline stage. Two runs of th
   trapped;
 
 and across both, each node downloaded exactly its stage's rank files, once, the draft's
-only on the last node (they are part of its stage). A second, quick test checks that each
-node's command is the README's two-node recipe but for the harness's flags.
+only on the last node (they are part of its stage). A second test runs the README's recipe
+for a draft that is a model of its own (DSpark there, EAGLE3 here: its folder from
+`shardprep fetch --stage`), a third checks that each node's command is the README's but for
+the harness's flags.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import vllm_env
 from hub_server import HubServer
+from test_vllm_layout import assert_same_state, rank_tensors
 from test_vllm_moe import TRAP, assert_same_dumps
 from vllm_nodes import CLI_MAIN, Node, engine_flags, load_two_nodes, node_command, serve_two_nodes
 
 from shardprep.convert.run import Options, convert
-from shardprep.demo.tiny import make_tiny_model
+from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 from shardprep.format.manifest import read_manifest
 from shardprep.hub.cache import repo_folder
 from shardprep.hub.publish import publish
@@ -45,6 +51,7 @@ pytestmark = [
 ]
 
 REPO = "shardprep-test/TinyDeepSeekV3-MTP-TP1-PP2"
+EAGLE3_REPO = "shardprep-test/TinyLlama-EAGLE3-TP1-PP2"
 # One prompt: the server answers requests one by one, and a batch of two prompts moves
 # near-ties of this random model (seen: the second prompt's fifth token), so the offline
 # reference must run it alone too.
@@ -64,18 +71,18 @@ HARNESS_FLAGS = {
 }  # fmt: skip
 
 
-def rank_downloads(hub: HubServer) -> dict[str | None, list[str]]:
+def rank_downloads(hub: HubServer, repo: str = REPO) -> dict[str | None, list[str]]:
     """The rank files this Hub served, once per download, by the worker that asked for them
     (the dump loader labels its requests `target-pp{P}-tp{T}`)."""
     found = {
         origin: sorted(p for p in paths if p.startswith(RANK_FOLDERS))
-        for origin, paths in hub.downloads_by_origin(REPO).items()
+        for origin, paths in hub.downloads_by_origin(repo).items()
     }
     return {origin: paths for origin, paths in found.items() if paths}
 
 
-def cached_rank_files(node: Node) -> dict[str, bytes]:
-    (commit,) = [p for p in repo_folder(REPO, cache_dir=node.cache).iterdir() if len(p.name) == 40]
+def cached_rank_files(node: Node, repo: str = REPO) -> dict[str, bytes]:
+    (commit,) = [p for p in repo_folder(repo, cache_dir=node.cache).iterdir() if len(p.name) == 40]
     files = [p for folder in RANK_FOLDERS for p in (commit / folder).glob("*.safetensors")]
     return {str(p.relative_to(commit)): p.read_bytes() for p in files}
 
@@ -146,6 +153,62 @@ def test_two_nodes_serve_a_hub_repo_each_fetching_only_its_stage(tmp_path: Path)
     shared = set(manifest.model("draft").shared_with_target)
     assert_same_dumps(loaded, default, leave_out={("draft", 1, 0): shared})
     assert_same_dumps(served, {k: v for k, v in default.items() if k[0] == "target"})
+
+
+def fetched(node: Node, repo: str, stage: int) -> Path:
+    """`shardprep fetch REPO --stage N --quiet` run as the README runs it, on `node`."""
+    cmd = [sys.executable, "-m", "shardprep.cli", "fetch", repo, "--stage", str(stage), "--quiet"]
+    env = {**os.environ, **node.env()}
+    return Path(
+        subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    )
+
+
+def test_a_draft_of_its_own_from_the_folder_each_node_fetched(tmp_path: Path) -> None:
+    """The README's recipe for a draft that is a model of its own (Kimi-K3's DSpark there,
+    an EAGLE3 draft of a Llama here): each node runs `shardprep fetch --stage N`, then
+    vLLM on the repo id with the draft's folder in what that printed. One run, loading
+    only (no draft runs at pp > 1 on the CPU build): every rank, target and draft, holds
+    its rank files (what vLLM's default loader leaves, as test_vllm_layout.py proves for
+    a Llama and its EAGLE3 draft), loaded with every collective trapped; each node
+    downloaded its stage, all by the fetch: the workers found it in the node's cache."""
+    vllm_env.require_dump_plugin()
+    model = make_tiny_model(tmp_path / "model")
+    draft = make_tiny_draft(tmp_path / "draft", model, "eagle3")
+    artifact = tmp_path / "artifact"
+    options = Options(tp=1, pp=2, dtype="float32", draft=str(draft))
+    convert(str(model), artifact, options, progress=False)
+    manifest = read_manifest(artifact)
+    store = tmp_path / "hub-storage"
+    with HubServer(store) as hub0, HubServer(store) as hub1:
+        publish(artifact, EAGLE3_REPO, endpoint=hub0.endpoint, progress=False)
+        nodes = (Node(tmp_path / "node0", hub0.endpoint), Node(tmp_path / "node1", hub1.endpoint))
+        specs = [
+            {"method": "eagle3", "model": str(fetched(node, EAGLE3_REPO, stage) / "draft"),
+             "num_speculative_tokens": 2}
+            for stage, node in enumerate(nodes)
+        ]  # fmt: skip
+        expected = vllm_env.expected_dumps(1, 2, with_draft=True)
+        load_two_nodes(
+            lambda: expected <= dumped(nodes).keys(), EAGLE3_REPO, nodes, 1, 2, LOAD_FORMAT,
+            env=TRAP, per_node=({"speculative_config": specs[0]}, {"speculative_config": specs[1]}),
+        )  # fmt: skip
+        downloads = [rank_downloads(hub0, EAGLE3_REPO), rank_downloads(hub1, EAGLE3_REPO)]
+
+    for stage, node in enumerate(nodes):  # unlabelled: the fetch's, not a worker's
+        own = sorted(f.path for f in manifest.files if f.pp == stage)
+        assert downloads[stage] == {None: own}, stage
+        assert sorted(cached_rank_files(node, EAGLE3_REPO)) == own
+    assert sorted(vllm_env.dump_files(nodes[0].dumps)) == [("target", 0, 0)]
+    assert sorted(vllm_env.dump_files(nodes[1].dumps)) == [("draft", 1, 0), ("target", 1, 0)]
+    shared = set(manifest.model("draft").shared_with_target)
+    for (role, p, t), path in dumped(nodes).items():
+        state, meta = vllm_env.read_dump(path)
+        assert meta["trap_armed"] and meta["collective_calls"] == [], meta
+        ours = rank_tensors(artifact, role, p, t)
+        # What the files leave out of those vLLM then takes from the target stays unfilled.
+        left_out = shared - set(ours) if role == "draft" else set()
+        assert_same_state({n: v for n, v in state.items() if n not in left_out}, ours)
 
 
 def readme_nodes() -> list[list[str]]:
