@@ -1,17 +1,19 @@
 """The README's usage lines are checked against the argparse definitions, so they cannot
 drift: every command, every flag, every choice and every default, nothing more.
 
-A usage line is any README code line that starts with `shardprep COMMAND`, with the
-more-indented lines under it. Positionals and required options are written bare, with
-their metavar; optional flags in brackets: `[--flag]` for a switch, `[--flag VALUE]` where
-VALUE is the choices joined by `|`, else the default, else the metavar; `[--a X | --b]`
-for mutually exclusive flags.
+A usage line is any README code line that starts with `shardprep COMMAND` and names an
+optional flag in brackets, with the more-indented lines under it; a code line without
+brackets is an example, which the parser must accept as it is. Positionals and required
+options are written bare, with their metavar; optional flags in brackets: `[--flag]` for a
+switch, `[--flag VALUE]` where VALUE is the choices joined by `|`, else the default, else
+the metavar; `[--a X | --b]` for mutually exclusive flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,8 @@ def usage_lines(text: str) -> dict[str, list[str]]:
         if not match:
             continue
         indent, command, rest = match.groups()
+        if "[" not in rest:
+            continue  # an example (example_lines)
         parts = [rest]
         for following in lines[index + 1 :]:
             if not following.startswith(indent + " ") or not following.strip().startswith("["):
@@ -36,6 +40,12 @@ def usage_lines(text: str) -> dict[str, list[str]]:
             parts.append(following)
         found.setdefault(command, []).append(" ".join(p.split("#")[0] for p in parts))
     return found
+
+
+def example_lines(text: str) -> list[str]:
+    """The arguments of each README code line that runs `shardprep` with no bracket."""
+    found = re.findall(r"^ {4,}shardprep ([a-z]+\b[^[\n]*)$", text, re.M)
+    return [line.split("#")[0].strip() for line in found]
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -117,6 +127,16 @@ def test_usage_lines_match_the_parser(command: str) -> None:
     parser = subcommands()[command]
     for line in usage_lines(README.read_text())[command]:
         assert parse_usage(parser, line) == described(parser), line
+
+
+def test_examples_parse() -> None:
+    examples = example_lines(README.read_text())
+    assert {line.split()[0] for line in examples} >= {"convert", "publish"}
+    for line in examples:
+        try:
+            build_parser().parse_args(shlex.split(line))
+        except SystemExit:
+            pytest.fail(f"the README's example does not parse: shardprep {line}")
 
 
 @pytest.mark.parametrize("command", sorted(subcommands()))

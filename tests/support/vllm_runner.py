@@ -178,8 +178,12 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
     kwargs = engine_kwargs(args)
     cmd = [sys.executable, "-c", SERVER_MAIN]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--model", kwargs.pop("model")]
-    cmd += ["--skip-tokenizer-init"]
-    kwargs.pop("skip_tokenizer_init")
+    return cmd + cli_flags(kwargs)
+
+
+def cli_flags(kwargs: dict[str, Any]) -> list[str]:
+    """``vllm.LLM`` keyword arguments (but ``model``) as the server's flags."""
+    cmd = []
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
