@@ -50,6 +50,10 @@ class Checkpoint:
     # file arrives under `root` only once it is downloaded) and where to fetch it.
     sizes: dict[str, int] | None = None
     remote: Remote | None = None
+    # A Hub source's headers as the plan read them (by range request): each weight file's
+    # header length (its 8-byte prefix included) and their sha256, which the file that
+    # arrives must start with.
+    planned_headers: dict[str, tuple[int, str]] | None = None
     # Tensors read from a side file rather than a safetensors file (a draft's mask
     # embedding), or computed from other tensors (file ""; convert/dequantize.py): name ->
     # raw bytes, described by `tensors[name]` with offset 0.

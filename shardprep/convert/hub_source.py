@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import hashlib
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, as_completed, wait
@@ -33,8 +34,10 @@ from shardprep.convert.checkpoint import (
     open_checkpoint,
     read_index,
 )
-from shardprep.convert.hub_download import Counter, download_into_cache
+from shardprep.convert.hub_download import Counter, check_header, download_into_cache
 from shardprep.errors import ConfigError, summarize
+from shardprep.format.headers import parse_header
+from shardprep.format.request import check_revision
 from shardprep.plan import archs
 from shardprep.plan.records import Plan
 from shardprep.progress import Progress as tqdm
@@ -59,6 +62,8 @@ def open_source(
     from shardprep import hub_client
 
     hub_client.check_repo_id(model)
+    if revision is not None:
+        check_revision(revision)
     if hub_client.is_offline():
         return _offline(model, revision)
     # The metadata read here is small: no bar (a convert shows one for what it downloads).
@@ -89,9 +94,10 @@ def open_hub_checkpoint(remote: hub_client.Remote, revision: str) -> Checkpoint:
         weight_map = read_index(root / INDEX_NAME)
     files = _weight_files(remote, commit, listing, weight_map)
     with ThreadPoolExecutor(HEADER_WORKERS, thread_name_prefix="header") as pool:
-        headers = list(
-            pool.map(lambda f: (f, remote.read_header(commit, f, listing[f].size)), files)
+        raw = dict(
+            pool.map(lambda f: (f, remote.read_raw_header(commit, f, listing[f].size)), files)
         )
+    headers = [(f, parse_header(raw[f], listing[f].size, f"{where}/{f}")) for f in files]
     tensors = collect_tensors(where, headers)
     check_index(root / INDEX_NAME, weight_map, tensors)
     return Checkpoint(
@@ -104,6 +110,7 @@ def open_hub_checkpoint(remote: hub_client.Remote, revision: str) -> Checkpoint:
         known_sha256={p: f.sha256 for p, f in listing.items() if f.sha256},
         sizes={p: f.size for p, f in listing.items()},
         remote=remote,
+        planned_headers={f: (len(h), hashlib.sha256(h).hexdigest()) for f, h in raw.items()},
     )
 
 
@@ -303,12 +310,21 @@ def _arrive(
 ) -> None:
     """Download one file into the Hugging Face cache, unless it is there already. A weight
     file (the Hub states its sha256) resumes what a killed run left of it and must arrive
-    with that sha256 (`hub_download.py`); a small file stored in git is fetched whole."""
-    if (checkpoint.root / file).exists():
-        return
+    with that sha256 (`hub_download.py`), and one already cached is used only when it is
+    that blob; a small file stored in git is fetched whole. A weight file's header must be
+    the one the plan was made from."""
     expected = (checkpoint.known_sha256 or {}).get(file)
-    if expected is None:
+    if expected is not None:
+        download_into_cache(checkpoint, remote, commit, file, expected, count)
+    elif not (checkpoint.root / file).exists():
         remote.download_to_cache(commit, file)
         count(checkpoint.size(file))
-        return
-    download_into_cache(checkpoint, remote, commit, file, expected, count)
+    check_planned_header(checkpoint, remote, commit, file, checkpoint.root / file)
+
+
+def check_planned_header(
+    checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file: str, path: Path
+) -> None:
+    planned = (checkpoint.planned_headers or {}).get(file)
+    if planned is not None:
+        check_header(remote, commit, file, path, planned)
