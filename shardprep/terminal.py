@@ -36,6 +36,10 @@ def quiet_output(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
+    # The client adds its stderr handler when this module is first imported (its retry
+    # warnings go there): imported here, so that the handler exists to be muted.
+    import huggingface_hub.utils.logging  # noqa: F401
+
     root, null = logging.getLogger(), logging.NullHandler()
     printing = [
         handler
