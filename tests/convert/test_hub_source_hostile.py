@@ -1,0 +1,191 @@
+"""A Hub source served by a hostile Hub (tests/support/hub_server.py's hostile answers):
+the bytes converted are the bytes checked, whatever the server answers the second time or
+to a range read; no write follows a link planted in the Hugging Face cache; a revision
+that is not a branch, tag or commit name never reaches the cache as a path; and `--quiet`
+stays one line while the client retries. The model and repo are test_hub_source's."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import test_hub_source as by_stage
+from hostile import edit_manifest, split
+from hub_server import HubServer
+from huggingface_hub import try_to_load_from_cache
+from test_hub_source import REPO, SECOND, _bodies, _options, _sha256, _shards
+
+from shardprep.constants import MANIFEST_NAME
+from shardprep.convert.run import Options, convert, load_and_plan
+from shardprep.errors import ConfigError, HubError, ManifestError
+from shardprep.format.manifest import read_manifest
+
+model, repo = by_stage.model, by_stage.repo  # the fixtures, for these tests too
+pytestmark = [
+    pytest.mark.usefixtures("hf_client_env"),
+    pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning"),
+]
+
+
+def _storage(hf_client_env: Path) -> Path:
+    return hf_client_env / "hub" / f"models--{REPO.replace('/', '--')}"
+
+
+def _local_stage1(model: Path, tmp_path: Path) -> dict[str, bytes]:
+    full = tmp_path / "local"
+    convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
+    shards = _shards(full, 1)
+    assert shards
+    return shards
+
+
+def _other_weights(data: bytes) -> bytes:
+    """The same header, other tensor bytes (the last one flipped): a file that converts."""
+    other = bytearray(data)
+    other[-1] ^= 0xFF
+    return bytes(other)
+
+
+def _cli(hub: HubServer, *args: str) -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint}
+    return subprocess.run(
+        [sys.executable, "-m", "shardprep.cli", *args],
+        capture_output=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+
+
+def test_a_second_answer_never_reaches_the_snapshot(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path, hf_client_env: Path
+) -> None:
+    """After the first download of SECOND the server names and sends other bytes: the
+    snapshot links the blob that was checked, and nothing asks the server again. A
+    snapshot link found pointing at another blob (as a client that asked again left it)
+    is replaced by the checked blob's before the file is read."""
+    real = (model / SECOND).read_bytes()
+    other = _other_weights(real)
+    hub.serve_other_after_download(REPO, SECOND, other)
+    local = _local_stage1(model, tmp_path)
+    convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
+    assert _shards(tmp_path / "out", 1) == local
+    blobs = _storage(hf_client_env) / "blobs"
+    link = _storage(hf_client_env) / "snapshots" / repo / SECOND
+    assert os.readlink(link) == f"../../blobs/{_sha256(model / SECOND)}"
+    assert Path(str(try_to_load_from_cache(REPO, SECOND, revision=repo))).read_bytes() == real
+    assert ("HEAD", f"/{REPO}/resolve/{repo}/{SECOND}") not in hub.requests
+    assert _bodies(hub, SECOND) == [None]
+    # The cache as a client that asked again leaves it: the snapshot names the other body.
+    wrong = hashlib.sha256(other).hexdigest()
+    (blobs / wrong).write_bytes(other)
+    link.unlink()
+    link.symlink_to(f"../../blobs/{wrong}")
+    convert(REPO, tmp_path / "again", _options(hub, stage=1), progress=False)
+    assert _shards(tmp_path / "again", 1) == local
+    assert os.readlink(link) == f"../../blobs/{_sha256(model / SECOND)}"
+    assert _bodies(hub, SECOND) == [None]  # the checked blob was there: not fetched again
+
+
+def _swap_names(data: bytes, first: bytes, second: bytes) -> bytes:
+    """The file with two tensors' names exchanged in its header (names of one length, so
+    the header keeps its length): each name then points at the other's bytes."""
+    assert len(first) == len(second)
+    (length,) = struct.unpack("<Q", data[:8])
+    header = data[8 : 8 + length]
+    swapped = header.replace(first, b"\0" * len(first)).replace(second, first)
+    swapped = swapped.replace(b"\0" * len(first), second)
+    assert swapped != header and len(swapped) == len(header)
+    return data[:8] + swapped + data[8 + length :]
+
+
+@pytest.mark.parametrize("budget", [False, True], ids=["cache", "source-budget"])
+def test_a_header_read_other_than_the_file_is_refused(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path, budget: bool
+) -> None:
+    real = (model / SECOND).read_bytes()
+    names = (b'"model.layers.2.mlp.down_proj.weight"', b'"model.layers.3.mlp.down_proj.weight"')
+    hostile = _swap_names(real, *names)
+    assert split(hostile)[0] != split(real)[0]
+    hub.answer_header_reads_with(REPO, SECOND, hostile)
+    out = tmp_path / "out"
+    more = {"source_budget": 2 * len(real)} if budget else {}
+    with pytest.raises(HubError) as refused:
+        convert(REPO, out, _options(hub, stage=1, **more), progress=False)
+    message = str(refused.value)
+    assert "\n" not in message and SECOND in message and "another header" in message, message
+    assert not (out / MANIFEST_NAME).exists() and not list(out.glob("shards/*"))
+    assert _bodies(hub, SECOND) == [None]  # downloaded (and checked), then refused
+
+
+def test_a_link_planted_at_the_partial_download_is_not_followed(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path, hf_client_env: Path
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    blobs = _storage(hf_client_env) / "blobs"
+    blobs.mkdir(parents=True)
+    partial = blobs / f"{_sha256(model / SECOND)}.incomplete"
+    partial.symlink_to(victim)
+    convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
+    assert victim.read_bytes() == b"precious"
+    assert not partial.exists() and not partial.is_symlink()
+    assert (blobs / _sha256(model / SECOND)).read_bytes() == (model / SECOND).read_bytes()
+    assert _bodies(hub, SECOND) == [None]  # nothing of the link's target counted as kept
+    assert _shards(tmp_path / "out", 1) == _local_stage1(model, tmp_path)
+
+
+@pytest.mark.parametrize("revision", ["../../outside", "/etc/x", "a\\b", "main\x1b[2J", "a..b"])
+def test_a_revision_that_is_not_a_ref_name_is_refused(
+    hub: HubServer, repo: str, tmp_path: Path, revision: str
+) -> None:
+    asked = len(hub.requests)
+    with pytest.raises(ConfigError, match="not a branch, tag or commit name"):
+        load_and_plan(REPO, _options(hub, revision=revision))
+    out = tmp_path / "out"
+    for command in (
+        ["convert", REPO, "--tp", "2", "--pp", "2", "-o", str(out)],
+        ["plan", REPO, "--tp", "2", "--pp", "2"],
+        ["fetch", REPO, "--stage", "0"],
+    ):
+        result = _cli(hub, *command, "--revision", revision, "--quiet")
+        lines = result.stderr.decode().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, (command, lines)
+        assert "--revision" in lines[0] and "not a branch, tag or commit name" in lines[0]
+        assert result.stdout == b""
+    assert len(hub.requests) == asked and not out.exists()
+
+
+def test_a_manifest_revision_that_is_not_a_ref_name_is_refused(
+    hub: HubServer, model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    convert(str(model), out, Options(tp=2, pp=2), progress=False)
+    edit_manifest(out, lambda data: data["request"].update(revision="../../../../x"))
+    with pytest.raises(ManifestError, match="request.revision must be a branch, tag or commit"):
+        read_manifest(out)
+    result = _cli(hub, "verify", str(out), "--full", "--quiet")
+    lines = result.stderr.decode().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "request.revision" in lines[0], lines
+    assert hub.requests == []
+
+
+@pytest.mark.slow
+def test_quiet_is_one_line_when_the_client_retries(
+    hub: HubServer, repo: str, tmp_path: Path
+) -> None:
+    """config.json answers 503 to every request: huggingface_hub retries five times,
+    logging each, then fails; under --quiet the terminal shows only shardprep's line."""
+    hub.fail_requests(REPO, "config.json", 503)
+    result = _cli(hub, "plan", REPO, "--tp", "2", "--pp", "2", "--quiet")
+    lines = result.stderr.decode().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("shardprep: error: ") and "503" in lines[0], lines
+    heads = [r for r in hub.requests if r == ("HEAD", f"/{REPO}/resolve/main/config.json")]
+    assert len(heads) > 3, hub.requests  # the client did retry
+    assert result.stdout == b""
