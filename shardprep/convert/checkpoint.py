@@ -72,12 +72,20 @@ class Checkpoint:
 
     def read(self, file: str, offset: int, length: int) -> bytes:
         """Bytes of a source file: from the folder, or by range request from the Hub for
-        a file not downloaded yet."""
+        a file not downloaded yet (or whose cached copy is not the blob the Hub's sha256
+        names)."""
         path = self.root / file
-        if self.remote is not None and self.revision is not None and not path.exists():
+        if self.remote is not None and self.revision is not None and not self._cached(file):
             return self.remote.read_range(self.revision, file, offset, length)
         with open(path, "rb") as handle:
             return os.pread(handle.fileno(), length, offset)
+
+    def _cached(self, file: str) -> bool:
+        """Whether a Hub source's file is here as the blob named by its stated sha256."""
+        expected = (self.known_sha256 or {}).get(file)
+        if expected is None:
+            return (self.root / file).exists()
+        return cached_hub_sha256(self, file) == expected and (self.root / file).is_file()
 
 
 def is_repo_id_shape(model: str) -> bool:
