@@ -22,6 +22,10 @@ No write follows a link: the partial download is opened with `O_NOFOLLOW` (a lin
 its predictable name is removed, never written through), the blob takes its name by a rename
 and the snapshot's link by a rename of a new link.
 
+A partial download that no file of the commit being converted would resume (one of a
+commit no longer wanted) is deleted before the downloads start, unless another process
+holds its lock.
+
 Once a file is here, and before any of it is converted, its header bytes must be the ones
 the plan was made from (read by range requests): a server answering range reads with other
 bytes of the same length would otherwise have the rank files read at the wrong offsets.
@@ -32,15 +36,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import secrets
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from shardprep.constants import INCOMPLETE_SUFFIX
-from shardprep.errors import CorruptFileError, HubError
+from shardprep.errors import CorruptFileError, HubError, OutputWriteError
 
 if TYPE_CHECKING:
     from shardprep import hub_client
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
 RETRIES = 5  # dropped connections in a row, with no byte received between them
 RETRY_PAUSE_S = 1.0
 HASH_BLOCK = 16 * 1024**2
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 Counter = Callable[[int], None]
 
@@ -177,6 +183,26 @@ def download_into_cache(
     link_snapshot(checkpoint.root / file, blob)
 
 
+def prune_stale_partials(storage: Path, wanted: Iterable[str]) -> None:
+    """Delete the partial downloads in the repo's `blobs/` that no file of the commit being
+    converted would resume (those of a commit no longer wanted), except one that another
+    process is writing (it holds the blob's lock)."""
+    from filelock import FileLock, Timeout
+
+    keep = set(wanted)
+    for path in sorted((storage / "blobs").glob(f"*{INCOMPLETE_SUFFIX}")):
+        sha256 = path.name[: -len(INCOMPLETE_SUFFIX)]
+        if not _SHA256.fullmatch(sha256) or sha256 in keep:
+            continue  # huggingface_hub's own names carry a random part: not ours
+        lock = storage.parent / ".locks" / storage.name / f"{sha256}.lock"
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(lock, timeout=0):
+                path.unlink(missing_ok=True)
+        except (Timeout, OSError):  # being written, or not ours to remove: left as it is
+            continue
+
+
 def _is_blob(blob: Path, size: int) -> bool:
     """A plain file (not a link) of the size the Hub lists, at the name of its sha256."""
     try:
@@ -242,4 +268,23 @@ def wrong_sha256(
         f"{expected} the Hub states; it was {done} and nothing was converted: run again, "
         "and if it fails again the repo's copy is damaged",
         path=str(path),
+    )
+
+
+def cache_write_error(storage: Path, exc: OSError) -> OutputWriteError:
+    """An OSError in the Hugging Face cache, as one line that names the cache (not the
+    output folder) and says what to do."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    hint = {
+        errno.ENOSPC: "free some space there",
+        errno.EDQUOT: "free some space there or raise the quota",
+        errno.EFBIG: "the file system or a limit (ulimit -f) refuses a file this large",
+        errno.EACCES: "check its permissions",
+        errno.EROFS: "it is read-only",
+    }.get(exc.errno or 0, "fix the cause")
+    return OutputWriteError(
+        f"writing the source into the Hugging Face cache ({storage}) failed: "
+        f"{exc.strerror or exc}{where}; {hint}, point HF_HUB_CACHE at another disk, or "
+        "convert with --source-budget (the source then goes into the output folder), then "
+        "rerun the same command to resume"
     )

@@ -34,8 +34,14 @@ from shardprep.convert.checkpoint import (
     open_checkpoint,
     read_index,
 )
-from shardprep.convert.hub_download import Counter, check_header, download_into_cache
-from shardprep.errors import ConfigError, summarize
+from shardprep.convert.hub_download import (
+    Counter,
+    cache_write_error,
+    check_header,
+    download_into_cache,
+    prune_stale_partials,
+)
+from shardprep.errors import ConfigError, ShardprepError, summarize
 from shardprep.format.headers import parse_header
 from shardprep.format.request import check_revision
 from shardprep.plan import archs
@@ -268,10 +274,14 @@ def start_fetch(
 ) -> Arrivals:
     """Start downloading what the plan reads of each Hub source, and the files copied
     beside the rank files (first: they are small), in the order the converter lays them
-    out (it converts each as it arrives, and hashes each rank file in order)."""
+    out (it converts each as it arrives, and hashes each rank file in order). Partial
+    downloads in the cache that nothing of the commit would resume go first."""
     distinct = distinct_sources(checkpoints)
     batches = [(cp, copied_files(cp)) for _, cp in distinct.values()]
     batches += [(cp, files_for_plan(plan, cp, roles)) for roles, cp in distinct.values()]
+    for _, checkpoint in distinct.values():
+        if checkpoint.remote is not None and checkpoint.known_sha256 is not None:
+            prune_stale_partials(checkpoint.root.parent.parent, checkpoint.known_sha256.values())
     arrivals = Arrivals(progress)
     arrivals.expect(batches)
     for checkpoint, files in batches:
@@ -314,12 +324,17 @@ def _arrive(
     that blob; a small file stored in git is fetched whole. A weight file's header must be
     the one the plan was made from."""
     expected = (checkpoint.known_sha256 or {}).get(file)
-    if expected is not None:
-        download_into_cache(checkpoint, remote, commit, file, expected, count)
-    elif not (checkpoint.root / file).exists():
-        remote.download_to_cache(commit, file)
-        count(checkpoint.size(file))
-    check_planned_header(checkpoint, remote, commit, file, checkpoint.root / file)
+    try:
+        if expected is not None:
+            download_into_cache(checkpoint, remote, commit, file, expected, count)
+        elif not (checkpoint.root / file).exists():
+            remote.download_to_cache(commit, file)
+            count(checkpoint.size(file))
+        check_planned_header(checkpoint, remote, commit, file, checkpoint.root / file)
+    except ShardprepError:
+        raise
+    except OSError as exc:  # the cache's disk, not the output folder's
+        raise cache_write_error(checkpoint.root.parent.parent, exc) from exc
 
 
 def check_planned_header(
