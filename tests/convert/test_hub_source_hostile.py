@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import struct
 import subprocess
 import sys
@@ -18,11 +19,11 @@ import test_hub_source as by_stage
 from hostile import edit_manifest, split
 from hub_server import HubServer
 from huggingface_hub import try_to_load_from_cache
-from test_hub_source import REPO, SECOND, _bodies, _options, _sha256, _shards
+from test_hub_source import REPO, SECOND, _bodies, _fetched, _options, _sha256, _shards
 
 from shardprep.constants import MANIFEST_NAME
 from shardprep.convert.run import Options, convert, load_and_plan
-from shardprep.errors import ConfigError, HubError, ManifestError
+from shardprep.errors import ConfigError, HubError, ManifestError, OutputExistsError
 from shardprep.format.manifest import read_manifest
 
 model, repo = by_stage.model, by_stage.repo  # the fixtures, for these tests too
@@ -189,3 +190,83 @@ def test_quiet_is_one_line_when_the_client_retries(
     heads = [r for r in hub.requests if r == ("HEAD", f"/{REPO}/resolve/main/config.json")]
     assert len(heads) > 3, hub.requests  # the client did retry
     assert result.stdout == b""
+
+
+def test_partial_downloads_no_file_of_the_commit_resumes_are_deleted(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path, hf_client_env: Path
+) -> None:
+    """Partial downloads of another commit go when a convert starts, except one another
+    process is writing (it holds the blob's lock) and huggingface_hub's own temporary
+    files; this commit's partial download is resumed."""
+    from filelock import FileLock
+
+    storage = _storage(hf_client_env)
+    blobs = storage / "blobs"
+    blobs.mkdir(parents=True)
+    stale, busy = (hashlib.sha256(b"%d" % n).hexdigest() for n in (1, 2))
+    for sha in (stale, busy):
+        (blobs / f"{sha}.incomplete").write_bytes(b"x" * 1000)
+    client_own = blobs / f"{stale}.0123abcd.incomplete"
+    client_own.write_bytes(b"y")
+    real = (model / SECOND).read_bytes()
+    half = len(real) // 2
+    (blobs / f"{_sha256(model / SECOND)}.incomplete").write_bytes(real[:half])
+    lock = hf_client_env / "hub" / ".locks" / storage.name / f"{busy}.lock"
+    lock.parent.mkdir(parents=True)
+    with FileLock(lock):
+        convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
+    assert not (blobs / f"{stale}.incomplete").exists()
+    assert (blobs / f"{busy}.incomplete").exists() and client_own.exists()
+    assert _bodies(hub, SECOND) == [f"bytes={half}-"]
+    assert (blobs / _sha256(model / SECOND)).read_bytes() == real
+
+
+def test_a_foreign_folder_is_refused_before_anything_is_downloaded(
+    hub: HubServer, repo: str, tmp_path: Path
+) -> None:
+    for name, files in {
+        "with-notes": ["notes.txt", ".source-download/mine.txt"],
+        "only-source-download": [".source-download/mine.txt"],
+    }.items():
+        out = tmp_path / name
+        for file in files:
+            (out / file).parent.mkdir(parents=True, exist_ok=True)
+            (out / file).write_text("the user's")
+        for budget in (None, 10**7):
+            options = _options(hub, source_budget=budget)
+            with pytest.raises(OutputExistsError, match="not a shardprep artifact"):
+                convert(REPO, out, options, progress=False)
+            assert all((out / file).read_text() == "the user's" for file in files)
+            assert sorted(p.name for p in out.iterdir()) == sorted(
+                {file.split("/")[0] for file in files}
+            )
+    assert not _fetched(hub, REPO, by_stage.WEIGHTS)
+
+
+def test_a_full_cache_is_named_as_the_cache(
+    hub: HubServer, repo: str, model: Path, tmp_path: Path
+) -> None:
+    """A file-size limit that the rank files fit in but SECOND does not: the download
+    into the Hugging Face cache fails, and the line names the cache, not the output."""
+    limit = 500_000
+    assert (
+        (model / SECOND).stat().st_size
+        > limit
+        > max(len(data) for data in _local_stage1(model, tmp_path).values())
+    )
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint}
+    command = [sys.executable, "-m", "shardprep.cli", "convert", REPO, "--tp", "2", "--pp", "2"]
+    result = subprocess.run(
+        [*command, "--stage", "1", "-o", str(out), "--quiet"],
+        capture_output=True,
+        timeout=300,
+        env=env,
+        check=False,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
+    lines = result.stderr.decode().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, lines
+    assert "Hugging Face cache" in lines[0] and "File too large" in lines[0], lines
+    assert f"convert to {out}" not in lines[0]
+    assert not (out / MANIFEST_NAME).exists()
