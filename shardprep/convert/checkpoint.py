@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -50,10 +51,11 @@ class Checkpoint:
     # file arrives under `root` only once it is downloaded) and where to fetch it.
     sizes: dict[str, int] | None = None
     remote: Remote | None = None
-    # A Hub source's headers as the plan read them (by range request): each weight file's
-    # header length (its 8-byte prefix included) and their sha256, which the file that
-    # arrives must start with.
-    planned_headers: dict[str, tuple[int, str]] | None = None
+    # What the plan read of a Hub source by range request (each weight file's header, and
+    # any tensor read before its file was here): (file, offset, length) -> sha256 of the
+    # bytes. The file that arrives must hold the same bytes there. Shared by the copies
+    # `dataclasses.replace` makes, which go on recording into it.
+    range_reads: dict[tuple[str, int, int], str] = field(default_factory=dict)
     # Tensors read from a side file rather than a safetensors file (a draft's mask
     # embedding), or computed from other tensors (file ""; convert/dequantize.py): name ->
     # raw bytes, described by `tensors[name]` with offset 0.
@@ -75,12 +77,14 @@ class Checkpoint:
         a file not downloaded yet (or whose cached copy is not the blob the Hub's sha256
         names)."""
         path = self.root / file
-        if self.remote is not None and self.revision is not None and not self._cached(file):
-            return self.remote.read_range(self.revision, file, offset, length)
+        if self.remote is not None and self.revision is not None and not self.cached(file):
+            data = self.remote.read_range(self.revision, file, offset, length)
+            self.range_reads[(file, offset, length)] = hashlib.sha256(data).hexdigest()
+            return data
         with open(path, "rb") as handle:
             return os.pread(handle.fileno(), length, offset)
 
-    def _cached(self, file: str) -> bool:
+    def cached(self, file: str) -> bool:
         """Whether a Hub source's file is here as the blob named by its stated sha256."""
         expected = (self.known_sha256 or {}).get(file)
         if expected is None:

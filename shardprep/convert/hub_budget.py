@@ -19,7 +19,7 @@ from shardprep.convert.checkpoint import Checkpoint, local_dir_metadata_path
 from shardprep.convert.hub_download import download_resumable, partial_path
 from shardprep.convert.hub_source import (
     Arrivals,
-    check_planned_header,
+    check_planned_reads,
     copied_files,
     distinct_sources,
     files_for_plan,
@@ -92,7 +92,7 @@ class BudgetedArrivals(Arrivals):
             download_resumable(
                 remote, commit, file, size, expected, path, self.count, partial=partial
             )
-        check_planned_header(checkpoint, remote, commit, file, path)
+        check_planned_reads(checkpoint, remote, commit, file, path)
         self.watch()
 
     def release(self, checkpoint: Checkpoint, file: str) -> None:

@@ -26,9 +26,10 @@ A partial download that no file of the commit being converted would resume (one 
 commit no longer wanted) is deleted before the downloads start, unless another process
 holds its lock.
 
-Once a file is here, and before any of it is converted, its header bytes must be the ones
-the plan was made from (read by range requests): a server answering range reads with other
-bytes of the same length would otherwise have the rank files read at the wrong offsets.
+Once a file is here, and before any of it is converted, its header bytes (and any tensor the
+plan read before the file was here) must be the ones the plan was made from, read by range
+request: a server answering range reads with other bytes of the same length would
+otherwise have the rank files read at the wrong offsets.
 """
 
 from __future__ import annotations
@@ -230,21 +231,27 @@ def link_snapshot(path: Path, blob: Path) -> None:
         raise
 
 
-def check_header(
-    remote: hub_client.Remote, commit: str, file: str, path: Path, planned: tuple[int, str]
+def check_range_reads(
+    remote: hub_client.Remote,
+    commit: str,
+    file: str,
+    path: Path,
+    planned: dict[tuple[int, int], str],
 ) -> None:
-    """The first bytes of the file that arrived at `path` must be the header the plan was
-    made from: `planned` is its length (with the 8-byte prefix) and sha256."""
-    length, expected = planned
+    """The file that arrived at `path` must hold the bytes the plan read by range request:
+    `planned` maps (offset, length) to their sha256 (its header at offset 0)."""
     with open(path, "rb") as handle:
-        found = hashlib.sha256(handle.read(length)).hexdigest()
-    if found != expected:
-        raise HubError(
-            f"{remote.repo_id}@{commit[:12]}/{file} arrived with another header than the one "
-            f"{remote.where} sent for its range reads, from which the plan was made; nothing "
-            "of it was converted. The server answers range requests with other bytes: check "
-            "HF_ENDPOINT, or download the model and pass its folder"
-        )
+        for (offset, length), expected in sorted(planned.items()):
+            found = hashlib.sha256(os.pread(handle.fileno(), length, offset)).hexdigest()
+            if found == expected:
+                continue
+            what = "another header" if offset == 0 else f"other bytes at {offset:,}"
+            raise HubError(
+                f"{remote.repo_id}@{commit[:12]}/{file} arrived with {what} than "
+                f"{remote.where} sent for its range reads, from which the plan was made; "
+                "nothing of it was converted. The server answers range requests with other "
+                "bytes: check HF_ENDPOINT, or download the model and pass its folder"
+            )
 
 
 def _wrong_size(remote: hub_client.Remote, commit: str, file: str, size: int) -> HubError:

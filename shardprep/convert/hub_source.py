@@ -37,7 +37,7 @@ from shardprep.convert.checkpoint import (
 from shardprep.convert.hub_download import (
     Counter,
     cache_write_error,
-    check_header,
+    check_range_reads,
     download_into_cache,
     prune_stale_partials,
 )
@@ -116,7 +116,7 @@ def open_hub_checkpoint(remote: hub_client.Remote, revision: str) -> Checkpoint:
         known_sha256={p: f.sha256 for p, f in listing.items() if f.sha256},
         sizes={p: f.size for p, f in listing.items()},
         remote=remote,
-        planned_headers={f: (len(h), hashlib.sha256(h).hexdigest()) for f, h in raw.items()},
+        range_reads={(f, 0, len(h)): hashlib.sha256(h).hexdigest() for f, h in raw.items()},
     )
 
 
@@ -208,7 +208,7 @@ class Arrivals:
                 for checkpoint, files in batches
                 if checkpoint.remote is not None
                 for file in set(files)
-                if not (checkpoint.root / file).exists()
+                if not checkpoint.cached(file)
             )
         )
 
@@ -330,16 +330,16 @@ def _arrive(
         elif not (checkpoint.root / file).exists():
             remote.download_to_cache(commit, file)
             count(checkpoint.size(file))
-        check_planned_header(checkpoint, remote, commit, file, checkpoint.root / file)
+        check_planned_reads(checkpoint, remote, commit, file, checkpoint.root / file)
     except ShardprepError:
         raise
     except OSError as exc:  # the cache's disk, not the output folder's
         raise cache_write_error(checkpoint.root.parent.parent, exc) from exc
 
 
-def check_planned_header(
+def check_planned_reads(
     checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file: str, path: Path
 ) -> None:
-    planned = (checkpoint.planned_headers or {}).get(file)
-    if planned is not None:
-        check_header(remote, commit, file, path, planned)
+    planned = {(o, n): d for (f, o, n), d in list(checkpoint.range_reads.items()) if f == file}
+    if planned:
+        check_range_reads(remote, commit, file, path, planned)
