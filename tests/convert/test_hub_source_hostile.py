@@ -22,6 +22,7 @@ from huggingface_hub import try_to_load_from_cache
 from test_hub_source import REPO, SECOND, _bodies, _fetched, _options, _sha256, _shards
 
 from shardprep.constants import MANIFEST_NAME
+from shardprep.convert.hub_source import fetch
 from shardprep.convert.run import Options, convert, load_and_plan
 from shardprep.errors import ConfigError, HubError, ManifestError, OutputExistsError
 from shardprep.format.manifest import read_manifest
@@ -270,3 +271,25 @@ def test_a_full_cache_is_named_as_the_cache(
     assert "Hugging Face cache" in lines[0] and "File too large" in lines[0], lines
     assert f"convert to {out}" not in lines[0]
     assert not (out / MANIFEST_NAME).exists()
+
+
+def test_a_tensor_read_before_its_file_arrived_is_checked_on_arrival(
+    hub: HubServer, repo: str, model: Path
+) -> None:
+    """What the plan reads of a tensor by range request (a draft's copy compared with the
+    target's, a weight vLLM dequantizes) must be what the downloaded file holds there."""
+    real = (model / SECOND).read_bytes()
+    header, _ = split(real)
+    name = "model.layers.2.mlp.down_proj.weight"
+    start, end = header[name]["data_offsets"]
+    offset = len(real) - len(split(real)[1]) + start
+    other = bytearray(real)
+    other[offset] ^= 0xFF
+    hub.answer_header_reads_with(REPO, SECOND, bytes(other))  # the header reads stay honest
+    _, checkpoints = load_and_plan(REPO, _options(hub, stage=1))
+    target = checkpoints["target"]
+    assert target.read(SECOND, offset, end - start) == bytes(other[offset : offset + end - start])
+    with pytest.raises(HubError) as refused:
+        fetch(target, [SECOND])
+    message = str(refused.value)
+    assert "\n" not in message and f"other bytes at {offset:,}" in message, message
