@@ -144,18 +144,26 @@ def test_a_link_planted_at_the_partial_download_is_not_followed(
 
 @pytest.mark.parametrize("revision", ["../../outside", "/etc/x", "a\\b", "main\x1b[2J", "a..b"])
 def test_a_revision_that_is_not_a_ref_name_is_refused(
-    hub: HubServer, repo: str, tmp_path: Path, revision: str
+    hub: HubServer, repo: str, revision: str
 ) -> None:
     asked = len(hub.requests)
-    with pytest.raises(ConfigError, match="not a branch, tag or commit name"):
+    with pytest.raises(ConfigError, match="not a branch, tag or commit name") as refused:
         load_and_plan(REPO, _options(hub, revision=revision))
+    assert "\n" not in str(refused.value) and "\x1b" not in str(refused.value)
+    assert len(hub.requests) == asked
+
+
+def test_a_revision_flag_that_is_not_a_ref_name_is_one_line(
+    hub: HubServer, repo: str, tmp_path: Path
+) -> None:
+    asked = len(hub.requests)
     out = tmp_path / "out"
     for command in (
         ["convert", REPO, "--tp", "2", "--pp", "2", "-o", str(out)],
         ["plan", REPO, "--tp", "2", "--pp", "2"],
         ["fetch", REPO, "--stage", "0"],
     ):
-        result = _cli(hub, *command, "--revision", revision, "--quiet")
+        result = _cli(hub, *command, "--revision", "../../outside", "--quiet")
         lines = result.stderr.decode().splitlines()
         assert result.returncode == 1 and len(lines) == 1, (command, lines)
         assert "--revision" in lines[0] and "not a branch, tag or commit name" in lines[0]
