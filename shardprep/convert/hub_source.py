@@ -321,8 +321,9 @@ def _arrive(
     """Download one file into the Hugging Face cache, unless it is there already. A weight
     file (the Hub states its sha256) resumes what a killed run left of it and must arrive
     with that sha256 (`hub_download.py`), and one already cached is used only when it is
-    that blob; a small file stored in git is fetched whole. A weight file's header must be
-    the one the plan was made from."""
+    that blob; a small file stored in git is fetched whole. What the plan read of the file
+    by range request (its header, a tensor) must be what arrived; a failure to write into
+    the cache names the cache."""
     expected = (checkpoint.known_sha256 or {}).get(file)
     try:
         if expected is not None:
@@ -340,6 +341,7 @@ def _arrive(
 def check_planned_reads(
     checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file: str, path: Path
 ) -> None:
+    """The bytes the plan read of `file` by range request must be those of `path`."""
     planned = {(o, n): d for (f, o, n), d in list(checkpoint.range_reads.items()) if f == file}
     if planned:
         check_range_reads(remote, commit, file, path, planned)
