@@ -23,6 +23,7 @@ INCOMPLETE_SUFFIX = ".incomplete"
 LOCK_NAME = ".shardprep-lock"
 # The private folder of a convert with --source-budget, removed when it ends.
 SOURCE_DOWNLOAD_DIR = ".source-download"
+SOURCE_PARTIAL_DIR = "partial"  # in it: the files being downloaded, by sha256
 # A fetched folder's own state (markers, locks, staging), beside the files it holds.
 STATE_DIR = ".shardprep"
 # The manifest as fetch downloaded it, in STATE_DIR: what makes a folder a fetched one.

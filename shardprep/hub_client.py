@@ -35,7 +35,7 @@ from shardprep import __version__
 from shardprep.constants import MANIFEST_NAME
 from shardprep.errors import ConfigError, HubError, ManifestError, printable
 from shardprep.format import manifest as mf
-from shardprep.format.headers import Header, header_length, parse_header
+from shardprep.format.headers import header_length
 from shardprep.hashing import sha256_file
 from shardprep.progress import Progress as tqdm
 
@@ -224,14 +224,14 @@ class Remote:
                 offset = start
             yield offset, response.iter_bytes()
 
-    def read_header(self, commit: str, path: str, size: int) -> Header:
-        """A safetensors file's header, checked by the strict parser, from two range
-        requests (its length, then the header itself): no tensor byte is read."""
+    def read_raw_header(self, commit: str, path: str, size: int) -> bytes:
+        """The first bytes of a safetensors file, its 8-byte length and the header it
+        declares (refused before it is read when over the limit), by two range requests:
+        no tensor byte is read. The strict parser (`parse_header`) checks them."""
         where = f"{self.repo_id}@{commit[:12]}/{path}"
         prefix = self.read_range(commit, path, 0, 8) if size >= 8 else b""
         declared = header_length(where, prefix, size)
-        raw = self.read_range(commit, path, 8, declared) if declared else b""
-        return parse_header(prefix + raw, size, where)
+        return prefix + (self.read_range(commit, path, 8, declared) if declared else b"")
 
     def download_to_cache(self, revision: str, path: str) -> Path:
         """`path` of `revision` into the Hugging Face cache (or found there), as a later

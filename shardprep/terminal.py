@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 from shardprep.errors import printable
 
+HF_LOGGER = "huggingface_hub"  # the Hugging Face client's root logger
 MAX_ERROR_CHARS = 1000  # an error line longer than this is cut, saying how much was left out
 
 
@@ -31,27 +32,36 @@ def error_line(message: object) -> str:
 def quiet_output(enabled: bool) -> Iterator[None]:
     """--quiet: only the result, or the one error line, on the terminal: log records still
     reach the handlers a caller installed, but none is printed (no last-resort handler, the
-    Hugging Face client's own stderr handler muted) and no warning is shown. For the
-    command's time only: main() may be called again in the same process."""
+    Hugging Face client's own stderr handler muted, also when the client is first imported
+    during the command) and no warning is shown. For the command's time only: main() may
+    be called again in the same process."""
     if not enabled:
         yield
         return
-    root, null = logging.getLogger(), logging.NullHandler()
-    printing = [
-        handler
-        for logger in (root, logging.getLogger("huggingface_hub"))
-        for handler in logger.handlers
-        if type(handler) is logging.StreamHandler
-    ]
-    levels = [handler.level for handler in printing]
+    root, null, client = logging.getLogger(), logging.NullHandler(), logging.getLogger(HF_LOGGER)
+    muted: list[tuple[logging.Handler, int]] = []
+
+    def mute(handler: logging.Handler) -> None:
+        if type(handler) is logging.StreamHandler:
+            muted.append((handler, handler.level))
+            handler.setLevel(logging.CRITICAL + 1)
+
+    def add_muted(handler: logging.Handler) -> None:
+        logging.Logger.addHandler(client, handler)
+        mute(handler)
+
+    for handler in (*root.handlers, *client.handlers):
+        mute(handler)
+    # The client adds its stderr handler (where its retry warnings go) when it is first
+    # imported, which a command does only when it needs the Hub: muted as it is added.
+    client.addHandler = add_muted  # type: ignore[method-assign]
     root.addHandler(null)  # a handler is found: logging's last resort prints nothing
-    for handler in printing:
-        handler.setLevel(logging.CRITICAL + 1)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        del client.addHandler
         root.removeHandler(null)
-        for handler, level in zip(printing, levels, strict=True):
+        for handler, level in muted:
             handler.setLevel(level)

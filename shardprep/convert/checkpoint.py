@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -50,6 +51,11 @@ class Checkpoint:
     # file arrives under `root` only once it is downloaded) and where to fetch it.
     sizes: dict[str, int] | None = None
     remote: Remote | None = None
+    # What the plan read of a Hub source by range request (each weight file's header, and
+    # any tensor read before its file was here): (file, offset, length) -> sha256 of the
+    # bytes. The file that arrives must hold the same bytes there. Shared by the copies
+    # `dataclasses.replace` makes, which go on recording into it.
+    range_reads: dict[tuple[str, int, int], str] = field(default_factory=dict)
     # Tensors read from a side file rather than a safetensors file (a draft's mask
     # embedding), or computed from other tensors (file ""; convert/dequantize.py): name ->
     # raw bytes, described by `tensors[name]` with offset 0.
@@ -68,12 +74,22 @@ class Checkpoint:
 
     def read(self, file: str, offset: int, length: int) -> bytes:
         """Bytes of a source file: from the folder, or by range request from the Hub for
-        a file not downloaded yet."""
+        a file not downloaded yet (or whose cached copy is not the blob the Hub's sha256
+        names)."""
         path = self.root / file
-        if self.remote is not None and self.revision is not None and not path.exists():
-            return self.remote.read_range(self.revision, file, offset, length)
+        if self.remote is not None and self.revision is not None and not self.cached(file):
+            data = self.remote.read_range(self.revision, file, offset, length)
+            self.range_reads[(file, offset, length)] = hashlib.sha256(data).hexdigest()
+            return data
         with open(path, "rb") as handle:
             return os.pread(handle.fileno(), length, offset)
+
+    def cached(self, file: str) -> bool:
+        """Whether a Hub source's file is here as the blob named by its stated sha256."""
+        expected = (self.known_sha256 or {}).get(file)
+        if expected is None:
+            return (self.root / file).exists()
+        return cached_hub_sha256(self, file) == expected and (self.root / file).is_file()
 
 
 def is_repo_id_shape(model: str) -> bool:

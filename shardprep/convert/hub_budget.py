@@ -14,11 +14,12 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from shardprep.constants import INCOMPLETE_SUFFIX
+from shardprep.constants import INCOMPLETE_SUFFIX, SOURCE_PARTIAL_DIR
 from shardprep.convert.checkpoint import Checkpoint, local_dir_metadata_path
 from shardprep.convert.hub_download import download_resumable, partial_path
 from shardprep.convert.hub_source import (
     Arrivals,
+    check_planned_reads,
     copied_files,
     distinct_sources,
     files_for_plan,
@@ -26,8 +27,6 @@ from shardprep.convert.hub_source import (
 )
 from shardprep.errors import ConfigError
 from shardprep.plan.records import Plan
-
-PARTIAL_DIR = "partial"  # in the private folder: the files being downloaded, by sha256
 
 
 class BudgetedArrivals(Arrivals):
@@ -93,6 +92,7 @@ class BudgetedArrivals(Arrivals):
             download_resumable(
                 remote, commit, file, size, expected, path, self.count, partial=partial
             )
+        check_planned_reads(checkpoint, remote, commit, file, path)
         self.watch()
 
     def release(self, checkpoint: Checkpoint, file: str) -> None:
@@ -141,7 +141,7 @@ def start_budgeted_fetch(
                     "at least its size, or leave --source-budget out"
                 )
     weights = [(cp, f) for key, (_, cp) in distinct.items() for f in wanted[key]]
-    partials = folder / PARTIAL_DIR
+    partials = folder / SOURCE_PARTIAL_DIR
     kept = resumable_partials(partials, weights, budget)
     arrivals = BudgetedArrivals(budget, watch, progress=progress, partials=partials, kept=kept)
     small = [(cp, f) for _, cp in distinct.values() if cp.remote for f in copied_files(cp)]
@@ -196,7 +196,7 @@ def prune_private(folder: Path) -> None:
     if not folder.is_dir():
         return
     for child in folder.iterdir():
-        if child.name == PARTIAL_DIR and child.is_dir() and not child.is_symlink():
+        if child.name == SOURCE_PARTIAL_DIR and child.is_dir() and not child.is_symlink():
             for path in child.iterdir():
                 if not (path.name.endswith(INCOMPLETE_SUFFIX) and path.is_file()):
                     _remove(path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import hashlib
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, as_completed, wait
@@ -33,8 +34,16 @@ from shardprep.convert.checkpoint import (
     open_checkpoint,
     read_index,
 )
-from shardprep.convert.hub_download import Counter, download_into_cache
-from shardprep.errors import ConfigError, summarize
+from shardprep.convert.hub_download import (
+    Counter,
+    cache_write_error,
+    check_range_reads,
+    download_into_cache,
+    prune_stale_partials,
+)
+from shardprep.errors import ConfigError, ShardprepError, summarize
+from shardprep.format.headers import parse_header
+from shardprep.format.request import check_revision
 from shardprep.plan import archs
 from shardprep.plan.records import Plan
 from shardprep.progress import Progress as tqdm
@@ -59,6 +68,8 @@ def open_source(
     from shardprep import hub_client
 
     hub_client.check_repo_id(model)
+    if revision is not None:
+        check_revision(revision)
     if hub_client.is_offline():
         return _offline(model, revision)
     # The metadata read here is small: no bar (a convert shows one for what it downloads).
@@ -89,9 +100,10 @@ def open_hub_checkpoint(remote: hub_client.Remote, revision: str) -> Checkpoint:
         weight_map = read_index(root / INDEX_NAME)
     files = _weight_files(remote, commit, listing, weight_map)
     with ThreadPoolExecutor(HEADER_WORKERS, thread_name_prefix="header") as pool:
-        headers = list(
-            pool.map(lambda f: (f, remote.read_header(commit, f, listing[f].size)), files)
+        raw = dict(
+            pool.map(lambda f: (f, remote.read_raw_header(commit, f, listing[f].size)), files)
         )
+    headers = [(f, parse_header(raw[f], listing[f].size, f"{where}/{f}")) for f in files]
     tensors = collect_tensors(where, headers)
     check_index(root / INDEX_NAME, weight_map, tensors)
     return Checkpoint(
@@ -104,6 +116,7 @@ def open_hub_checkpoint(remote: hub_client.Remote, revision: str) -> Checkpoint:
         known_sha256={p: f.sha256 for p, f in listing.items() if f.sha256},
         sizes={p: f.size for p, f in listing.items()},
         remote=remote,
+        range_reads={(f, 0, len(h)): hashlib.sha256(h).hexdigest() for f, h in raw.items()},
     )
 
 
@@ -195,7 +208,7 @@ class Arrivals:
                 for checkpoint, files in batches
                 if checkpoint.remote is not None
                 for file in set(files)
-                if not (checkpoint.root / file).exists()
+                if not checkpoint.cached(file)
             )
         )
 
@@ -261,10 +274,14 @@ def start_fetch(
 ) -> Arrivals:
     """Start downloading what the plan reads of each Hub source, and the files copied
     beside the rank files (first: they are small), in the order the converter lays them
-    out (it converts each as it arrives, and hashes each rank file in order)."""
+    out (it converts each as it arrives, and hashes each rank file in order). Partial
+    downloads in the cache that nothing of the commit would resume go first."""
     distinct = distinct_sources(checkpoints)
     batches = [(cp, copied_files(cp)) for _, cp in distinct.values()]
     batches += [(cp, files_for_plan(plan, cp, roles)) for roles, cp in distinct.values()]
+    for _, checkpoint in distinct.values():
+        if checkpoint.remote is not None and checkpoint.known_sha256 is not None:
+            prune_stale_partials(checkpoint.root.parent.parent, checkpoint.known_sha256.values())
     arrivals = Arrivals(progress)
     arrivals.expect(batches)
     for checkpoint, files in batches:
@@ -303,12 +320,28 @@ def _arrive(
 ) -> None:
     """Download one file into the Hugging Face cache, unless it is there already. A weight
     file (the Hub states its sha256) resumes what a killed run left of it and must arrive
-    with that sha256 (`hub_download.py`); a small file stored in git is fetched whole."""
-    if (checkpoint.root / file).exists():
-        return
+    with that sha256 (`hub_download.py`), and one already cached is used only when it is
+    that blob; a small file stored in git is fetched whole. What the plan read of the file
+    by range request (its header, a tensor) must be what arrived; a failure to write into
+    the cache names the cache."""
     expected = (checkpoint.known_sha256 or {}).get(file)
-    if expected is None:
-        remote.download_to_cache(commit, file)
-        count(checkpoint.size(file))
-        return
-    download_into_cache(checkpoint, remote, commit, file, expected, count)
+    try:
+        if expected is not None:
+            download_into_cache(checkpoint, remote, commit, file, expected, count)
+        elif not (checkpoint.root / file).exists():
+            remote.download_to_cache(commit, file)
+            count(checkpoint.size(file))
+        check_planned_reads(checkpoint, remote, commit, file, checkpoint.root / file)
+    except ShardprepError:
+        raise
+    except OSError as exc:  # the cache's disk, not the output folder's
+        raise cache_write_error(checkpoint.root.parent.parent, exc) from exc
+
+
+def check_planned_reads(
+    checkpoint: Checkpoint, remote: hub_client.Remote, commit: str, file: str, path: Path
+) -> None:
+    """The bytes the plan read of `file` by range request must be those of `path`."""
+    planned = {(o, n): d for (f, o, n), d in list(checkpoint.range_reads.items()) if f == file}
+    if planned:
+        check_range_reads(remote, commit, file, path, planned)

@@ -27,6 +27,8 @@ from shardprep.constants import (
     MANIFEST_NAME,
     PARTIAL_MARKER,
     SHARDS_DIR,
+    SOURCE_DOWNLOAD_DIR,
+    SOURCE_PARTIAL_DIR,
 )
 from shardprep.errors import OutputExistsError, OutputLockedError, OutputWriteError
 
@@ -39,6 +41,28 @@ def prepare(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputWriteError(f"cannot create the output folder {out}: {_reason(exc)}") from None
+
+
+def refuse_foreign(out: Path) -> None:
+    """Refuse, before anything is downloaded or removed, a folder with neither a journal
+    nor a manifest that holds more than shardprep itself leaves there: its lock, and a
+    private source folder of its own shape (`partial/` and numbered source folders)."""
+    if (out / PARTIAL_MARKER).is_file() or (out / MANIFEST_NAME).is_file():
+        return
+    if any(p.name != LOCK_NAME and not _own_source_folder(p) for p in out.iterdir()):
+        raise OutputExistsError(
+            f"{out} already holds files that are not a shardprep artifact; "
+            "choose an empty or new output folder"
+        )
+
+
+def _own_source_folder(path: Path) -> bool:
+    if path.name != SOURCE_DOWNLOAD_DIR or path.is_symlink() or not path.is_dir():
+        return False
+    return all(
+        (p.name == SOURCE_PARTIAL_DIR or p.name.isdigit()) and p.is_dir() and not p.is_symlink()
+        for p in path.iterdir()
+    )
 
 
 @contextlib.contextmanager

@@ -211,6 +211,7 @@ def convert_folder(
     try:
         with outdir.locked(out):
             safefs.refuse_linked_folders(out, outdir.WRITTEN_FOLDERS)
+            outdir.refuse_foreign(out)  # before a download starts or anything is removed
             before = {f.path: outdir.file_id(out / f.path) for f in plan.files}
             private = out / SOURCE_DOWNLOAD_DIR
             arrivals, checkpoints = begin_fetch(

@@ -3,9 +3,30 @@ that `verify --full` and a rerun replay exactly what was asked, never a guess.""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from shardprep.constants import DEFAULT_MAX_PART_BYTES
+from shardprep.errors import ConfigError, printable
+
+# A revision as the Hub accepts one: a branch, tag or commit name (git's rules for a ref
+# name, in ASCII): names of letters, digits and `._+-` joined by `/`, none starting with
+# `.` or ending with `.` or `.lock`, no `..`. huggingface_hub writes it as a path under
+# the cache's refs/ folder: anything else could name a file outside it. The same pattern
+# is in docs/manifest.schema.json.
+REVISION = re.compile(
+    r"(?=.{1,256}$)(?!.*\.\.)(?!.*\.(lock)?(/|$))"
+    r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*(/[A-Za-z0-9_+-][A-Za-z0-9._+-]*)*"
+)
+
+
+def check_revision(revision: str, what: str = "--revision") -> None:
+    if not REVISION.fullmatch(revision):
+        raise ConfigError(
+            f"{what} {printable(repr(revision), 80)} is not a branch, tag or commit name the "
+            "Hub accepts (letters, digits and ._+- in names joined by /, no '..'); "
+            "give one such as main, v1.0 or a 40-hex commit id"
+        )
 
 
 @dataclass(frozen=True)

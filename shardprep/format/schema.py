@@ -16,6 +16,7 @@ from shardprep.errors import ManifestError
 from shardprep.format.dtypes import DTYPE_SIZES
 from shardprep.format.jsonio import shorten
 from shardprep.format.records import CUTS, MX_CUTS
+from shardprep.format.request import REVISION
 from shardprep.format.vllm_layout import LEGACY_LAYOUT
 
 # Far above any real model, far below what would make arithmetic or a range() costly.
@@ -130,6 +131,7 @@ def _object(name: str, fields: dict[str, Check], optional: frozenset[str] = froz
 
 _COUNT = _integer()
 _SHA = _string(SHA256, "64 lowercase hex digits (a sha256)")
+_REVISION = _nullable(_string(REVISION, "a branch, tag or commit name"))
 _DTYPE = _enum(*DTYPES)
 _PARAM = _object("ParamSpec", {"dtype": _DTYPE, "shape": _array(_COUNT)})
 _SOURCE = _object(
@@ -137,7 +139,7 @@ _SOURCE = _object(
     {
         "model": _string(),
         "repo_id": _nullable(_string()),
-        "revision": _nullable(_string()),
+        "revision": _REVISION,
         "files": _array(
             _object("SourceFile", {"path": _string(), "bytes": _COUNT, "sha256": _nullable(_SHA)})
         ),
@@ -259,7 +261,7 @@ _REQUEST = _object(
         "stage": _nullable(_integer(0, MAX_RANKS)),
         "max_part_bytes": _integer(1),
         "dtype": _string(),
-        "revision": _NAME,
+        "revision": _REVISION,
         "expert_parallel": _BOOL,
         "expert_placement": _PLACEMENT,
         "dp": _integer(1, MAX_RANKS),

@@ -43,6 +43,7 @@ from shardprep.constants import (
 )
 from shardprep.errors import ConfigError, CorruptFileError, HubError, summarize
 from shardprep.format.manifest import Manifest
+from shardprep.format.request import check_revision
 from shardprep.hashing import sha256_file
 from shardprep.hub.cache_manifest import (
     cached_manifest,
@@ -183,6 +184,7 @@ def _fetch(
     hub_client.check_repo_id(repo_id)
     repo_dir = repo_folder(repo_id, cache_dir)
     revision = revision or hf_constants.DEFAULT_REVISION
+    check_revision(revision)
     remote = (
         None if hub_client.is_offline() else hub_client.Remote(repo_id, endpoint, token, progress)
     )

@@ -15,7 +15,8 @@ of a revision to its blob; `refs/<branch>` holds the branch head. Commit ids are
 Model repos only; repo ids are "org/name"; revisions are branch names or full commit ids.
 
 Test hooks: `corrupt_blob`, `cut_next_download`, `stall_next_download`, `downloads`,
-`download_ranges`, `bytes_served`, `requests`, `downloads_by_origin`.
+`download_ranges`, `bytes_served`, `requests`, `downloads_by_origin`; hostile answers:
+`serve_other_after_download`, `answer_header_reads_with`, `fail_requests`.
 """
 
 from __future__ import annotations
@@ -211,6 +212,12 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def _parents(path: str) -> list[str]:
     parts = path.split("/")[:-1]
     return ["/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _closed_range(request: _Request) -> bool:
+    """Whether the request asks for a range with an end (`bytes=A-B`)."""
+    match = _RANGE.fullmatch(request.headers.get("Range") or "")
+    return match is not None and match.group(2) != ""
 
 
 def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -501,6 +508,10 @@ class HubServer:
         self._cuts: dict[tuple[str, str], tuple[int, threading.Event | None]] = {}
         self._served: dict[tuple[str, str], int] = defaultdict(int)
         self._stalls: list[threading.Event] = []
+        # Hostile answers, by (repo, path): see the methods that arm them.
+        self._after_download: dict[tuple[str, str], tuple[FileEntry, bool]] = {}
+        self._header_reads: dict[tuple[str, str], str] = {}
+        self._failing: dict[tuple[str, str], int] = {}
         self._http: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -617,6 +628,30 @@ class HubServer:
             byte = blob.read(1)
             blob.seek(entry.size // 2)
             blob.write(bytes([byte[0] ^ 0xFF]))
+
+    def serve_other_after_download(self, repo_id: str, path: str, data: bytes) -> None:
+        """Once a GET has been sent the whole body of this file, every later HEAD and GET
+        of it names `data` (its sha256 as ETag, its size) and sends it instead, while the
+        tree listing still states the real file: a server that changes its answer when
+        asked again."""
+        with self._lock:
+            self._after_download[(repo_id, path)] = (
+                _lfs_entry(self._store.put_blob(data), len(data)),
+                False,
+            )
+
+    def answer_header_reads_with(self, repo_id: str, path: str, data: bytes) -> None:
+        """Range reads with an end (`bytes=A-B`, as a header is read) of this file are
+        answered from `data`, of the file's length, instead; a GET of the whole file, or
+        from an offset to its end, gets the real bytes."""
+        with self._lock:
+            self._header_reads[(repo_id, path)] = self._store.put_blob(data)
+
+    def fail_requests(self, repo_id: str, path: str, status: int = 503) -> None:
+        """Every HEAD and GET of this file is answered `status`, with `Retry-After: 0`
+        (so that a client retries at once)."""
+        with self._lock:
+            self._failing[(repo_id, path)] = status
 
     def head(self, repo_id: str, branch: str = "main") -> str:
         """Commit id of the branch head."""
@@ -840,6 +875,15 @@ class HubServer:
         entry = commit.files.get(path)
         if entry is None:
             raise _entry_not_found(path, commit.id)
+        key = (repo_id, path)
+        with self._lock:
+            failing = self._failing.get(key)
+            other, served = self._after_download.get(key, (None, False))
+            header_reads = self._header_reads.get(key)
+        if failing is not None:
+            raise HubError(failing, "Service unavailable", headers={"Retry-After": "0"})
+        if other is not None and served:
+            entry = other
         headers = _file_headers(commit.id, entry)
         blob = self._store.blob_path(entry.sha256)
         if request.method == "HEAD":
@@ -847,9 +891,13 @@ class HubServer:
         byte_range = (
             None if self._ignore_ranges else _byte_range(request.headers.get("Range"), entry.size)
         )
+        if other is not None and byte_range is None:
+            with self._lock:
+                self._after_download[key] = (other, True)
+        if header_reads is not None and byte_range is not None and _closed_range(request):
+            blob = self._store.blob_path(header_reads)
         length = entry.size if byte_range is None else byte_range[1] - byte_range[0] + 1
         cut_after, stall = self._note_download(repo_id, path, request.headers.get("Range"), length)
-        key = (repo_id, path)
         if byte_range is None:
             body = _FileSlice(blob, 0, entry.size, cut_after, key, stall)
             return _Response(headers=headers, file=body)
