@@ -34,7 +34,8 @@ from shardprep.format.records import (
     piece_json,
     piece_of_json,
 )
-from shardprep.format.schema import ADVICE, check_regions
+from shardprep.format.regions_schema import check_regions
+from shardprep.format.schema import ADVICE
 
 REGIONS_FORMAT = "shardprep-regions/1"
 EXPERT = "{e}"
@@ -95,13 +96,14 @@ def read_regions(folder: Path, manifest: Manifest) -> Manifest:
         )
     regions = _PARSED.get(record.sha256)
     if regions is None:
+        most = max((m.experts.num_experts for m in manifest.models if m.experts), default=0)
         raw = path.read_bytes()
         if hashlib.sha256(raw).hexdigest() != record.sha256:
             raise ManifestError(
                 f"{where} does not match the sha256 the manifest records; convert or fetch "
                 "the artifact again"
             )
-        regions = parse_regions(raw, where)
+        regions = parse_regions(raw, where, max_experts=most)
         _PARSED.clear()
         _PARSED[record.sha256] = regions
     if sorted(regions) != sorted(record.roles):
@@ -124,14 +126,14 @@ def read_regions(folder: Path, manifest: Manifest) -> Manifest:
 _PARSED: dict[str, Regions] = {}
 
 
-def parse_regions(raw: bytes, where: str = REGIONS_NAME) -> Regions:
-    """role -> (pieces, source shapes) of a regions file, ranges unfolded; any flaw is a
-    ManifestError."""
+def parse_regions(raw: bytes, where: str = REGIONS_NAME, max_experts: int | None = None) -> Regions:
+    """role -> (pieces, source shapes) of a regions file, ranges unfolded (of at most
+    `max_experts` experts where given); any flaw is a ManifestError."""
     try:
         data = jsonio.parse(raw, limit=MAX_JSON_BYTES)
     except jsonio.JSONProblem as exc:
         raise ManifestError(f"{where} {exc}; convert or fetch the artifact again") from None
-    check_regions(data, where, REGIONS_FORMAT)
+    check_regions(data, where, REGIONS_FORMAT, max_experts)
     found = {}
     for entry in data["models"]:
         pieces = {name: tuple(_unfold(items)) for name, items in entry["pieces"].items()}

@@ -21,8 +21,6 @@ from shardprep.format.vllm_layout import LEGACY_LAYOUT
 
 # Far above any real model, far below what would make arithmetic or a range() costly.
 MAX_COUNT = 2**48
-# The pieces a regions file may unfold to: 16 times a 1 TB model's.
-MAX_REGION_PIECES = 1 << 23
 MAX_RANKS = 1 << 16
 DTYPES = tuple(DTYPE_SIZES)
 ROLES = ("target", "draft")
@@ -336,68 +334,3 @@ def check_document(data: Any, where: str) -> None:
 
 
 ADVICE = "the manifest is damaged or was not written by this shardprep: convert or fetch again"
-
-
-def _range(value: Any, field: str) -> int:
-    """`{"experts": [first, stop], "each": [piece, ...]}`, each source naming `{e}`; the
-    number of pieces it stands for."""
-    _RANGE(value, field)
-    first, stop = value["experts"]
-    if not first < stop:
-        raise _fail(f"{field}.experts", "a range [first, stop) of experts", value["experts"])
-    for i, piece in enumerate(value["each"]):
-        if "{e}" not in piece[0] or (len(piece) == 3 and "expert" in piece[2]):
-            raise _Bad(field, f"{field}.each[{i}]: a piece of a range names {{e}}, not an expert")
-    return (stop - first) * len(value["each"])
-
-
-_RANGE = _object("ExpertRange", {"experts": _two, "each": _array(_piece)})
-
-
-def _expert_shape(value: Any, field: str) -> int:
-    if not isinstance(value, list) or len(value) != 4:
-        raise _fail(field, "[pattern, first, stop, shape]", value)
-    _string()(value[0], f"{field}[0]")
-    _COUNT(value[1], f"{field}[1]")
-    _COUNT(value[2], f"{field}[2]")
-    _array(_COUNT)(value[3], f"{field}[3]")
-    if "{e}" not in value[0] or not value[1] < value[2]:
-        raise _fail(field, "a pattern naming {e} and a range [first, stop) of experts", value)
-    return value[2] - value[1]
-
-
-_REGIONS_MODEL = _object(
-    "RegionsModel",
-    {
-        "role": _enum(*ROLES),
-        "pieces": _map(_string(), _array(lambda value, field: None)),
-        "source_shapes": _map(_string(), _array(_COUNT)),
-        "expert_shapes": _array(lambda value, field: None),
-    },
-)
-
-
-def check_regions(data: Any, where: str, version: str) -> None:
-    """A regions file (`shardprep.format.regions`) has its shape, and unfolds to at most
-    MAX_REGION_PIECES pieces and source shapes."""
-    try:
-        _object("Regions", {"format": _enum(version), "models": _array(_REGIONS_MODEL)})(
-            data, "regions"
-        )
-        unfolded = 0
-        for m, model in enumerate(data["models"]):
-            for name, items in model["pieces"].items():
-                for i, item in enumerate(items):
-                    at = f"regions.models[{m}].pieces[{shorten(repr(name), 60)}][{i}]"
-                    unfolded += _range(item, at) if isinstance(item, dict) else _one(item, at)
-            for i, item in enumerate(model["expert_shapes"]):
-                unfolded += _expert_shape(item, f"regions.models[{m}].expert_shapes[{i}]")
-            if unfolded > MAX_REGION_PIECES:
-                raise _Bad("regions", f"regions unfold to over {MAX_REGION_PIECES:,} entries")
-    except _Bad as bad:
-        raise ManifestError(f"{where}: {bad.message}; {ADVICE}") from None
-
-
-def _one(value: Any, field: str) -> int:
-    _piece(value, field)
-    return 1
