@@ -39,7 +39,8 @@ def parse(raw: bytes | str, *, limit: int) -> Any:
         raise JSONProblem("nests too deeply to be read") from None
     except ValueError as exc:  # JSONDecodeError, and int() refusing a huge number
         raise JSONProblem(f"does not parse as JSON ({shorten(str(exc), 120)})") from None
-    _check_strings(value)
+    if "\\u" in text:  # UTF-8 holds no surrogate: only an escape can make one
+        _check_strings(value)
     return value
 
 
