@@ -22,6 +22,7 @@ from shardprep.convert.verify import verify
 from shardprep.demo.tiny import TINY_MXFP4, make_tiny_model
 from shardprep.errors import ConfigError, PlanError, WeightMismatchError
 from shardprep.format.manifest import read_manifest
+from shardprep.hub.modelcard import model_card
 from shardprep.loader.fill import fill_parameters, stack_pads
 from shardprep.plan.layout import mx_range
 from shardprep.plan.quant.mxfp4 import Mxfp4Pad
@@ -133,6 +134,8 @@ def test_one_unpadded_artifact_fills_every_backends_stacks_as_vllm_loads_them(
     assert read.served_backends() == (
         "every kernel backend (what a backend repacks or pads is done at load)"
     )
+    card = model_card(read, "org/tiny-gpt-oss")
+    assert "- serves every kernel backend (what a backend repacks or pads is done at load)" in card
 
 
 def test_stacks_that_do_not_fit_the_backends_parameters_are_refused(tmp_path: Path) -> None:
@@ -183,6 +186,10 @@ def test_a_baked_padding_equals_vllms_loading(tmp_path: Path, tp: int, pad: str)
     # another tp pads other sizes: the artifact serves its own topology only
     assert read_manifest(out).served_topologies() == (
         f"tp{tp} x pp1 only (its MXFP4 experts are padded for tp{tp})"
+    )
+    assert read_manifest(out).served_backends() == (
+        f"the MXFP4 MoE backends whose padding holds the baked-in --mxfp4-pad {pad} (the same "
+        "or coarser alignments)"
     )
 
 
