@@ -18,7 +18,7 @@ from shardprep.constants import (
 )
 from shardprep.errors import ConfigError, PlanError
 from shardprep.format.dtypes import FLOAT_DTYPES, MODEL_DTYPES
-from shardprep.format.records import Topology
+from shardprep.format.records import MXFP4_PADDING_AT_LOAD, Topology
 from shardprep.plan import archs
 from shardprep.plan.archs.base import Family, Layout, Param, config_int
 from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
@@ -27,7 +27,6 @@ from shardprep.plan.experts import expert_stack_blocks, is_expert_stack
 from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.quant import Mxfp4Quant, scheme_of
 from shardprep.plan.quant.backend_pad import pads_by_backend
-from shardprep.plan.quant.mxfp4 import AT_LOAD
 from shardprep.plan.records import (
     ExpertPlan,
     FilePlan,
@@ -203,7 +202,7 @@ def _expert_plan(
     split = ExpertSplit(layout.num_experts, tp, dp, expert_parallel, placement)
     assumptions: tuple[tuple[str, str], ...] = ()
     if scheme is not None and pads_by_backend(scheme.method):  # MXFP4 experts
-        padding = scheme.padding if isinstance(scheme, Mxfp4Quant) else AT_LOAD
+        padding = scheme.padding if isinstance(scheme, Mxfp4Quant) else MXFP4_PADDING_AT_LOAD
         assumptions = (("mxfp4_padding", padding),)
     return ExpertPlan(split, requested, assumptions)
 

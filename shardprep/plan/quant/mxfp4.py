@@ -14,7 +14,8 @@ size (I/tp) and the hidden size up to its own alignment, and the loader copies e
 part into their top-left corner: the state before processing depends on the backend
 that serves it. The rank files hold each rank's blocks unpadded, and `sharded-fast` pads
 them in memory to whatever the running backend built (backend_pad.py), so one artifact
-serves every backend and every tp that divides its own. `--mxfp4-pad` still bakes one
+serves every backend, and every tp dividing its own where the ranks' blocks nest
+(`Manifest.served_tps`). `--mxfp4-pad` still bakes one
 backend's padding in (`Mxfp4Pad`), for an artifact that serves that padding at its own tp
 only; the manifest records which (the experts' `mxfp4_padding`: `at_load` or the padding).
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
+from shardprep.format.records import MXFP4_PADDING_AT_LOAD
 from shardprep.plan.cuts import MX_BLOCK, Cut, Piece, ScaleOf
 from shardprep.plan.quant.layer import Quantized, QuantParams
 
@@ -42,7 +44,6 @@ BACKENDS = (
     ("128,256", "Marlin, FlashInfer TRT-LLM"),
     ("256,256", "ROCm AITER"),
 )
-AT_LOAD = "at_load"  # the manifest's `mxfp4_padding` of unpadded stacks
 # (Hub tensor under mlp.experts., its cut in vLLM) of the fused expert weights.
 W13, W2 = "gate_up_proj", "down_proj"
 
@@ -101,7 +102,7 @@ class Mxfp4Quant:
     @property
     def padding(self) -> str:
         """What the manifest records of the stacks' padding (`mxfp4_padding`)."""
-        return AT_LOAD if self.pad is None else self.pad.text
+        return MXFP4_PADDING_AT_LOAD if self.pad is None else self.pad.text
 
     def stored(self, weight: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple, str]]:
         """A fused expert weight [E, K, N] (the Hub's bf16 layout) as its blocks
