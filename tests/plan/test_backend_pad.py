@@ -10,6 +10,8 @@ import itertools
 import pytest
 import torch
 
+from shardprep.format.records import _mx_nested
+from shardprep.plan.layout import mx_range
 from shardprep.plan.quant.backend_pad import (
     CORNER,
     GATE_UP,
@@ -25,8 +27,7 @@ ROUTED = "model.layers.3.mlp.experts.routed_experts."
 def place(stored: torch.Tensor, built: tuple[int, ...], pad: StackPad) -> torch.Tensor:
     spans = placements(tuple(stored.shape), built, pad)
     assert spans is not None
-    out = torch.full(built, -1, dtype=stored.dtype)
-    out.zero_()
+    out = torch.zeros(built, dtype=stored.dtype)
     for dest, source in spans:
         out[tuple(slice(*d) for d in dest)] = stored[tuple(slice(*s) for s in source)]
     return out
@@ -91,3 +92,23 @@ def test_the_methods_and_stacks_the_backends_pad() -> None:
     for method in (None, "fp8", "compressed-tensors"):
         assert stack_pad(method, ROUTED + "w13_weight") is None
         assert not pads_by_backend(method)
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4, 6, 8, 16])
+def test_a_coarser_tp_is_served_where_its_mxfp4_ranks_are_unions_of_the_artifacts(
+    tp: int,
+) -> None:
+    """vLLM gives each rank ceil(blocks / tp) 32-blocks: a coarser rank's rows are those of
+    the artifact ranks it is made of (`tp_ranks_for`) only for some block counts; the
+    manifest serves exactly those, as this enumeration of vLLM's split finds them."""
+    for blocks in range(1, 100):
+        inter = 32 * blocks
+        for served in (d for d in range(1, tp + 1) if tp % d == 0):
+            k = tp // served
+            unions = all(
+                mx_range(inter, served, r)
+                == (mx_range(inter, tp, r * k)[0], mx_range(inter, tp, r * k + k - 1)[1])
+                for r in range(served)
+            )
+            assert _mx_nested(blocks, tp, served) == unions, (blocks, tp, served)
+    assert _mx_nested(90, 8, 1) and not _mx_nested(90, 8, 4)  # gpt-oss-120b at tp8
