@@ -19,7 +19,7 @@ every header, lays out every rank file and validates it all; nothing is written.
   files; `deepseek-v4-bf16`: in bfloat16 with its built-in DSpark draft of 3 stages
   (`mtp.*`, planned into draft/), 48 files;
 - gpt-oss-120b: 36 layers, 128 experts in MXFP4 (`*_blocks`, `*_scales`), the rest bf16,
-  15 files; planned with the default `--mxfp4-pad` (64);
+  15 files; planned without `--mxfp4-pad` (the expert stacks unpadded);
 - Kimi-K2.6 (as Kimi-K2.5 is published, tests/data/kimi-k2.5): Kimi-K2-Thinking's text
   model under `language_model.` with a MoonViT vision tower of 27 blocks and its projector,
   208,550 tensors in 64 files;

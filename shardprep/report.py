@@ -148,6 +148,7 @@ def artifact_summary(manifest: mf.Manifest) -> dict[str, Any]:
         },
         "serves": manifest.served_topologies(),
         "served_tps": list(manifest.served_tps),
+        "backends": manifest.served_backends(),
         "whole_experts": manifest.whole_experts,  # tp > 1 then needs expert parallelism
         "stages": list(manifest.stages),
         "models": [
@@ -175,6 +176,8 @@ def describe_models(summary: dict[str, Any]) -> str:
     ]
     if "serves" in summary:
         lines.append(f"serves: {summary['serves']}")
+    if "backends" in summary:
+        lines.append(f"serves kernel backends: {summary['backends']}")
     for model in summary["models"]:
         source = model.get("source")
         origin = f" from {source}" if source else ""

@@ -69,9 +69,11 @@ def add_convert_flags(parser: argparse.ArgumentParser) -> None:
         "--mxfp4-pad",
         default=None,
         metavar="PAD",
-        help="MXFP4 experts, I or I,H: the serving MoE backend's alignment of the per-rank "
-        "intermediate size (and of the hidden size): 32 on CPU, 64 with the Triton kernels "
-        "of CUDA GPUs, 128,128 CUTLASS/DeepGEMM, 128,256 Marlin/TRT-LLM (default: 64)",
+        help="MXFP4 experts, I or I,H: bake one MoE backend's alignment of the per-rank "
+        "intermediate size (and of the hidden size) into the rank files: 32 on CPU, 64 "
+        "Triton, 128,128 CUTLASS/DeepGEMM, 128,256 Marlin/TRT-LLM; such an artifact serves "
+        "its own tp and the backends that pad as much or more (default: none baked in, the "
+        "loader pads for whatever backend vLLM picks, and every served tp)",
     )
 
 

@@ -16,6 +16,7 @@ from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
 from shardprep.format.dtypes import MODEL_DTYPES, cast, torch_dtype
 from shardprep.format.headers import read_header
+from shardprep.format.records import MXFP4_PADDING_AT_LOAD
 from shardprep.hashing import sha256_file
 from shardprep.plan.cuts import Block
 from shardprep.progress import Progress as tqdm
@@ -231,8 +232,14 @@ def legacy_request(manifest: mf.Manifest, target: mf.ModelEntry) -> mf.Conversio
         expert_placement=target.experts.requested_placement if target.experts else "linear",
         dp=target.experts.dp if target.experts else 1,
         mtp_draft=draft is not None,
-        mxfp4_pad=(target.experts.assumptions.get("mxfp4_padding") if target.experts else None),
+        mxfp4_pad=_baked_mxfp4_pad(target),
     )
+
+
+def _baked_mxfp4_pad(target: mf.ModelEntry) -> str | None:
+    """The --mxfp4-pad the experts' padding records; None where nothing is baked in."""
+    padding = target.experts.assumptions.get("mxfp4_padding") if target.experts else None
+    return None if padding == MXFP4_PADDING_AT_LOAD else padding
 
 
 def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool) -> None:
@@ -346,7 +353,7 @@ def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
         values = part.reshape(part.shape[0], inner, -1)[:, a0:a1, b0:b1]
         out = torch.zeros((part.shape[0], height, width), dtype=part.dtype)
         out[:, : a1 - a0, : b1 - b0] = values
-        return out.reshape(-1, width)
+        return out.reshape(part.shape[0] * height, width)  # a rank may hold 0 columns
     if block.matrix is not None:
         (a0, a1), (b0, b1) = block.matrix
         return part[:, a0:a1, b0:b1].transpose(1, 2).reshape(-1, a1 - a0)

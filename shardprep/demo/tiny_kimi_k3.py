@@ -9,8 +9,9 @@ does not zero-pad the experts' 16 intermediate rows per rank to 256.
 
 With `quantization_config=KIMI_K3_MXFP4` (demo/quant_configs.py, the published block)
 the routed experts are stored as Kimi-K3 publishes them, `weight_packed` and
-`weight_scale` (demo/quantized.py's values); give them `moe_intermediate_size=256` and
-`routed_expert_hidden_size=256` so that no MXFP4 MoE backend pads them at tp2.
+`weight_scale` (demo/quantized.py's values); give them sizes in whole groups of 32 a rank
+(`moe_intermediate_size=256` and `routed_expert_hidden_size=256`: sizes no MXFP4 MoE
+backend pads at tp2; others are padded at load).
 """
 
 from __future__ import annotations

@@ -42,8 +42,11 @@ CUTS = (
 )  # fmt: skip
 # ... of a source whose dim 0 is the experts (gpt-oss's fused expert tensors).
 CUTS += ("expert_cols_t", "expert_rows_t", "expert_row", "expert_row_first")
-# ... and MXFP4 experts in a parameter the MoE backend padded.
+# ... and MXFP4 experts, unpadded or (with a `scale_of.grid`) in a parameter padded as
+# one MoE backend pads it.
 MX_CUTS = ("mx_w13", "mx_w2", "mx_w13_bias", "mx_w2_bias")
+MXFP4_PADDING_AT_LOAD = "at_load"  # the experts' `mxfp4_padding` of unpadded stacks
+MX_BLOCK = 32  # MXFP4 values that share one scale
 CUTS += MX_CUTS
 # ... of a source that stacks `heads` equal parts (a fused q, k, v), each split evenly.
 CUTS += ("parts_rows",)
@@ -227,15 +230,48 @@ class Manifest:
             return ()
         if tuple(self.stages) != tuple(range(self.topology.pp)):
             return ()
-        if not self._cuts.isdisjoint({*MX_CUTS, "zero_rows"}):  # padded for this tp
+        mx = self._mx_scales
+        if "zero_rows" in self._cuts or any(of.grid for _, of in mx):  # padded for this tp
             return ()
-        return tuple(d for d in range(1, self.topology.tp + 1) if self.topology.tp % d == 0)
+        # MXFP4 experts: the 32-blocks of each stack's intermediate size (`mx_w2`: [H, I])
+        blocks = {of.shape[1] // MX_BLOCK for cut, of in mx if cut == "mx_w2"}
+        tp = self.topology.tp
+        return tuple(
+            d for d in range(1, tp + 1) if tp % d == 0 and all(_mx_nested(b, tp, d) for b in blocks)
+        )
 
     @property
     def padded_for_tp(self) -> bool:
-        """Whether expert stacks are padded as the MoE backend pads them at this tp
-        (MXFP4): another tp pads other sizes, which no rank tensor here holds."""
-        return not self._cuts.isdisjoint(MX_CUTS)
+        """Whether expert stacks hold a padding baked in as one MoE backend pads them at
+        this tp (MXFP4 with --mxfp4-pad): another tp pads other sizes, which no rank
+        tensor here holds."""
+        return any(of.grid for _, of in self._mx_scales)
+
+    @property
+    def _mx_scales(self) -> list[tuple[str, ScaleEntry]]:
+        return [
+            (piece.cut, piece.scale_of)
+            for model in self.models
+            for pieces in model.pieces.values()
+            for piece in pieces
+            if piece.cut in MX_CUTS and piece.scale_of is not None
+        ]
+
+    def served_backends(self) -> str:
+        """The MoE kernel backends this artifact serves, as users read them."""
+        padding = {m.experts.assumptions.get("mxfp4_padding") for m in self.models if m.experts}
+        baked = padding - {MXFP4_PADDING_AT_LOAD, None}
+        if baked:
+            return (
+                f"the MXFP4 MoE backends whose padding holds the baked-in --mxfp4-pad "
+                f"{', '.join(sorted(baked))} (the same or coarser alignments)"
+            )
+        if None in padding:  # experts vLLM does not pad for MXFP4 kernels
+            return (
+                "every kernel backend that keeps the expert stacks' sizes (not FlashInfer "
+                "TRT-LLM or ROCm AITER MoE, which pad unquantized experts)"
+            )
+        return "every kernel backend (what a backend repacks or pads is done at load)"
 
     @property
     def whole_experts(self) -> bool:
@@ -304,6 +340,15 @@ class Manifest:
                 if not model[key]:  # in the regions file, or not recorded
                     del model[key]
         return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def _mx_nested(blocks: int, tp: int, served: int) -> bool:
+    """Whether each rank of tp `served` holds the MXFP4 blocks of the tp ranks it is made
+    of and no other: vLLM gives every rank ceil(blocks / tp) 32-blocks (the last ones
+    fewer), so a coarser tp's boundaries need not be a finer one's (90 blocks at tp8 are
+    12 a rank, at tp4 23)."""
+    per, coarse, k = -(-blocks // tp), -(-blocks // served), tp // served
+    return all(min(r * coarse, blocks) == min(r * k * per, blocks) for r in range(served + 1))
 
 
 def piece_json(piece: dict[str, Any]) -> list[Any]:

@@ -68,6 +68,7 @@ def _topology_lines(manifest: mf.Manifest) -> str:
         first += count
     lines.append(f"- stages in this repo: {', '.join(map(str, manifest.stages))}")
     lines.append(f"- serves: {manifest.served_topologies()} (`--load-format sharded-fast`)")
+    lines.append(f"- serves {manifest.served_backends()}")
     for model in manifest.models:
         if model.experts is not None:
             described = report.expert_lines(asdict(model.experts), topo.tp)[0].strip()

@@ -20,6 +20,7 @@ from shardprep.loader.experts import (
     check_expert_parallel,
     check_experts,
 )
+from shardprep.loader.fill import stack_pads
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def check_moe(
     check_experts(artifact, entry.experts, running, hint + "EP_FLAGS-o NEW")
     files = entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank)
     built = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    check_device_layout(artifact, entry.experts, files, built)
+    check_device_layout(artifact, entry.experts, files, built, stack_pads(entry.quantization))
 
 
 def source_of(manifest: Manifest) -> str:

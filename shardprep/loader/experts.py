@@ -16,6 +16,8 @@ from torch import nn
 
 from shardprep.errors import TopologyMismatchError
 from shardprep.format.manifest import Experts, ModelEntry, ParamSpec
+from shardprep.format.records import MXFP4_PADDING_AT_LOAD
+from shardprep.loader.fill import StackPads, no_stack_pads
 
 
 @dataclass(frozen=True)
@@ -123,12 +125,16 @@ def check_device_layout(
     experts: Experts,
     files: Mapping[str, ParamSpec],
     built: Mapping[str, tuple[int, ...]],
+    stacks: StackPads = no_stack_pads,
 ) -> None:
-    """The expert stacks vLLM built have the shapes of the files. Some backends build
-    another layout before processing (the manifest's `assumptions`); name the setting."""
+    """The expert stacks vLLM built have the shapes of the files, or hold them where the
+    MoE backend pads them (`stacks`: MXFP4). Some backends build another layout before
+    processing (the manifest's `assumptions`); name the setting."""
     for name, spec in sorted(files.items()):
         shape = built.get(name)
         if len(spec.shape) != 3 or shape is None or tuple(shape) == tuple(spec.shape):
+            continue
+        if stacks(name, tuple(spec.shape), tuple(shape)) is not None:
             continue
         where = (
             f"vLLM built {name} as {list(shape)} but artifact {artifact} holds {list(spec.shape)}"
@@ -141,12 +147,17 @@ def check_device_layout(
                 "start vLLM with VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0"
             )
         mxfp4 = experts.assumptions.get("mxfp4_padding")
+        if mxfp4 is not None and mxfp4 != MXFP4_PADDING_AT_LOAD:
+            raise TopologyMismatchError(
+                f"{where}: vLLM's MXFP4 MoE backend pads the experts less than the artifact, "
+                f"converted with --mxfp4-pad {mxfp4}; re-run `shardprep convert` without "
+                "--mxfp4-pad, which stores the experts unpadded for every backend"
+            )
         if mxfp4 is not None:
             raise TopologyMismatchError(
-                f"{where}: vLLM's MXFP4 MoE backend pads the experts otherwise than the "
-                f"artifact, converted with --mxfp4-pad {mxfp4}; re-run `shardprep convert` "
-                "with the --mxfp4-pad of the backend vLLM uses (32 on CPU, 64 with the Triton "
-                "kernels of CUDA GPUs, 128,128 CUTLASS or DeepGEMM, 128,256 Marlin or TRT-LLM)"
+                f"{where}: the MoE backend built expert stacks smaller than the rank's MXFP4 "
+                "blocks, which vLLM's own loader cannot fill either; start vLLM with another "
+                "--moe-backend"
             )
         assumed = experts.assumptions.get("moe_intermediate_padding", "none")
         raise TopologyMismatchError(

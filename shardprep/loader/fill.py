@@ -7,6 +7,10 @@ builds longer along dim 0 on some devices than the rank's share (DeepSeek-V4's
 rows at its front and keeps the rest as vLLM initialized it, which is what vLLM's own
 loader leaves (`param[:n].copy_(...)`).
 
+Expert stacks whose size the MoE kernel backend chooses (MXFP4: `stack_pads`, from
+plan/quant/backend_pad.py) are stored unpadded and copied into the parameter the backend
+built as its weight loader would place them, the rest of the parameter zero.
+
 Tensors of a part vLLM left unbuilt for this run (a vision tower whose modalities
 `--limit-mm-per-prompt` sets to 0, or `--language-model-only`: a `StageMissingLayer`) are
 skipped, as vLLM's own loader skips them."""
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,7 +29,35 @@ from shardprep.errors import WeightMismatchError, summarize
 from shardprep.format.headers import TensorInfo
 from shardprep.loader.cpu_read import torch_dtypes
 
+if TYPE_CHECKING:
+    from shardprep.plan.quant.backend_pad import Placement, StackPad
+
 logger = logging.getLogger(__name__)
+# Where a stored tensor goes in the parameter of that name, when the backend may have
+# padded it: the copies (destination and source spans per dimension), None when it does
+# not fit. A parameter it gives nothing for must have the stored shape.
+StackPads = Callable[[str, tuple[int, ...], tuple[int, ...]], "tuple[Placement, ...] | None"]
+
+
+def no_stack_pads(name: str, stored: tuple[int, ...], built: tuple[int, ...]) -> None:
+    return None
+
+
+def stack_pads(method: str | None) -> StackPads:
+    """The backend padding of the expert stacks of a model vLLM quantizes with `method`
+    (`shardprep.plan.quant.backend_pad`); none for a method without it."""
+    from shardprep.plan.quant import backend_pad  # pure data, only where it pads
+
+    if not backend_pad.pads_by_backend(method):
+        return no_stack_pads
+
+    def placed(
+        name: str, stored: tuple[int, ...], built: tuple[int, ...]
+    ) -> tuple[Placement, ...] | None:
+        pad: StackPad | None = backend_pad.stack_pad(method, name)
+        return None if pad is None else backend_pad.placements(stored, built, pad)
+
+    return placed
 
 
 class Destinations:
@@ -80,14 +113,16 @@ def fill_parameters(
     where: str,
     layout: str = "",
     padded: Callable[[str], bool] = lambda name: False,
+    stacks: StackPads = no_stack_pads,
 ) -> list[str]:
     """Copy each tensor into the parameter of the same name (tied aliases count as the
     parameter they alias); every parameter must be filled exactly once with the exact
     shape and dtype, except those in `may_lack`. A tensor may also fill a buffer (e.g.
     attention scales), which is never required. Tensors in `ignorable` that the model
     lacks are skipped. A parameter for which `padded(name)` holds may be longer along dim
-    0 than its tensor (`fits_padded`): the tensor fills its front. Returns the names
-    filled; raises one error listing every problem."""
+    0 than its tensor (`fits_padded`): the tensor fills its front. An expert stack the
+    MoE backend padded (`stacks`) gets the tensor where the backend's weight loader puts
+    it, zeros elsewhere. Returns the names filled; raises one error listing every problem."""
     params, canonical = _parameters(model)
     required = {name for name, _ in model.named_parameters()}
     unbuilt = unbuilt_prefixes(model)
@@ -95,7 +130,11 @@ def fill_parameters(
     for name, tensor in tensors:
         if name in params:
             seen_before = canonical[name] in seen
-            if _fill_one(name, tensor, params[name], seen_before, problems, padded(name)):
+            target = params[name]
+            spans = None
+            if tuple(tensor.shape) != tuple(target.shape):
+                spans = stacks(name, tuple(tensor.shape), tuple(target.shape))
+            if _fill_one(name, tensor, target, seen_before, problems, padded(name), spans):
                 filled[canonical[name]] = name
             seen.add(canonical[name])
         elif name.startswith(unbuilt):
@@ -145,13 +184,18 @@ def _fill_one(
     seen: bool,
     problems: Problems,
     padded: bool = False,
+    spans: tuple[Placement, ...] | None = None,
 ) -> bool:
     """Copy one tensor if it fits; else record why not. A `padded` parameter longer along
-    dim 0 gets the tensor at its front; its other rows keep vLLM's initial value."""
+    dim 0 gets the tensor at its front; its other rows keep vLLM's initial value. With
+    `spans`, the tensor goes where they say and the rest of the parameter is zero."""
     shape, built = tuple(tensor.shape), tuple(target.shape)
     if seen:
         problems.twice.append(name)
-    elif shape != built and not (padded and fits_padded(shape, built)):
+    elif spans is not None and tensor.dtype == target.dtype:
+        _fill_spans(target.data, tensor, spans)
+        return True
+    elif shape != built and not (padded and fits_padded(shape, built)) and spans is None:
         problems.shape.append(f"{name}: file {shape}, model {built}")
     elif tensor.dtype != target.dtype:
         problems.dtype.append(f"{name}: file {tensor.dtype}, model {target.dtype}")
@@ -161,6 +205,14 @@ def _fill_one(
             dest.copy_(tensor)
         return True
     return False
+
+
+def _fill_spans(target: torch.Tensor, tensor: torch.Tensor, spans: tuple[Placement, ...]) -> None:
+    """Zero the parameter, then copy each span of the tensor into its place."""
+    target.zero_()
+    for dest, source in spans:
+        into = target[tuple(slice(*d) for d in dest)]
+        into.copy_(tensor[tuple(slice(*s) for s in source)])
 
 
 def _parameters(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -35,7 +35,7 @@ from shardprep.loader.checks import (
     vllm_layers,
 )
 from shardprep.loader.contract import check_contract
-from shardprep.loader.fill import Destinations, fill_parameters
+from shardprep.loader.fill import Destinations, fill_parameters, stack_pads
 from shardprep.loader.gds import GdsRequest
 from shardprep.loader.reader import read_rank
 from shardprep.loader.regroup import check_served, load_regrouped, running_split
@@ -139,6 +139,7 @@ class ShardedFastLoader(BaseModelLoader):
                 family=draft_family(manifest, entry),
                 may_lack=_may_lack(manifest, entry, model),
                 padded=padded_at_load(manifest, entry),
+                stacks=stack_pads(entry.quantization),
             )  # fmt: skip
             logger.info("shardprep loaded %s in %.2f s", artifact, time.perf_counter() - started)
             return
@@ -161,6 +162,7 @@ class ShardedFastLoader(BaseModelLoader):
             model, tensors, ignorable=_ignorable(entry, place),
             may_lack=_may_lack(manifest, entry, model), where=where,
             layout=manifest.vllm_layout.id, padded=padded_at_load(manifest, entry),
+            stacks=stack_pads(entry.quantization),
         )  # fmt: skip
         if family is not None:
             family.after_fill(model, set(filled))

@@ -30,7 +30,7 @@ from shardprep.format.manifest import (
 )
 from shardprep.loader.cpu_read import torch_dtypes
 from shardprep.loader.experts import check_device_layout
-from shardprep.loader.fill import fill_parameters
+from shardprep.loader.fill import StackPads, fill_parameters, no_stack_pads
 from shardprep.loader.reader import RankFile, check_rank_files
 
 logger = logging.getLogger("shardprep.loader")
@@ -49,6 +49,11 @@ def check_served(artifact: Path, manifest: Manifest, tp: int, pp: int) -> None:
     why = "the artifact cannot be cut into other topologies"
     if manifest.served_tps:
         why = f"tp{tp} is not a divisor of the artifact's tp{topo.tp}"
+    if manifest.served_tps and topo.tp % tp == 0:
+        why = (
+            f"vLLM splits its MXFP4 experts' 32-blocks at tp{tp} across the artifact's "
+            f"tp{topo.tp} ranks"
+        )
     raise TopologyMismatchError(
         f"artifact {artifact} is tp{topo.tp} x pp{topo.pp} and serves "
         f"{manifest.served_topologies()}; vLLM runs tp{tp} x pp{pp}, which it cannot serve "
@@ -69,6 +74,7 @@ def load_regrouped(
     family: DraftFamily | None,
     may_lack: set[str],
     padded: Callable[[str], bool] = lambda name: False,
+    stacks: StackPads = no_stack_pads,
 ) -> None:
     """Fill the model from an artifact of another topology (vLLM's layer `partition`):
     the draft family's hooks around the copy, as at the artifact's own topology."""
@@ -95,10 +101,10 @@ def load_regrouped(
         experts=running_split(model, entry, place), verify=verify, count=count, stages=stages,
     )  # fmt: skip
     if entry.experts is not None:
-        tensors = _device_layout_checked(artifact, entry, model, tensors)
+        tensors = _device_layout_checked(artifact, entry, model, tensors, stacks)
     filled = fill_parameters(
         model, tensors, ignorable=set(), may_lack=may_lack, where=where,
-        layout=manifest.vllm_layout.id, padded=padded,
+        layout=manifest.vllm_layout.id, padded=padded, stacks=stacks,
     )  # fmt: skip
     if family is not None:
         family.after_fill(model, set(filled))
@@ -116,14 +122,15 @@ def _device_layout_checked(
     entry: ModelEntry,
     model: torch.nn.Module,
     tensors: Iterable[tuple[str, torch.Tensor]],
+    stacks: StackPads,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The expert stacks cut for this rank have the shapes vLLM built (as `check_moe`
-    checks the files of an artifact's own topology)."""
+    """The expert stacks cut for this rank have the shapes vLLM built, or fit where the
+    MoE backend pads them (as `check_moe` checks the files of an artifact's own topology)."""
     assert entry.experts is not None
     built = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for name, tensor in tensors:
         spec = ParamSpec(entry.dtype, tuple(tensor.shape))
-        check_device_layout(artifact, entry.experts, {name: spec}, built)
+        check_device_layout(artifact, entry.experts, {name: spec}, built, stacks)
         yield name, tensor
 
 

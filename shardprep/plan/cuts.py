@@ -41,8 +41,9 @@ class Cut(Enum):
     PACKED = "packed"
     # MXFP4 expert stacks (gpt-oss's `*_blocks`, `*_scales` and the biases beside them), as
     # vLLM's `_load_weights_mxfp4` cuts them: the intermediate split in whole 32-blocks
-    # (the last rank may hold fewer), copied into the top-left corner of a parameter the
-    # MoE backend padded (`scale_of.grid`: the intermediate and hidden alignments).
+    # (the last rank may hold fewer, or none), unpadded (the loader pads them for the
+    # backend that runs) or in the top-left corner of a parameter a backend's padding
+    # baked in (`scale_of.grid`: its intermediate and hidden alignments).
     MX_W13 = "mx_w13"  # [E, 2I, H/per]: rows [2s, 2e) of each expert
     MX_W2 = "mx_w2"  # [E, H, I/per]: columns [s/per, e/per) of each expert
     MX_W13_BIAS = "mx_w13_bias"  # [E, 2I]: values [2s, 2e)

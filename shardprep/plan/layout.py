@@ -190,11 +190,11 @@ def round_up(size: int, multiple: int) -> int:
 def _mx_block(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> Block:
     """Expert 0's slab of an MXFP4 cut; `scale_of` holds the expert's logical [rows,
     cols] (w13: [2I, H]; w2: [H, I]; biases: [1, 2I] and [1, H]), the values to a stored
-    element along the columns (`block[1]`) and the backend's alignments of the
-    intermediate and hidden sizes (`grid`)."""
+    element along the columns (`block[1]`) and the alignments of the intermediate and
+    hidden sizes a backend's padding baked in (`grid`; None: the rank's blocks alone,
+    which the loader pads at load for the backend that runs)."""
     of = piece.scale_of
-    assert of is not None and of.grid is not None
-    pad_inter, pad_hidden = of.grid
+    assert of is not None
     per = of.block[1]
     want = 2 + (piece.cut in (Cut.MX_W13, Cut.MX_W2))
     if len(shape) < want:
@@ -210,9 +210,10 @@ def _mx_block(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> Block
         hidden, inter = of.shape
     else:
         hidden, inter = of.shape[1], 0
-    local = round_up(inter // tp, pad_inter)  # the backend's padded per-rank size
-    padded_hidden = round_up(hidden, pad_hidden)
     start, end = mx_range(inter, tp, rank)
+    local, padded_hidden = end - start, hidden
+    if of.grid is not None:  # a backend's padded per-rank size
+        local, padded_hidden = round_up(inter // tp, of.grid[0]), round_up(hidden, of.grid[1])
     if piece.cut is Cut.MX_W13:
         cols = padded_hidden // per
         slab = ((2 * start, 2 * end), (0, hidden // per), (2 * local, cols))

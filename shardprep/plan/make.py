@@ -18,7 +18,7 @@ from shardprep.constants import (
 )
 from shardprep.errors import ConfigError, PlanError
 from shardprep.format.dtypes import FLOAT_DTYPES, MODEL_DTYPES
-from shardprep.format.records import Topology
+from shardprep.format.records import MXFP4_PADDING_AT_LOAD, Topology
 from shardprep.plan import archs
 from shardprep.plan.archs.base import Family, Layout, Param, config_int
 from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
@@ -26,6 +26,7 @@ from shardprep.plan.cuts import MODEL_DTYPE, Block, Cut
 from shardprep.plan.experts import expert_stack_blocks, is_expert_stack
 from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.quant import Mxfp4Quant, scheme_of
+from shardprep.plan.quant.backend_pad import pads_by_backend
 from shardprep.plan.records import (
     ExpertPlan,
     FilePlan,
@@ -79,7 +80,8 @@ def make_plan(
     every problem found. `partition_origin` names where `partition` came from when it
     was not the command line; `expert_parallel`, `expert_placement` and `dp` are vLLM's
     --enable-expert-parallel, --expert-placement-strategy and --data-parallel-size;
-    `mxfp4_pad` the MXFP4 MoE backend's padding (`--mxfp4-pad`, None: the default).
+    `mxfp4_pad` an MXFP4 MoE backend's padding to bake in (`--mxfp4-pad`; None: the
+    stacks unpadded, padded at load for the backend that runs).
     `distinct_copies`: the draft's copies of target tensors (`DraftFamily.shared_copies`)
     whose bytes differ from the target's, so the draft must hold them itself."""
     effective_placement(expert_placement, num_expert_group=None, dp=1)  # raises if unknown
@@ -199,8 +201,9 @@ def _expert_plan(
     placement = effective_placement(requested, num_expert_group=layout.num_expert_group, dp=dp)
     split = ExpertSplit(layout.num_experts, tp, dp, expert_parallel, placement)
     assumptions: tuple[tuple[str, str], ...] = ()
-    if isinstance(scheme, Mxfp4Quant):  # the stacks are padded as one backend pads them
-        assumptions = (("mxfp4_padding", scheme.pad.text),)
+    if scheme is not None and pads_by_backend(scheme.method):  # MXFP4 experts
+        padding = scheme.padding if isinstance(scheme, Mxfp4Quant) else MXFP4_PADDING_AT_LOAD
+        assumptions = (("mxfp4_padding", padding),)
     return ExpertPlan(split, requested, assumptions)
 
 

@@ -104,8 +104,9 @@ def locate(
     row = 0
     for block in tensor.blocks:
         height = block.height
-        if block.source is None:
-            zeros.append((row, row + height))
+        if block.source is None or _area(block) == 0:  # zero rows, or a slab of zeros
+            if height:  # (a rank may hold no row of an MXFP4 stack: nothing to fill)
+                zeros.append((row, row + height))
         else:
             reads += _tile(tensor.name, block, row, by_source.get(block.source, []))
         row += height

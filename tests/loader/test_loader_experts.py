@@ -14,6 +14,7 @@ from shardprep.loader.experts import (
     check_expert_parallel,
     check_experts,
 )
+from shardprep.loader.fill import stack_pads
 
 OUT = Path("out")
 HINT = "shardprep convert MODEL --tp 2 --pp 1 EP_FLAGS-o NEW"
@@ -125,18 +126,37 @@ def test_padded_expert_stacks_name_the_backend_setting() -> None:
         check_device_layout(OUT, EP_ARTIFACT, files, {W13: (5, 64, 128)})
 
 
-def test_mxfp4_stacks_padded_otherwise_name_the_convert_option() -> None:
+def test_mxfp4_stacks_fit_every_backend_that_pads_as_much_or_more() -> None:
+    """A baked --mxfp4-pad 64 (old artifacts) fits a backend that pads more (the loader adds
+    the rest); one that pads less is refused, naming the way out: no baked padding."""
     artifact = Experts(
         4, False, 1, "linear", "linear", ((0, 1, 2, 3),) * 2, {"mxfp4_padding": "64"}
     )
     files = {W13: ParamSpec("U8", (4, 128, 64))}
-    check_device_layout(OUT, artifact, files, {W13: (4, 128, 64)})
+    stacks = stack_pads("gpt_oss_mxfp4")
+    check_device_layout(OUT, artifact, files, {W13: (4, 128, 64)}, stacks)
+    check_device_layout(OUT, artifact, files, {W13: (4, 256, 128)}, stacks)  # Marlin's
     with pytest.raises(TopologyMismatchError) as info:
-        check_device_layout(OUT, artifact, files, {W13: (4, 256, 128)})
+        check_device_layout(OUT, artifact, files, {W13: (4, 64, 64)}, stacks)
     assert str(info.value) == (
-        f"vLLM built {W13} as [4, 256, 128] but artifact out holds [4, 128, 64]: vLLM's MXFP4 "
-        "MoE backend pads the experts otherwise than the artifact, converted with --mxfp4-pad "
-        "64; re-run `shardprep convert` with the --mxfp4-pad of the backend vLLM uses (32 on "
-        "CPU, 64 with the Triton kernels of CUDA GPUs, 128,128 CUTLASS or DeepGEMM, 128,256 "
-        "Marlin or TRT-LLM)"
+        f"vLLM built {W13} as [4, 64, 64] but artifact out holds [4, 128, 64]: vLLM's MXFP4 "
+        "MoE backend pads the experts less than the artifact, converted with --mxfp4-pad 64; "
+        "re-run `shardprep convert` without --mxfp4-pad, which stores the experts unpadded "
+        "for every backend"
+    )
+
+
+def test_unpadded_mxfp4_stacks_fit_any_padding_but_not_a_smaller_stack() -> None:
+    artifact = Experts(
+        4, False, 1, "linear", "linear", ((0, 1, 2, 3),) * 2, {"mxfp4_padding": "at_load"}
+    )
+    files = {W13: ParamSpec("U8", (4, 96, 48))}
+    for built in ((4, 96, 48), (4, 128, 48), (4, 256, 128)):
+        check_device_layout(OUT, artifact, files, {W13: built}, stack_pads("mxfp4"))
+    with pytest.raises(TopologyMismatchError) as info:
+        check_device_layout(OUT, artifact, files, {W13: (4, 80, 48)}, stack_pads("mxfp4"))
+    assert str(info.value) == (
+        f"vLLM built {W13} as [4, 80, 48] but artifact out holds [4, 96, 48]: the MoE backend "
+        "built expert stacks smaller than the rank's MXFP4 blocks, which vLLM's own loader "
+        "cannot fill either; start vLLM with another --moe-backend"
     )

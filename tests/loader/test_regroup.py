@@ -18,7 +18,7 @@ from shardprep.demo.quant_configs import (
     TINY_MODELOPT_NVFP4,
     TINY_NVFP4,
 )
-from shardprep.demo.tiny import TINY_FP8, make_tiny_draft, make_tiny_model
+from shardprep.demo.tiny import TINY_FP8, TINY_MXFP4, make_tiny_draft, make_tiny_model
 from shardprep.errors import TopologyMismatchError
 from shardprep.format.manifest import Manifest, read_manifest
 from shardprep.hub.cache_parts import worker_expert_ranks
@@ -171,6 +171,44 @@ def test_gpt_oss_fused_experts_transposed_at_a_coarser_tp(tmp_path: Path, tp: in
     _convert(target, artifact, 2, 2)
     _convert(target, reference, tp, pp)
     assert set(_compare(artifact, reference, "target")) == {1.0}
+
+
+@pytest.mark.parametrize(("inter", "served"), [(160, 1), (256, 2), (256, 1)])
+def test_unpadded_mxfp4_experts_at_a_coarser_tp(tmp_path: Path, inter: int, served: int) -> None:
+    """gpt-oss's MXFP4 experts stored unpadded at tp4 (160: 5 blocks of 32, 2, 2, 1 and
+    none a rank; 256: 2 a rank) cut for a coarser tp whose ranks hold the blocks of the
+    ranks they are made of: what a conversion made there holds, every byte read once."""
+    target = make_tiny_model(
+        tmp_path / "gpt-oss", "GptOssForCausalLM", quantization_config=TINY_MXFP4,
+        hidden_size=96, intermediate_size=inter, num_hidden_layers=2, num_key_value_heads=4,
+        num_local_experts=4,
+    )  # fmt: skip
+    artifact, reference = tmp_path / "tp4", tmp_path / "served"
+    made = _convert(target, artifact, 4, 1)
+    assert made.served_tps == ((1, 4) if inter == 160 else (1, 2, 4))
+    _convert(target, reference, served, 1)
+    assert set(_compare(artifact, reference, "target")) == {1.0}
+
+
+def test_mxfp4_blocks_split_otherwise_at_a_coarser_tp_are_refused(tmp_path: Path) -> None:
+    """5 blocks are 2, 2, 1, 0 a rank at tp4 but 3 and 2 at tp2: tp2's rank 0 would need
+    half of tp4's rank 1."""
+    target = make_tiny_model(
+        tmp_path / "gpt-oss", "GptOssForCausalLM", quantization_config=TINY_MXFP4,
+        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_key_value_heads=4,
+        num_local_experts=4,
+    )  # fmt: skip
+    artifact = tmp_path / "tp4"
+    manifest = _convert(target, artifact, 4, 1)
+    assert manifest.served_topologies() == "tp 1, 4 x any pp"
+    with pytest.raises(TopologyMismatchError) as info:
+        check_served(artifact, manifest, 2, 1)
+    assert str(info.value) == (
+        f"artifact {artifact} is tp4 x pp1 and serves tp 1, 4 x any pp; vLLM runs tp2 x pp1, "
+        "which it cannot serve (vLLM splits its MXFP4 experts' 32-blocks at tp2 across the "
+        "artifact's tp4 ranks); start vLLM at a topology it serves, or convert again with "
+        "--tp 2 --pp 1"
+    )
 
 
 @pytest.mark.parametrize(

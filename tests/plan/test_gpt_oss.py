@@ -100,9 +100,11 @@ def test_gpt_oss_plans_at_the_topologies_it_is_served_with(size: str, tp: int, p
         assert held == set(range(first, first + layers // pp))
 
 
-@pytest.mark.parametrize(("pad", "hidden"), [(None, 2880), ("128,256", 3072), ("32", 2880)])
+@pytest.mark.parametrize(
+    ("pad", "hidden", "rows"), [(None, 2880, 192), ("128,256", 3072, 384), ("32", 2880, 384)]
+)
 def test_the_published_mxfp4_checkpoint_plans_with_the_backends_padding(
-    pad: str | None, hidden: int
+    pad: str | None, hidden: int, rows: int
 ) -> None:
     config = json.loads((DATA / "config.json").read_text())
     family = archs.target_family(config)[1]
@@ -112,13 +114,13 @@ def test_the_published_mxfp4_checkpoint_plans_with_the_backends_padding(
     plan = make_plan(source, tp=8, pp=2, mxfp4_pad=pad)
     rank = shapes_of(plan, 1, 7)
     stack = f"model.layers.18.{EXPERTS}"
-    # 90 blocks of 32 over 8 ranks: 12 a rank, 6 on the last one, in parameters of
-    # 2880 / 8 = 360 rows rounded up to 384 (by 32, 64 or 128)
-    assert rank[stack + "w13_weight"] == ("U8", (128, 768, hidden // 2))
-    assert rank[stack + "w13_weight_scale"] == ("U8", (128, 768, hidden // 32))
-    assert rank[stack + "w2_weight"] == ("U8", (128, hidden, 192))
-    assert rank[stack + "w2_weight_scale"] == ("U8", (128, hidden, 12))
-    assert rank[stack + "w13_bias"] == ("BF16", (128, 768))
+    # 90 blocks of 32 over 8 ranks: 12 a rank, 6 on the last one, unpadded (192 rows) or
+    # in parameters of 2880 / 8 = 360 rows rounded up to 384 (by 32, 64 or 128)
+    assert rank[stack + "w13_weight"] == ("U8", (128, 2 * rows, hidden // 2))
+    assert rank[stack + "w13_weight_scale"] == ("U8", (128, 2 * rows, hidden // 32))
+    assert rank[stack + "w2_weight"] == ("U8", (128, hidden, rows // 2))
+    assert rank[stack + "w2_weight_scale"] == ("U8", (128, hidden, rows // 32))
+    assert rank[stack + "w13_bias"] == ("BF16", (128, 2 * rows))
     assert rank[stack + "w2_bias"] == ("BF16", (128, hidden))
     assert rank["model.layers.18.attn.qkv_proj.weight"][0] == "BF16"
 

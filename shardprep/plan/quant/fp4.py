@@ -112,13 +112,6 @@ class Mxfp4PackQuant(PackQuant):
         return []
 
 
-# Alignments vLLM's MXFP4 MoE backends pad a rank's expert stacks to (Mxfp4MoEMethod's
-# `maybe_roundup_sizes`): the intermediate size to 128 (Marlin, TRT-LLM, CUTLASS,
-# DeepGEMM, AITER for SiTU) and the hidden size to 256 (Marlin, TRT-LLM); smaller ones
-# (64, 32) divide these.
-MOE_PAD = (128, 256)
-
-
 @dataclass(frozen=True)
 class Mxfp4PackMoeQuant(Mxfp4PackQuant):
     """compressed-tensors MXFP4 experts as vLLM loads them through its MXFP4 interface
@@ -127,8 +120,9 @@ class Mxfp4PackMoeQuant(Mxfp4PackQuant):
     `w13_weight`, `w2_weight` (uint8, two values a byte) and `w13/w2_weight_scale`, cut as
     `Mxfp4PackQuant` cuts them; `Mxfp4Config` has no ignore list and no linear method, so
     every linear layer stays unquantized and every routed expert layer is MXFP4. The
-    backend pads a rank's stacks to its alignment (`MOE_PAD`); shardprep writes them
-    unpadded and refuses sizes some backend would pad."""
+    backend pads a rank's stacks to its alignment (each half of `w13_*` at its end);
+    shardprep writes them unpadded and the loader pads them in memory for the backend
+    that runs (backend_pad.py)."""
 
     method: ClassVar[str] = "mxfp4"  # vLLM's quantization method, as it rewrites it
 
@@ -147,22 +141,6 @@ class Mxfp4PackMoeQuant(Mxfp4PackQuant):
         parts, unplaced = super().params(name, pieces, shapes, tp, moe_ways)
         (_, packed, dtype), scale = parts
         return [(name, packed, dtype), scale], unplaced
-
-    def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
-        """Mxfp4PackQuant's group refusals, and sizes a backend pads."""
-        found = super().refusals(layer, tp, moe_ways)
-        if found or layer.kind != "experts":
-            return found
-        local, hidden = layer.outputs[0][0] // moe_ways, layer.input
-        if local % MOE_PAD[0] or hidden % MOE_PAD[1]:
-            return [
-                f"{layer.name}: vLLM's MXFP4 MoE backends pad each rank's expert stacks to "
-                f"an intermediate size that is a multiple of {MOE_PAD[0]} (Marlin, TRT-LLM, "
-                f"CUTLASS, DeepGEMM, AITER) and a hidden size that is a multiple of "
-                f"{MOE_PAD[1]} (Marlin, TRT-LLM), a layout that depends on the GPU and that "
-                f"shardprep does not write; here {local} and {hidden}."
-            ]
-        return []
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ exponent per 32 of them (F8_E8M0, [N, K/32]); `Mxfp4MoEMethod` stacks them into 
 `w13_weight`/`w2_weight` and `w13_weight_scale`/`w2_weight_scale` (gate rows then up rows
 of the rank; the rank's packed or grouped K columns), the bytes kept as they are (the
 loader views the e8m0 scales as uint8; the int8 values are copied into uint8). Its
-backends pad the stacks as `Mxfp4PackMoeQuant` says, and the same sizes are refused.
+backends pad the stacks as `Mxfp4PackMoeQuant` says; the rank files hold them unpadded
+and the loader pads them for the backend that runs.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Fp8Mxfp4Quant(BlockQuant):
         return [(stack, packed, BYTE), (scale, grouped, BYTE)], unplaced
 
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
-        """fp8's block checks of a linear layer; MXFP4's groups and padding of experts."""
+        """fp8's block checks of a linear layer; MXFP4's groups of experts."""
         if layer.kind == "experts":
             return self.experts.refusals(layer, tp, moe_ways)
         return super().refusals(layer, tp, moe_ways)

@@ -12,8 +12,12 @@ on the others (bfloat16, whatever the model's dtype).
 The parameters are sized by the MoE backend, which rounds the per-rank intermediate
 size (I/tp) and the hidden size up to its own alignment, and the loader copies each
 part into their top-left corner: the state before processing depends on the backend
-that serves it. `--mxfp4-pad` names it (`Mxfp4Pad`); the manifest records it and the
-loader refuses a vLLM that padded otherwise.
+that serves it. The rank files hold each rank's blocks unpadded, and `sharded-fast` pads
+them in memory to whatever the running backend built (backend_pad.py), so one artifact
+serves every backend, and every tp dividing its own where the ranks' blocks nest
+(`Manifest.served_tps`). `--mxfp4-pad` still bakes one
+backend's padding in (`Mxfp4Pad`), for an artifact that serves that padding at its own tp
+only; the manifest records which (the experts' `mxfp4_padding`: `at_load` or the padding).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
+from shardprep.format.records import MXFP4_PADDING_AT_LOAD
 from shardprep.plan.cuts import MX_BLOCK, Cut, Piece, ScaleOf
 from shardprep.plan.quant.layer import Quantized, QuantParams
 
@@ -39,7 +44,6 @@ BACKENDS = (
     ("128,256", "Marlin, FlashInfer TRT-LLM"),
     ("256,256", "ROCm AITER"),
 )
-DEFAULT_PAD = "64"
 # (Hub tensor under mlp.experts., its cut in vLLM) of the fused expert weights.
 W13, W2 = "gate_up_proj", "down_proj"
 
@@ -53,9 +57,10 @@ class Mxfp4Pad:
     hidden: int = 1
 
     @classmethod
-    def parse(cls, text: str | None) -> Mxfp4Pad:
-        """`"64"` or `"128,256"` (intermediate, hidden); None: the default."""
-        text = DEFAULT_PAD if text is None else text
+    def parse(cls, text: str | None) -> Mxfp4Pad | None:
+        """`"64"` or `"128,256"` (intermediate, hidden); None: none baked in."""
+        if text is None:
+            return None
         try:
             sizes = [int(part) for part in text.split(",")]
         except ValueError:
@@ -84,13 +89,20 @@ class Mxfp4Quant:
     # vLLM's quantization method (`GptOssMxfp4Config`, from the checkpoint's "mxfp4")
     method: ClassVar[str] = "gpt_oss_mxfp4"
 
-    pad: Mxfp4Pad = Mxfp4Pad()
+    pad: Mxfp4Pad | None = None  # a backend's padding baked in (--mxfp4-pad); None: unpadded
     problem: str = ""
     ignored: tuple[str, ...] = ()
 
     @property
     def describe(self) -> str:
+        if self.pad is None:
+            return "mxfp4 experts, padded at load for the running backend"
         return f"mxfp4 experts padded to {self.pad.text}"
+
+    @property
+    def padding(self) -> str:
+        """What the manifest records of the stacks' padding (`mxfp4_padding`)."""
+        return MXFP4_PADDING_AT_LOAD if self.pad is None else self.pad.text
 
     def stored(self, weight: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple, str]]:
         """A fused expert weight [E, K, N] (the Hub's bf16 layout) as its blocks
@@ -136,8 +148,9 @@ class Mxfp4Quant:
         ], {}
 
     @property
-    def grid(self) -> tuple[int, int]:
-        return (self.pad.intermediate, self.pad.hidden)
+    def grid(self) -> tuple[int, int] | None:
+        """The baked alignments of (per-rank intermediate, hidden); None: unpadded."""
+        return None if self.pad is None else (self.pad.intermediate, self.pad.hidden)
 
     def alongside(
         self, pieces: tuple[Piece, ...], shapes: Mapping[str, tuple[int, ...]]
@@ -171,7 +184,7 @@ class Mxfp4Quant:
 
 
 def mxfp4_quant(quant: Config) -> Mxfp4Quant:
-    """The MXFP4 scheme of gpt-oss's `quantization_config` (the padding comes later, from
-    the conversion request)."""
+    """The MXFP4 scheme of gpt-oss's `quantization_config`, unpadded (a baked padding comes
+    later, from the conversion request)."""
     ignored = quant.get("modules_to_not_convert") or []
     return Mxfp4Quant(ignored=tuple(ignored) if isinstance(ignored, list) else ())

@@ -15,6 +15,12 @@ per-tensor post-processing gets a plain torch stand-in too. MoE stand-ins cannot
 so that the engine goes on to build a draft after a target whose post-processing would
 have stopped it.
 
+With ``$SHARDPREP_MXFP4_BACKENDS`` (names of vLLM's `Mxfp4MoeBackend`, comma-separated),
+the MXFP4 MoE backend choice itself is replaced: the MoE layers a process builds take
+those backends in turn (layer i the (i mod n)-th), whatever the device could run, so that
+`create_weights` sizes every stack as that backend pads it. Only the choice is replaced;
+the experts class need only exist (nothing runs it before post-processing).
+
 Without the variables nothing is changed.
 """
 
@@ -29,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 STUB_ENV = "SHARDPREP_STUB_KERNELS"
+MXFP4_BACKENDS_ENV = "SHARDPREP_MXFP4_BACKENDS"
 SKIP_POSTPROCESS_ENV = "SHARDPREP_SKIP_POSTPROCESS"
 WRAPPED = "_shardprep_stubbed"
 
@@ -115,6 +122,8 @@ def install() -> bool:
         from vllm.model_executor.model_loader import base_loader
 
         base_loader.process_weights_after_loading = lambda *args, **kwargs: None
+    if os.environ.get(MXFP4_BACKENDS_ENV):
+        force_mxfp4_backends(os.environ[MXFP4_BACKENDS_ENV].split(","))
     if os.environ.get(STUB_ENV) != "1":
         return False
     from vllm.model_executor.layers.quantization import fp8
@@ -238,3 +247,41 @@ def nvfp4_emulation(*args: Any, **kwargs: Any) -> tuple[Any, type]:
     from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
 
     return NvFp4MoeBackend.EMULATION, Nvfp4QuantizationEmulationTritonExperts
+
+
+def force_mxfp4_backends(names: list[str]) -> None:
+    """Every MXFP4 MoE layer built from now on takes the next of `names` as its backend
+    (gpt-oss's `select_mxfp4_moe_backend` and `Mxfp4MoEMethod`'s
+    `select_deepseek_v4_mxfp4_moe_backend` alike)."""
+    import itertools
+
+    from vllm.model_executor.layers.quantization import mxfp4
+
+    if getattr(mxfp4.select_mxfp4_moe_backend, FORCED, False):
+        return
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    backends = [Mxfp4MoeBackend[name] for name in names]
+    turn = itertools.count()
+
+    def forced(*args: Any, **kwargs: Any) -> tuple[Any, type | None]:
+        backend = backends[next(turn) % len(backends)]
+        return backend, experts_class(backend)
+
+    setattr(forced, FORCED, True)
+    mxfp4.select_mxfp4_moe_backend = forced
+    mxfp4.select_deepseek_v4_mxfp4_moe_backend = forced
+
+
+FORCED = "_shardprep_forced"
+
+
+def experts_class(backend: Any) -> type | None:
+    """The backend's experts class where this build can import it; None otherwise (vLLM
+    only uses it in post-processing)."""
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import backend_to_kernel_cls
+
+    try:
+        return backend_to_kernel_cls(backend)[0]
+    except Exception:
+        return None
