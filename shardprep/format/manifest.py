@@ -189,6 +189,8 @@ def _convert(cls: type, name: str, value: Any) -> Any:
             key: {p: ParamSpec(spec["dtype"], tuple(spec["shape"])) for p, spec in params.items()}
             for key, params in value.items()
         }
+    if cls is RegionsFile and name == "mx":
+        return tuple(piece_of_json(piece) for piece in value)
     if name == "pieces":
         return {p: tuple(piece_of_json(piece) for piece in pieces) for p, pieces in value.items()}
     if name == "source_shapes":

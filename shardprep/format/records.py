@@ -166,6 +166,9 @@ class RegionsFile:
     sha256: str
     cuts: tuple[str, ...]
     roles: tuple[str, ...]
+    # The distinct cuts and scales of its MXFP4 pieces, sources left out: which tps the
+    # experts' 32-blocks serve (`Manifest.served_tps`).
+    mx: tuple[PieceEntry, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -249,13 +252,8 @@ class Manifest:
 
     @property
     def _mx_scales(self) -> list[tuple[str, ScaleEntry]]:
-        return [
-            (piece.cut, piece.scale_of)
-            for model in self.models
-            for pieces in model.pieces.values()
-            for piece in pieces
-            if piece.cut in MX_CUTS and piece.scale_of is not None
-        ]
+        pieces = self.regions.mx if self.regions is not None else mx_pieces(self.models)
+        return [(piece.cut, piece.scale_of) for piece in pieces if piece.scale_of is not None]
 
     def served_backends(self) -> str:
         """The MoE kernel backends this artifact serves, as users read them."""
@@ -332,6 +330,8 @@ class Manifest:
                 del entry["dp"]
         if data["regions"] is None:
             del data["regions"]
+        else:
+            data["regions"]["mx"] = [piece_json(p) for p in data["regions"]["mx"]]
         for model in data["models"]:
             model["pieces"] = {
                 name: [piece_json(p) for p in pieces] for name, pieces in model["pieces"].items()
@@ -349,6 +349,18 @@ def _mx_nested(blocks: int, tp: int, served: int) -> bool:
     12 a rank, at tp4 23)."""
     per, coarse, k = -(-blocks // tp), -(-blocks // served), tp // served
     return all(min(r * coarse, blocks) == min(r * k * per, blocks) for r in range(served + 1))
+
+
+def mx_pieces(models: tuple[ModelEntry, ...] | list[ModelEntry]) -> tuple[PieceEntry, ...]:
+    """The distinct cuts and scales of the models' MXFP4 pieces, without their sources."""
+    found = {
+        PieceEntry("", piece.cut, scale_of=piece.scale_of)
+        for model in models
+        for pieces in model.pieces.values()
+        for piece in pieces
+        if piece.cut in MX_CUTS and piece.scale_of is not None
+    }
+    return tuple(sorted(found, key=repr))
 
 
 def piece_json(piece: dict[str, Any]) -> list[Any]:

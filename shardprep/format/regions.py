@@ -31,6 +31,7 @@ from shardprep.format.records import (
     ModelEntry,
     PieceEntry,
     RegionsFile,
+    mx_pieces,
     piece_json,
     piece_of_json,
 )
@@ -68,8 +69,9 @@ def regions_record(raw: bytes, models: Sequence[ModelEntry]) -> RegionsFile:
     """What the manifest records of the regions file `raw` of `models`."""
     cuts = {p.cut for model in models for pieces in model.pieces.values() for p in pieces}
     roles = tuple(model.role for model in models if model.pieces)
+    digest = hashlib.sha256(raw).hexdigest()
     return RegionsFile(
-        REGIONS_NAME, len(raw), hashlib.sha256(raw).hexdigest(), tuple(sorted(cuts)), roles
+        REGIONS_NAME, len(raw), digest, tuple(sorted(cuts)), roles, mx_pieces(models)
     )
 
 
