@@ -44,12 +44,16 @@ class Journal:
         cls, out: Path, fingerprint: str, plan: Plan, checkpoints: dict[str, Checkpoint]
     ) -> Journal:
         path = out / PARTIAL_MARKER
-        if path.is_file():
-            return cls.resume(path, out, fingerprint)
+        done: dict[str, str] = {}
+        # A manifest is compared whatever the journal says: a rerun over a complete
+        # artifact that failed or was stopped leaves its journal beside it.
         if (out / MANIFEST_NAME).is_file():
             previous = mf.read_manifest(out)
-            done = {f.path: f.sha256 for f in previous.files}
             _check_same_plan(out, previous, plan, checkpoints, fingerprint)
+            done = {f.path: f.sha256 for f in previous.files}
+        if path.is_file():
+            return cls.resume(path, out, fingerprint, done)
+        if done:
             journal = cls(path, fingerprint, done)
             journal._save()
             return journal
@@ -66,11 +70,15 @@ class Journal:
         return journal
 
     @classmethod
-    def resume(cls, path: Path, out: Path, fingerprint: str) -> Journal:
+    def resume(
+        cls, path: Path, out: Path, fingerprint: str, kept: dict[str, str] | None = None
+    ) -> Journal:
         """The journal at `path`, written anew before anything is appended to it: this
-        plan's line first (another plan's records dropped), no line cut short."""
+        plan's line first (another plan's records dropped), no line cut short. `kept`:
+        the files of this plan's manifest, which a rerun need not write again either."""
         state = _read_state(path, out)
-        journal = cls(path, fingerprint, state["done"] if state["plan"] == fingerprint else {})
+        done = state["done"] if state["plan"] == fingerprint else {}
+        journal = cls(path, fingerprint, {**(kept or {}), **done})
         journal._save()
         return journal
 
@@ -179,6 +187,8 @@ def plan_differences(
         if entry.dtype != model.dtype:
             found.append(f"{model.role} dtype {entry.dtype}, not {model.dtype}")
         found += _source_differences(model.role, entry.source, checkpoints[model.role])
+    planned = {model.role for model in plan.models}
+    found += [f"a {m.role} model, not none" for m in previous.models if m.role not in planned]
     return found
 
 
