@@ -27,7 +27,7 @@ from shardprep.convert.checkpoint import Checkpoint, known_sha256
 from shardprep.errors import CorruptFileError, OutputExistsError
 from shardprep.format import manifest as mf
 from shardprep.hashing import sha256_file
-from shardprep.plan.records import Plan
+from shardprep.plan.records import ExpertPlan, Plan
 
 
 @dataclass
@@ -175,6 +175,9 @@ def plan_differences(
     if (topo.tp, topo.pp, topo.partition) != (new.tp, new.pp, new.partition):
         found.append(f"tp{topo.tp} x pp{topo.pp} {list(topo.partition)}, not "
                      f"tp{new.tp} x pp{new.pp} {list(new.partition)}")  # fmt: skip
+    asked = any(m.experts is not None and m.experts.split.expert_parallel for m in plan.models)
+    if topo.expert_parallel != asked:
+        found.append(f"expert parallelism {_on(topo.expert_parallel)}, not {_on(asked)}")
     if previous.stages != plan.stages:
         found.append(f"stages {list(previous.stages)}, not {list(plan.stages)}")
     if sorted(f.path for f in previous.files) != sorted(f.path for f in plan.files):
@@ -186,10 +189,24 @@ def plan_differences(
             continue
         if entry.dtype != model.dtype:
             found.append(f"{model.role} dtype {entry.dtype}, not {model.dtype}")
+        if entry.experts is not None and model.experts is not None:
+            found += _expert_differences(model.role, entry.experts, model.experts)
         found += _source_differences(model.role, entry.source, checkpoints[model.role])
     planned = {model.role for model in plan.models}
     found += [f"a {m.role} model, not none" for m in previous.models if m.role not in planned]
     return found
+
+
+def _expert_differences(role: str, recorded: mf.Experts, planned: ExpertPlan) -> list[str]:
+    pairs = (
+        ("dp", recorded.dp, planned.split.dp),
+        ("expert placement", recorded.requested_placement, planned.requested_placement),
+    )
+    return [f"{role} {name} {old}, not {new}" for name, old, new in pairs if old != new]
+
+
+def _on(value: bool) -> str:
+    return "on" if value else "off"
 
 
 def _source_differences(role: str, source: mf.Source, checkpoint: Checkpoint) -> list[str]:
