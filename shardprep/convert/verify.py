@@ -3,7 +3,7 @@ round trip that rebuilds every source tensor from the rank files."""
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from shardprep.constants import DRAFT_DIR, FETCHED_MANIFEST, SHARDS_DIR, STATE_D
 from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
-from shardprep.format.dtypes import MODEL_DTYPES, cast, torch_dtype
+from shardprep.format.dtypes import cast, torch_dtype
 from shardprep.format.headers import read_header
 from shardprep.hashing import sha256_file
 from shardprep.plan.cuts import Block
@@ -211,50 +211,34 @@ def _check_ranks_agree(manifest: mf.Manifest, report: Report) -> None:
                 )
 
 
-def legacy_request(manifest: mf.Manifest, target: mf.ModelEntry) -> mf.ConversionRequest:
-    """The request of an artifact made before the manifest recorded it, rebuilt from the
-    fields that record its effects. A draft whose source is the target's own checkpoint
-    (MTP layers) was not given with --draft; no draft at all means none was converted."""
-    draft = manifest.model("draft")
-    topo = manifest.topology
-    given = draft is not None and draft.source.model != target.source.model
-    return mf.ConversionRequest(
-        tp=topo.tp,
-        pp=topo.pp,
-        draft=draft.source.model if draft is not None and given else None,
-        draft_method=draft.method if draft is not None and given else None,
-        partition=",".join(map(str, topo.partition)),
-        stage=manifest.stages[0] if len(manifest.stages) == 1 and topo.pp > 1 else None,
-        dtype=next(name for name, code in MODEL_DTYPES.items() if code == target.dtype),
-        revision=target.source.revision,
-        expert_parallel=topo.expert_parallel,
-        expert_placement=target.experts.requested_placement if target.experts else "linear",
-        dp=target.experts.dp if target.experts else 1,
-        mtp_draft=draft is not None,
-        mxfp4_pad=(target.experts.assumptions.get("mxfp4_padding") if target.experts else None),
-    )
-
-
 def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool) -> None:
     """Re-plan from the source and compare every block of every rank file with the source
     bytes it came from; every source element must be covered."""
-    from shardprep.convert.run import Options, load_and_plan
+    from shardprep.convert.replay import Disagreement, fetch_sources, replay
 
-    target = manifest.model("target")
-    if target is None:
-        raise ShardprepError(f"{out} has no target model in its manifest")
-    request = manifest.request or legacy_request(manifest, target)
-    options = Options(**dataclasses.asdict(request))
-    plan, checkpoints = load_and_plan(target.source.repo_id or target.source.model, options)
+    try:
+        plan, checkpoints = replay(manifest, out)
+    except Disagreement as exc:
+        report.problems.append(str(exc))
+        return
     checked = set(report.checked)
+    fetch_sources(plan, checkpoints, checked)
     located = _locate(out, manifest, checked)
     covered: dict[tuple[str, str], torch.Tensor] = {}
     handles: dict[str, object] = {}
     planned = [f for f in plan.files if (f.pp, f.tp) in checked]
     for file_plan in tqdm(planned, desc="round trip", disable=not progress):
         for tensor in file_plan.tensors:
-            path = located[(file_plan.role, file_plan.pp, file_plan.tp, file_plan.dp, tensor.name)]
+            path = located.get(
+                (file_plan.role, file_plan.pp, file_plan.tp, file_plan.dp, tensor.name)
+            )
+            if path is None:
+                report.problems.append(f"{file_plan.path}: {tensor.name} is in no rank file")
+                continue
             dest = _open(handles, out / path).get_tensor(tensor.name)
+            if dest.numel() != math.prod(tensor.stacked_shape or (1,)):
+                report.problems.append(f"{path}: {tensor.name} is not the shape replayed")
+                continue
             dest = dest.reshape(tensor.stacked_shape or (1,))  # a 0-d parameter: one row
             checkpoint = checkpoints[file_plan.role]
             row = 0

@@ -4,8 +4,10 @@ partition the environment gave is the one replayed)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,100 @@ def test_verify_full_replays_a_draft_and_the_partition_from_anywhere(
     monkeypatch.chdir(tmp_path)
     report = verify(out, full=True, progress=False)
     assert report.problems == [] and report.round_trip_tensors > 0
+
+
+def tamper(out: Path, path: str) -> None:
+    """Flip the last byte of a rank file (a weight, past the header) and re-hash it in
+    the manifest, as someone who edits both would."""
+    target = out / path
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0x01
+    target.write_bytes(bytes(data))
+    edit(out, lambda m: _rehash(m, path, hashlib.sha256(data).hexdigest()))
+
+
+def _rehash(manifest: dict, path: str, digest: str) -> None:
+    next(f for f in manifest["files"] if f["path"] == path)["sha256"] = digest
+
+
+def edit(out: Path, change) -> None:
+    path = out / "shardprep.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def one_line(out: Path, capsys) -> str:
+    capsys.readouterr()
+    assert main(["verify", str(out), "--full", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    return captured.err
+
+
+@pytest.fixture(scope="module")
+def staged(tiny, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tp2 x pp2 artifact with an EAGLE-3 draft, and its source."""
+    model = tiny.model("replay-staged", num_hidden_layers=4)
+    draft = tiny.draft("replay-staged-eagle3", model)
+    out = tmp_path_factory.mktemp("staged") / "out"
+    convert(str(model), out, Options(tp=2, pp=2, draft=str(draft)), progress=False)
+    return out, draft
+
+
+@pytest.fixture
+def artifact(staged: tuple[Path, Path], tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(staged[0], out)
+    return out
+
+
+def test_a_request_narrowed_to_one_stage_does_not_hide_the_other(
+    artifact: Path, capsys
+) -> None:
+    tamper(artifact, "shards/model-pp-0-tp-1-part-0.safetensors")
+    assert "model-pp-0-tp-1-part-0.safetensors: " in one_line(artifact, capsys)  # found
+    edit(artifact, lambda m: m["request"].update(stage=1))
+    assert verify(artifact).ok  # the hashes agree with the edited manifest
+    assert one_line(artifact, capsys) == (
+        f"shardprep: error: {artifact} failed verification with 1 problem(s): the request its "
+        "manifest records disagrees with the artifact it lists (the request asks for stage 1, "
+        "the manifest lists stages 0, 1). Re-run `shardprep convert` into this folder to "
+        "repair it\n"
+    )
+
+
+def test_a_request_without_the_draft_does_not_hide_it(
+    artifact: Path, staged: tuple[Path, Path], capsys
+) -> None:
+    tamper(artifact, "draft/shards/model-pp-1-tp-0-part-0.safetensors")
+    edit(artifact, lambda m: m["request"].update(draft=None, draft_method=None))
+    assert (
+        f"(the request names no draft, the manifest lists the draft {staged[1]})"
+        in one_line(artifact, capsys)
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"tp": 1}, "the request asks for tp=1, the manifest lists tp=2"),
+        ({"partition": "1,3"}, "the request asks for the partition 1,3, the manifest lists 2,2"),
+        ({"draft": "/elsewhere"}, "the request names the draft /elsewhere, the manifest lists"),
+        ({"expert_parallel": True}, "expert parallelism on, the manifest lists it off"),
+    ],
+)
+def test_a_request_that_disagrees_is_one_line_naming_both(
+    artifact: Path, change: dict, expected: str, capsys
+) -> None:
+    edit(artifact, lambda m: m["request"].update(change))
+    assert expected in one_line(artifact, capsys)
+
+
+def test_a_replay_that_plans_another_artifact_is_one_line(artifact: Path, capsys) -> None:
+    """What the request does not name but the plan shows: here another dtype."""
+    edit(artifact, lambda m: m["request"].update(dtype="float32"))
+    assert (
+        "replaying the request its manifest records plans another artifact than the one it "
+        "lists (the manifest: target dtype BF16, not F32" in one_line(artifact, capsys)
+    )
