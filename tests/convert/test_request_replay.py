@@ -120,9 +120,7 @@ def artifact(staged: tuple[Path, Path], tmp_path: Path) -> Path:
     return out
 
 
-def test_a_request_narrowed_to_one_stage_does_not_hide_the_other(
-    artifact: Path, capsys
-) -> None:
+def test_a_request_narrowed_to_one_stage_does_not_hide_the_other(artifact: Path, capsys) -> None:
     tamper(artifact, "shards/model-pp-0-tp-1-part-0.safetensors")
     assert "model-pp-0-tp-1-part-0.safetensors: " in one_line(artifact, capsys)  # found
     edit(artifact, lambda m: m["request"].update(stage=1))
@@ -140,9 +138,8 @@ def test_a_request_without_the_draft_does_not_hide_it(
 ) -> None:
     tamper(artifact, "draft/shards/model-pp-1-tp-0-part-0.safetensors")
     edit(artifact, lambda m: m["request"].update(draft=None, draft_method=None))
-    assert (
-        f"(the request names no draft, the manifest lists the draft {staged[1]})"
-        in one_line(artifact, capsys)
+    assert f"(the request names no draft, the manifest lists the draft {staged[1]})" in one_line(
+        artifact, capsys
     )
 
 
