@@ -1,14 +1,18 @@
 """What `verify --full` replays: the conversion the manifest records, checked against the
 artifact the manifest lists (every stage and every model of it, never less), read at the
-commits it records, with the Hub source files it needs downloaded into the cache."""
+commits it records, with the Hub source files it needs downloaded (into the cache, or
+within a budget into a temporary folder)."""
 
 from __future__ import annotations
 
 import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from shardprep.convert.checkpoint import Checkpoint
-from shardprep.convert.hub_source import fetch
+from shardprep.convert.hub_budget import start_budgeted_fetch
+from shardprep.convert.hub_source import fetch, files_for_plan
 from shardprep.convert.journal import plan_differences
 from shardprep.convert.run import Options, load_and_plan
 from shardprep.errors import ConfigError, ShardprepError, summarize
@@ -144,37 +148,69 @@ def _on(value: bool) -> str:
     return "on" if value else "off"
 
 
-def fetch_sources(
-    plan: Plan, checkpoints: dict[str, Checkpoint], units: set[tuple[int, int]]
-) -> None:
-    """Download into the Hugging Face cache the files of each Hub source that the rank
-    files of `units` were cut from and that the cache lacks (each checked against the
-    sha256 the Hub states, as convert's are); refuse in one line when they would not fit
-    on the cache's disk."""
-    wanted: dict[int, tuple[Checkpoint, set[str]]] = {}
-    for file in plan.files:
-        checkpoint = checkpoints[file.role]
-        if (file.pp, file.tp) not in units or checkpoint.remote is None:
+def sources_in_turn(
+    plan: Plan,
+    checkpoints: dict[str, Checkpoint],
+    wanted: dict[int, set[str]],
+    budget: int | None,
+    progress: bool = False,
+    watch: Callable[[], None] | None = None,
+) -> Iterator[tuple[int, Checkpoint, str]]:
+    """Each file of `wanted` (files by `id` of their checkpoint) once it is on disk, with
+    the checkpoint to read it from: a local source's where it is; a Hub source's from the
+    Hugging Face cache, which gets the files it lacks (each checked against the sha256 the
+    Hub states, as convert's are); or, with `budget`, from a temporary folder that holds at
+    most `budget` bytes of them, each deleted when the caller asks for the next."""
+    for key, checkpoint in {id(cp): cp for cp in checkpoints.values()}.items():
+        files = sorted(wanted.get(key, ()))
+        missing = [f for f in files if not (checkpoint.root / f).exists()]
+        if checkpoint.remote is not None and missing and budget is not None:
+            roles = [role for role, cp in checkpoints.items() if cp is checkpoint]
+            yield from _budgeted(plan, checkpoint, roles, key, set(files), budget, progress, watch)
             continue
-        names = wanted.setdefault(id(checkpoint), (checkpoint, set()))[1]
-        names |= {
-            checkpoint.tensors[block.source].file
-            for tensor in file.tensors
-            for block in tensor.blocks
-            if block.source is not None and block.source not in checkpoint.side_tensors
-        }
-    for checkpoint, names in wanted.values():
-        missing = sorted(f for f in names if not (checkpoint.root / f).exists())
-        if not missing:
-            continue
-        size = sum(checkpoint.size(f) for f in missing)
-        free = shutil.disk_usage(checkpoint.root).free
-        if size > free:
-            raise ConfigError(
-                f"verify --full rebuilds every tensor from {checkpoint.repo_id}@"
-                f"{(checkpoint.revision or '')[:12]}, and {summarize(missing)} "
-                f"({format_bytes(size)}) {'are' if len(missing) > 1 else 'is'} not in the "
-                f"Hugging Face cache, whose disk has {format_bytes(free)} free; free some "
-                "space or point HF_HUB_CACHE at a larger disk, then rerun"
-            )
-        fetch(checkpoint, missing)
+        if checkpoint.remote is not None and missing:
+            _fetch_into_cache(checkpoint, missing)
+        yield from ((key, checkpoint, file) for file in files)
+
+
+def _budgeted(
+    plan: Plan,
+    checkpoint: Checkpoint,
+    roles: list[str],
+    key: int,
+    files: set[str],
+    budget: int,
+    progress: bool,
+    watch: Callable[[], None] | None,
+) -> Iterator[tuple[int, Checkpoint, str]]:
+    with tempfile.TemporaryDirectory(prefix="shardprep-verify-", ignore_cleanup_errors=True) as tmp:
+        arrivals, private = start_budgeted_fetch(
+            plan, dict.fromkeys(roles, checkpoint), Path(tmp), budget, watch, progress=progress
+        )
+        ok = False
+        try:
+            here = private[roles[0]]
+            for batch in arrivals.arrived(here, files_for_plan(plan, checkpoint, roles)):
+                for file in batch:
+                    if file in files:
+                        yield key, here, file
+                    arrivals.release(here, file)
+            arrivals.finish()
+            ok = True
+        finally:
+            arrivals.close(wait=ok)  # a failed one does not wait for the transfers left
+
+
+def _fetch_into_cache(checkpoint: Checkpoint, missing: list[str]) -> None:
+    size = sum(checkpoint.size(f) for f in missing)
+    free = shutil.disk_usage(checkpoint.root).free
+    if size > free:
+        raise ConfigError(
+            f"verify --full rebuilds every tensor from {checkpoint.repo_id}@"
+            f"{(checkpoint.revision or '')[:12]}, and {summarize(missing)} "
+            f"({format_bytes(size)}) {'are' if len(missing) > 1 else 'is'} not in the "
+            f"Hugging Face cache, whose disk has {format_bytes(free)} free; pass "
+            "--source-budget SIZE to download them a few at a time into a temporary folder, "
+            "or free some space or point HF_HUB_CACHE at a larger disk"
+        )
+    fetch(checkpoint, missing)

@@ -3,21 +3,15 @@ round trip that rebuilds every source tensor from the rank files."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
 from shardprep.constants import DRAFT_DIR, FETCHED_MANIFEST, SHARDS_DIR, STATE_DIR
-from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
-from shardprep.format.dtypes import cast, torch_dtype
 from shardprep.format.headers import read_header
 from shardprep.hashing import sha256_file
-from shardprep.plan.cuts import Block
 from shardprep.progress import Progress as tqdm
 
 
@@ -78,9 +72,19 @@ def _ranks(units: list[tuple[int, int]], stage: int) -> str:
     return f"tp rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"
 
 
-def verify(out: Path, *, full: bool = False, progress: bool = False) -> Report:
+def verify(
+    out: Path,
+    *,
+    full: bool = False,
+    progress: bool = False,
+    source_budget: int | None = None,
+    source_watch: Callable[[], None] | None = None,
+) -> Report:
     """Check the artifact in `out`. A folder that `shardprep fetch` filled may hold only
-    some stages (or ranks): those are checked, and the report says which."""
+    some stages (or ranks): those are checked, and the report says which. `full`: also
+    rebuild every source tensor (`round_trip.py`), a Hub source's files downloaded into the
+    Hugging Face cache, or with `source_budget` into a temporary folder, at most that many
+    bytes of them at once (`source_watch` is called whenever that folder may peak)."""
     manifest = mf.read_manifest(out)
     report = Report(stages=list(manifest.stages), pp=manifest.topology.pp)
     units = sorted({(f.pp, f.tp) for f in manifest.files})
@@ -102,7 +106,18 @@ def verify(out: Path, *, full: bool = False, progress: bool = False) -> Report:
         _check_coverage(out, manifest, report)
         _check_ranks_agree(manifest, report)
     if full and report.ok:
-        _round_trip(out, manifest, report, progress)
+        from shardprep.convert.round_trip import round_trip  # imports torch
+
+        problems, report.round_trip_tensors = round_trip(
+            out,
+            manifest,
+            checked,
+            complete=report.complete,
+            progress=progress,
+            budget=source_budget,
+            watch=source_watch,
+        )
+        report.problems += problems
     return report
 
 
@@ -209,141 +224,3 @@ def _check_ranks_agree(manifest: mf.Manifest, report: Report) -> None:
                     f"{model.role} stage {pp}: tp rank {odd[0]} and tp rank {min(ranks)} hold "
                     f"different parameters ({summarize(differ)})"
                 )
-
-
-def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool) -> None:
-    """Re-plan from the source and compare every block of every rank file with the source
-    bytes it came from; every source element must be covered."""
-    from shardprep.convert.replay import Disagreement, fetch_sources, replay
-
-    try:
-        plan, checkpoints = replay(manifest, out)
-    except Disagreement as exc:
-        report.problems.append(str(exc))
-        return
-    checked = set(report.checked)
-    fetch_sources(plan, checkpoints, checked)
-    located = _locate(out, manifest, checked)
-    covered: dict[tuple[str, str], torch.Tensor] = {}
-    handles: dict[str, object] = {}
-    planned = [f for f in plan.files if (f.pp, f.tp) in checked]
-    for file_plan in tqdm(planned, desc="round trip", disable=not progress):
-        for tensor in file_plan.tensors:
-            path = located.get(
-                (file_plan.role, file_plan.pp, file_plan.tp, file_plan.dp, tensor.name)
-            )
-            if path is None:
-                report.problems.append(f"{file_plan.path}: {tensor.name} is in no rank file")
-                continue
-            dest = _open(handles, out / path).get_tensor(tensor.name)
-            if dest.numel() != math.prod(tensor.stacked_shape or (1,)):
-                report.problems.append(f"{path}: {tensor.name} is not the shape replayed")
-                continue
-            dest = dest.reshape(tensor.stacked_shape or (1,))  # a 0-d parameter: one row
-            checkpoint = checkpoints[file_plan.role]
-            row = 0
-            for block in tensor.blocks:
-                rows = block.height
-                part = dest[row : row + rows]
-                row += rows
-                if block.source is None:
-                    if torch.count_nonzero(part):
-                        report.problems.append(f"{path}: padding of {tensor.name} is not zero")
-                    continue
-                source = _source_tensor(handles, checkpoint, block.source)
-                expected = cut_block(source, block)
-                if not _same_bytes(part, cast(torch, expected, part.dtype)):
-                    report.problems.append(
-                        f"{path}: {tensor.name} differs from {block.source} rows {block.rows}"
-                    )
-                mask = covered.setdefault(
-                    (file_plan.role, block.source),
-                    torch.zeros(_mask_shape(source), dtype=torch.bool),
-                )
-                _mark(mask, block)
-    for (role, name), mask in covered.items():
-        if report.complete and not bool(mask.all()):
-            report.problems.append(f"{role}: parts of {name} are in no rank file")
-        report.round_trip_tensors += 1
-
-
-def _source_tensor(handles: dict[str, object], checkpoint: Checkpoint, name: str) -> torch.Tensor:
-    info = checkpoint.tensors[name].info
-    if name in checkpoint.side_tensors:
-        raw = torch.frombuffer(bytearray(checkpoint.side_tensors[name]), dtype=torch.uint8)
-        return raw.view(torch_dtype(torch, info.dtype)).view(info.shape)
-    return _open(handles, checkpoint.root / checkpoint.tensors[name].file).get_tensor(name)
-
-
-def _locate(
-    out: Path, manifest: mf.Manifest, units: set[tuple[int, int]]
-) -> dict[tuple[str, int, int, int | None, str], str]:
-    located = {}
-    for entry in manifest.files:
-        if (entry.pp, entry.tp) not in units:
-            continue
-        for name in read_header(out / entry.path).tensors:
-            located[(entry.role, entry.pp, entry.tp, entry.dp, name)] = entry.path
-    return located
-
-
-def _open(handles: dict[str, object], path: Path) -> object:
-    key = str(path)
-    if key not in handles:
-        handles[key] = safe_open(key, framework="pt")
-    return handles[key]
-
-
-def _mask_shape(source: torch.Tensor) -> tuple[int, ...]:
-    if source.dim() == 0:
-        return (1,)
-    return tuple(source.shape[:2])
-
-
-def _mark(mask: torch.Tensor, block: Block) -> None:
-    """Mark the source rows (and columns) that `block` reads."""
-    (up, across), rows, cols = block.repeat, block.rows, block.cols
-    first, last = rows[0] // up, -(-rows[1] // up)
-    if block.matrix is not None:  # the dims after the first two are not tracked
-        mask[first:last, block.matrix[0][0] : block.matrix[0][1]] = True
-    elif block.slab is not None:
-        (a0, a1), (b0, b1), (height, _) = block.slab  # a vector per expert: its columns
-        span = (b0, b1) if height == 1 else (a0, a1)
-        mask[first:last, span[0] : span[1]] = True
-    elif cols is None:
-        mask[first:last] = True
-    else:
-        mask[first:last, cols[0] // across : -(-cols[1] // across)] = True
-
-
-def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
-    """The part of a whole source tensor that `block` names (what the scatter writes)."""
-    if source.dim() == 0:  # a per-tensor scale: one row of its parameter
-        source = source.reshape(1)
-    if block.repeat != (1, 1):
-        source = source.repeat_interleave(block.repeat[0], 0)
-        source = source.repeat_interleave(block.repeat[1], 1)
-    part = source[block.rows[0] : block.rows[1]]
-    if block.slab is not None:
-        (a0, a1), (b0, b1), (height, width) = block.slab
-        inner = part.shape[1] if part.dim() > 2 else 1
-        values = part.reshape(part.shape[0], inner, -1)[:, a0:a1, b0:b1]
-        out = torch.zeros((part.shape[0], height, width), dtype=part.dtype)
-        out[:, : a1 - a0, : b1 - b0] = values
-        return out.reshape(-1, width)
-    if block.matrix is not None:
-        (a0, a1), (b0, b1) = block.matrix
-        return part[:, a0:a1, b0:b1].transpose(1, 2).reshape(-1, a1 - a0)
-    return part if block.cols is None else part[:, block.cols[0] : block.cols[1]]
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same values in the same order; the shapes may differ by dims of one (an expert
-    stack with one row of scales per expert reads as a vector per expert)."""
-    if a.numel() != b.numel() or a.dtype != b.dtype:
-        return False
-    return bool(torch.equal(_as_bytes(a), _as_bytes(b)))
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)

@@ -6,7 +6,9 @@ after --source-budget), each checked against the sha256 the Hub states."""
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
+from stat import S_ISREG
 
 import pytest
 from hub_server import HubServer
@@ -14,6 +16,7 @@ from huggingface_hub import HfApi, try_to_load_from_cache
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
+from shardprep.convert.verify import verify
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 
 pytestmark = [
@@ -23,6 +26,7 @@ pytestmark = [
 
 REPO = "shardprep-test/verify-target"
 DRAFT = "shardprep-test/verify-eagle3"
+SPLIT = "shardprep-test/verify-split"
 WEIGHTS = "model.safetensors"
 
 
@@ -93,3 +97,44 @@ def test_a_budgeted_convert_verifies_in_full(
 def hub_size(hub: HubServer, repo: str) -> int:
     info = HfApi(endpoint=hub.endpoint).get_paths_info(repo, [WEIGHTS])
     return info[0].size
+
+
+def test_verify_full_within_a_source_budget(
+    hub: HubServer, repos: HfApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """--source-budget: the files go to a temporary folder (TMPDIR), never more than the
+    budget of them at once, each deleted once compared; the cache gets none of them."""
+    model = make_tiny_model(tmp_path / "split", seed=3, files=3)
+    repos.create_repo(SPLIT)
+    repos.upload_folder(repo_id=SPLIT, folder_path=model)
+    sizes = sorted(p.stat().st_size for p in model.glob("*.safetensors"))
+    budget = sizes[-1] + sizes[0]  # never the two largest at once
+    assert budget < sizes[-1] + sizes[-2]
+    out = tmp_path / "out"
+    convert(SPLIT, out, Options(tp=2, pp=1, source_budget=budget), progress=False)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    peaks: list[int] = []
+
+    def watch() -> None:
+        peaks.append(folder_bytes(temporary))
+
+    report = verify(out, full=True, source_budget=budget, source_watch=watch)
+    assert report.problems == [] and report.round_trip_tensors > 0
+    assert peaks and sizes[-1] <= max(peaks) <= budget, peaks
+    assert list(temporary.iterdir()) == []
+    assert all(try_to_load_from_cache(SPLIT, p.name) is None for p in model.glob("*.safetensors"))
+    capsys.readouterr()
+    assert main(["verify", str(out), "--full", "--source-budget", "1kB", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--source-budget 1000 bytes is smaller than" in err, err
+    assert main(["verify", str(out), "--source-budget", "1GB", "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        "shardprep: error: --source-budget is for `verify --full`, which reads the source\n"
+    )
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the regular files under `folder` (not the links to the cache)."""
+    return sum(p.lstat().st_size for p in folder.rglob("*") if S_ISREG(p.lstat().st_mode))
