@@ -12,17 +12,17 @@ from pathlib import Path
 
 from shardprep.convert.checkpoint import Checkpoint
 from shardprep.convert.hub_budget import start_budgeted_fetch
-from shardprep.convert.hub_source import fetch, files_for_plan
+from shardprep.convert.hub_source import Arrivals, files_for_plan
 from shardprep.convert.journal import plan_differences
 from shardprep.convert.run import Options, load_and_plan
-from shardprep.errors import ConfigError, ShardprepError, summarize
+from shardprep.errors import ConfigError, ManifestError, ShardprepError, summarize
 from shardprep.format import manifest as mf
 from shardprep.format.dtypes import MODEL_DTYPES
 from shardprep.plan.records import Plan
 from shardprep.report import format_bytes
 
 
-class Disagreement(ShardprepError):
+class Disagreement(ManifestError):
     """The manifest's recorded request, or what replaying it plans, is not the artifact
     the manifest lists."""
 
@@ -169,7 +169,7 @@ def sources_in_turn(
             yield from _budgeted(plan, checkpoint, roles, key, set(files), budget, progress, watch)
             continue
         if checkpoint.remote is not None and missing:
-            _fetch_into_cache(checkpoint, missing)
+            _fetch_into_cache(checkpoint, missing, progress)
         yield from ((key, checkpoint, file) for file in files)
 
 
@@ -201,7 +201,7 @@ def _budgeted(
             arrivals.close(wait=ok)  # a failed one does not wait for the transfers left
 
 
-def _fetch_into_cache(checkpoint: Checkpoint, missing: list[str]) -> None:
+def _fetch_into_cache(checkpoint: Checkpoint, missing: list[str], progress: bool) -> None:
     size = sum(checkpoint.size(f) for f in missing)
     free = shutil.disk_usage(checkpoint.root).free
     if size > free:
@@ -213,4 +213,10 @@ def _fetch_into_cache(checkpoint: Checkpoint, missing: list[str]) -> None:
             "--source-budget SIZE to download them a few at a time into a temporary folder, "
             "or free some space or point HF_HUB_CACHE at a larger disk"
         )
-    fetch(checkpoint, missing)
+    arrivals = Arrivals(progress)  # `hub_source.fetch`, with a bar of the bytes
+    try:
+        arrivals.expect([(checkpoint, missing)])
+        arrivals.submit(checkpoint, missing)
+        arrivals.finish()
+    finally:
+        arrivals.close()
