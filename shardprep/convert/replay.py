@@ -109,9 +109,15 @@ def request_disagreements(
             f"the request asks for expert parallelism {_on(request.expert_parallel)}, the "
             f"manifest lists it {_on(topo.expert_parallel)}"
         )
-    if target.experts is not None and request.dp != target.experts.dp:
-        found.append(f"the request asks for dp={request.dp}, the manifest lists "
-                     f"dp={target.experts.dp}")  # fmt: skip
+    experts = target.experts
+    if request.dp != (experts.dp if experts else 1):
+        listed = f"dp={experts.dp}" if experts else "no experts, the same on every dp rank"
+        found.append(f"the request asks for dp={request.dp}, the manifest lists {listed}")
+    if request.mxfp4_pad is not None and not (experts and "mxfp4_padding" in experts.assumptions):
+        found.append(
+            f"the request asks for the MXFP4 padding {request.mxfp4_pad}, the manifest lists "
+            "no MXFP4 experts"
+        )
     return found
 
 

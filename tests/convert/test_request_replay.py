@@ -150,6 +150,8 @@ def test_a_request_without_the_draft_does_not_hide_it(
         ({"partition": "1,3"}, "the request asks for the partition 1,3, the manifest lists 2,2"),
         ({"draft": "/elsewhere"}, "the request names the draft /elsewhere, the manifest lists"),
         ({"expert_parallel": True}, "expert parallelism on, the manifest lists it off"),
+        ({"dp": 2}, "the request asks for dp=2, the manifest lists no experts"),
+        ({"mxfp4_pad": "64"}, "the MXFP4 padding 64, the manifest lists no MXFP4 experts"),
     ],
 )
 def test_a_request_that_disagrees_is_one_line_naming_both(
