@@ -27,6 +27,8 @@ class Report:
     checked: list[tuple[int, int]] = field(default_factory=list)  # (stage, tp rank) here
     absent: list[tuple[int, int]] = field(default_factory=list)  # not fetched into this folder
     fetched: bool = False  # a folder of the fetch cache, which may hold some stages only
+    # The problems are the round trip's: every file matches the manifest's sha256.
+    rebuilt_differ: bool = False
 
     @property
     def ok(self) -> bool:
@@ -57,14 +59,22 @@ class Report:
                 f"{out} failed verification with {len(self.problems)} problem(s): "
                 f"{'; '.join(self.problems[:3])}"
                 + (f"; and {len(self.problems) - 3} more" if len(self.problems) > 3 else "")
-                + ". Re-run `shardprep convert` into this folder to repair it"
-                + (
-                    " (a fetched one: `shardprep fetch --verify` downloads them again)"
-                    if self.fetched
-                    else ""
-                ),
+                + self._advice(),
                 path=str(out),
             )
+
+    def _advice(self) -> str:
+        if self.rebuilt_differ:
+            return (
+                ". Its files match the manifest's sha256 but not the source: the manifest is "
+                "not the one convert wrote, or the source changed since; convert into a new "
+                "folder (a rerun here keeps files that match the manifest)"
+            )
+        return ". Re-run `shardprep convert` into this folder to repair it" + (
+            " (a fetched one: `shardprep fetch --verify` downloads them again)"
+            if self.fetched
+            else ""
+        )
 
 
 def _ranks(units: list[tuple[int, int]], stage: int) -> str:
@@ -118,6 +128,7 @@ def verify(
             watch=source_watch,
         )
         report.problems += problems
+        report.rebuilt_differ = bool(problems)
     return report
 
 

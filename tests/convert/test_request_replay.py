@@ -122,14 +122,16 @@ def artifact(staged: tuple[Path, Path], tmp_path: Path) -> Path:
 
 def test_a_request_narrowed_to_one_stage_does_not_hide_the_other(artifact: Path, capsys) -> None:
     tamper(artifact, "shards/model-pp-0-tp-1-part-0.safetensors")
-    assert "model-pp-0-tp-1-part-0.safetensors: " in one_line(artifact, capsys)  # found
+    found = one_line(artifact, capsys)  # the recorded request finds it, and says no rerun
+    assert "model-pp-0-tp-1-part-0.safetensors: " in found and "convert into a new" in found
     edit(artifact, lambda m: m["request"].update(stage=1))
     assert verify(artifact).ok  # the hashes agree with the edited manifest
     assert one_line(artifact, capsys) == (
         f"shardprep: error: {artifact} failed verification with 1 problem(s): the request its "
         "manifest records disagrees with the artifact it lists (the request asks for stage 1, "
-        "the manifest lists stages 0, 1). Re-run `shardprep convert` into this folder to "
-        "repair it\n"
+        "the manifest lists stages 0, 1). Its files match the manifest's sha256 but not the "
+        "source: the manifest is not the one convert wrote, or the source changed since; "
+        "convert into a new folder (a rerun here keeps files that match the manifest)\n"
     )
 
 
