@@ -64,6 +64,7 @@ def replay(manifest: mf.Manifest, out: Path) -> tuple[Plan, dict[str, Checkpoint
             f"the request its manifest records disagrees with the artifact it lists "
             f"({'; '.join(found[:3])})"
         )
+    _check_offline(manifest)
     draft = manifest.model("draft")
     options = Options(
         **{
@@ -80,6 +81,33 @@ def replay(manifest: mf.Manifest, out: Path) -> tuple[Plan, dict[str, Checkpoint
             f"it lists (the manifest: {'; '.join(differences[:3])})"
         )
     return plan, checkpoints
+
+
+def _check_offline(manifest: mf.Manifest) -> None:
+    """With HF_HUB_OFFLINE, a Hub source's files must all be in the Hugging Face cache
+    already: the replay reads every header (and the round trip the tensors)."""
+    from shardprep import hub_client  # imports huggingface_hub: only a Hub source needs it
+
+    if not hub_client.is_offline():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    for model in manifest.models:
+        repo, commit = model.source.repo_id, model.source.revision
+        if repo is None or commit is None:
+            continue
+        missing = [
+            f.path
+            for f in model.source.files
+            if not isinstance(try_to_load_from_cache(repo, f.path, revision=commit), str)
+        ]
+        if missing:
+            raise ConfigError(
+                f"HF_HUB_OFFLINE is set and the Hugging Face cache lacks {summarize(missing)} "
+                f"of {repo}@{commit[:12]}, which verify --full rebuilds the {model.role} from; "
+                f"unset HF_HUB_OFFLINE so that it downloads them, or download them first "
+                f"(`hf download {repo} --revision {commit}`)"
+            )
 
 
 def request_disagreements(

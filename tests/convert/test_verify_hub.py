@@ -99,6 +99,29 @@ def hub_size(hub: HubServer, repo: str) -> int:
     return info[0].size
 
 
+def test_offline_a_cache_without_the_source_is_one_line(
+    repos: HfApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from huggingface_hub import constants
+
+    out = tmp_path / "out"
+    manifest = convert(REPO, out, Options(tp=2, pp=1, source_budget=4 << 20), progress=False)
+    commit = manifest.model("target").source.revision
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--full", "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        f"shardprep: error: HF_HUB_OFFLINE is set and the Hugging Face cache lacks {WEIGHTS} "
+        f"of {REPO}@{commit[:12]}, which verify --full rebuilds the target from; unset "
+        "HF_HUB_OFFLINE so that it downloads them, or download them first (`hf download "
+        f"{REPO} --revision {commit}`)\n"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    verify_full(out, capsys)  # downloads them
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert "source tensors rebuilt byte for byte" in verify_full(out, capsys)
+
+
 def test_verify_full_within_a_source_budget(
     hub: HubServer, repos: HfApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
