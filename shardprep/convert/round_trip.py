@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from shardprep.convert.checkpoint import Checkpoint
+from shardprep.errors import summarize
 from shardprep.format import manifest as mf
 from shardprep.format.dtypes import cast, torch_dtype
 from shardprep.format.headers import read_header
@@ -108,7 +109,7 @@ def _work(
             if key not in located:
                 problems.append(f"{file_plan.path}: {tensor.name} is in no rank file")
                 continue
-            path, stored = located[key]
+            path, stored = located.pop(key)
             if math.prod(stored) != math.prod(shape):
                 problems.append(f"{path}: {tensor.name} is not the shape replayed")
                 continue
@@ -121,6 +122,9 @@ def _work(
                 item = Item(file_plan.role, path, tensor.name, shape, row, block)
                 work.setdefault((id(checkpoint), file), []).append(item)
                 row += block.height
+    extra = sorted(f"{path}: {name}" for (*_, name), (path, _) in located.items())
+    if extra:  # in the rank files and the manifest, but not what the source gives
+        problems.append(f"{summarize(extra)} {'are' if len(extra) > 1 else 'is'} not replayed")
     return work
 
 

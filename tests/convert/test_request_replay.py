@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from shardprep.cli import main
 from shardprep.convert.run import Options, convert
@@ -170,3 +172,32 @@ def test_a_replay_that_plans_another_artifact_is_one_line(artifact: Path, capsys
         "replaying the request its manifest records plans another artifact than the one it "
         "lists (the manifest: target dtype BF16, not F32" in one_line(artifact, capsys)
     )
+
+
+def test_a_tensor_added_to_rank_files_and_manifest_is_found(artifact: Path, capsys) -> None:
+    """Both tp ranks of stage 0 gain a tensor, the manifest lists it and their new sha256:
+    hashes and coverage agree, the replay does not write it."""
+    for tp in (0, 1):
+        path = f"shards/model-pp-0-tp-{tp}-part-0.safetensors"
+        tensors = load_file(artifact / path)
+        tensors["model.layers.0.extra"] = torch.ones(4, dtype=torch.bfloat16)
+        save_file(tensors, artifact / path, metadata={"format": "pt"})
+        digest = hashlib.sha256((artifact / path).read_bytes()).hexdigest()
+
+        def add(manifest: dict, path: str = path, digest: str = digest, tp: int = tp) -> None:
+            entry = next(f for f in manifest["files"] if f["path"] == path)
+            entry.update(sha256=digest, bytes=(artifact / path).stat().st_size)
+            for model in manifest["models"]:  # as recorded before pieces were: none to list
+                model["pieces"], model["source_shapes"] = {}, {}
+            target = next(m for m in manifest["models"] if m["role"] == "target")
+            target["ranks"][f"pp0-tp{tp}"]["model.layers.0.extra"] = {
+                "dtype": "BF16",
+                "shape": [4],
+            }
+
+        edit(artifact, add)
+    assert verify(artifact).ok
+    assert (
+        "shards/model-pp-0-tp-0-part-0.safetensors: model.layers.0.extra, "
+        "shards/model-pp-0-tp-1-part-0.safetensors: model.layers.0.extra are not replayed"
+    ) in one_line(artifact, capsys)
