@@ -105,7 +105,10 @@ def cmd_verify(args: argparse.Namespace) -> None:
     from shardprep.convert.verify import verify
 
     out = Path(args.artifact)
-    result = verify(out, full=args.full, progress=not args.quiet)
+    budget = _source_budget(args)
+    if budget is not None and not args.full:
+        raise ConfigError("--source-budget is for `verify --full`, which reads the source")
+    result = verify(out, full=args.full, progress=not args.quiet, source_budget=budget)
     result.raise_if_failed(out)
     data = {
         "ok": True,
@@ -229,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             command.add_argument(
                 "--full", action="store_true", help="also rebuild every source tensor and compare"
+            )
+            command.add_argument(
+                "--source-budget",
+                metavar="SIZE",
+                help="with --full: download a Hub source's files that the Hugging Face cache "
+                "lacks into a temporary folder, not the cache, each deleted once compared, at "
+                "most SIZE of them on disk at once (default: None, the cache)",
             )
         if name in ("publish", "fetch"):
             add_hub_flags(command, name)

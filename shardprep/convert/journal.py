@@ -27,7 +27,7 @@ from shardprep.convert.checkpoint import Checkpoint, known_sha256
 from shardprep.errors import CorruptFileError, OutputExistsError
 from shardprep.format import manifest as mf
 from shardprep.hashing import sha256_file
-from shardprep.plan.records import Plan
+from shardprep.plan.records import ExpertPlan, Plan
 
 
 @dataclass
@@ -44,12 +44,16 @@ class Journal:
         cls, out: Path, fingerprint: str, plan: Plan, checkpoints: dict[str, Checkpoint]
     ) -> Journal:
         path = out / PARTIAL_MARKER
-        if path.is_file():
-            return cls.resume(path, out, fingerprint)
+        done: dict[str, str] = {}
+        # A manifest is compared whatever the journal says: a rerun over a complete
+        # artifact that failed or was stopped leaves its journal beside it.
         if (out / MANIFEST_NAME).is_file():
             previous = mf.read_manifest(out)
-            done = {f.path: f.sha256 for f in previous.files}
             _check_same_plan(out, previous, plan, checkpoints, fingerprint)
+            done = {f.path: f.sha256 for f in previous.files}
+        if path.is_file():
+            return cls.resume(path, out, fingerprint, done)
+        if done:
             journal = cls(path, fingerprint, done)
             journal._save()
             return journal
@@ -66,11 +70,15 @@ class Journal:
         return journal
 
     @classmethod
-    def resume(cls, path: Path, out: Path, fingerprint: str) -> Journal:
+    def resume(
+        cls, path: Path, out: Path, fingerprint: str, kept: dict[str, str] | None = None
+    ) -> Journal:
         """The journal at `path`, written anew before anything is appended to it: this
-        plan's line first (another plan's records dropped), no line cut short."""
+        plan's line first (another plan's records dropped), no line cut short. `kept`:
+        the files of this plan's manifest, which a rerun need not write again either."""
         state = _read_state(path, out)
-        journal = cls(path, fingerprint, state["done"] if state["plan"] == fingerprint else {})
+        done = state["done"] if state["plan"] == fingerprint else {}
+        journal = cls(path, fingerprint, {**(kept or {}), **done})
         journal._save()
         return journal
 
@@ -167,6 +175,9 @@ def plan_differences(
     if (topo.tp, topo.pp, topo.partition) != (new.tp, new.pp, new.partition):
         found.append(f"tp{topo.tp} x pp{topo.pp} {list(topo.partition)}, not "
                      f"tp{new.tp} x pp{new.pp} {list(new.partition)}")  # fmt: skip
+    asked = any(m.experts is not None and m.experts.split.expert_parallel for m in plan.models)
+    if topo.expert_parallel != asked:
+        found.append(f"expert parallelism {_on(topo.expert_parallel)}, not {_on(asked)}")
     if previous.stages != plan.stages:
         found.append(f"stages {list(previous.stages)}, not {list(plan.stages)}")
     if sorted(f.path for f in previous.files) != sorted(f.path for f in plan.files):
@@ -178,8 +189,24 @@ def plan_differences(
             continue
         if entry.dtype != model.dtype:
             found.append(f"{model.role} dtype {entry.dtype}, not {model.dtype}")
+        if entry.experts is not None and model.experts is not None:
+            found += _expert_differences(model.role, entry.experts, model.experts)
         found += _source_differences(model.role, entry.source, checkpoints[model.role])
+    planned = {model.role for model in plan.models}
+    found += [f"a {m.role} model, not none" for m in previous.models if m.role not in planned]
     return found
+
+
+def _expert_differences(role: str, recorded: mf.Experts, planned: ExpertPlan) -> list[str]:
+    pairs = (
+        ("dp", recorded.dp, planned.split.dp),
+        ("expert placement", recorded.requested_placement, planned.requested_placement),
+    )
+    return [f"{role} {name} {old}, not {new}" for name, old, new in pairs if old != new]
+
+
+def _on(value: bool) -> str:
+    return "on" if value else "off"
 
 
 def _source_differences(role: str, source: mf.Source, checkpoint: Checkpoint) -> list[str]:

@@ -59,6 +59,7 @@ class Options(ConversionRequest):
     # Most bytes of a Hub source's weight files on disk at once, in a private folder of
     # the output (each deleted once converted) instead of the Hugging Face cache.
     source_budget: int | None = None
+    draft_revision: str | None = None  # a Hub draft's revision (verify --full: the recorded one)
 
     def request(self, plan: Plan, draft_source: str | None) -> ConversionRequest:
         """What the manifest records: the options that shaped `plan`, the partition
@@ -87,7 +88,7 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
     method = options.draft_method
     notes: list[str] = []
     if options.draft:
-        draft = open_source(options.draft, endpoint=options.endpoint)
+        draft = open_source(options.draft, options.draft_revision, endpoint=options.endpoint)
         target_family = archs.target_family(target.config)[1].name
         method = method or archs.detect_draft_method(
             draft.config, sorted(draft.tensors), target_family

@@ -3,22 +3,15 @@ round trip that rebuilds every source tensor from the rank files."""
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
 from shardprep.constants import DRAFT_DIR, FETCHED_MANIFEST, SHARDS_DIR, STATE_DIR
-from shardprep.convert.checkpoint import Checkpoint
 from shardprep.errors import CorruptFileError, ShardprepError, summarize
 from shardprep.format import manifest as mf
-from shardprep.format.dtypes import MODEL_DTYPES, cast, torch_dtype
 from shardprep.format.headers import read_header
-from shardprep.format.records import MXFP4_PADDING_AT_LOAD
 from shardprep.hashing import sha256_file
-from shardprep.plan.cuts import Block
 from shardprep.progress import Progress as tqdm
 
 
@@ -34,6 +27,8 @@ class Report:
     checked: list[tuple[int, int]] = field(default_factory=list)  # (stage, tp rank) here
     absent: list[tuple[int, int]] = field(default_factory=list)  # not fetched into this folder
     fetched: bool = False  # a folder of the fetch cache, which may hold some stages only
+    # The problems are the round trip's: every file matches the manifest's sha256.
+    rebuilt_differ: bool = False
 
     @property
     def ok(self) -> bool:
@@ -64,14 +59,22 @@ class Report:
                 f"{out} failed verification with {len(self.problems)} problem(s): "
                 f"{'; '.join(self.problems[:3])}"
                 + (f"; and {len(self.problems) - 3} more" if len(self.problems) > 3 else "")
-                + ". Re-run `shardprep convert` into this folder to repair it"
-                + (
-                    " (a fetched one: `shardprep fetch --verify` downloads them again)"
-                    if self.fetched
-                    else ""
-                ),
+                + self._advice(),
                 path=str(out),
             )
+
+    def _advice(self) -> str:
+        if self.rebuilt_differ:
+            return (
+                ". Its files match the manifest's sha256 but not the source: the manifest is "
+                "not the one convert wrote, or the source changed since; convert into a new "
+                "folder (a rerun here keeps files that match the manifest)"
+            )
+        return ". Re-run `shardprep convert` into this folder to repair it" + (
+            " (a fetched one: `shardprep fetch --verify` downloads them again)"
+            if self.fetched
+            else ""
+        )
 
 
 def _ranks(units: list[tuple[int, int]], stage: int) -> str:
@@ -79,9 +82,19 @@ def _ranks(units: list[tuple[int, int]], stage: int) -> str:
     return f"tp rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"
 
 
-def verify(out: Path, *, full: bool = False, progress: bool = False) -> Report:
+def verify(
+    out: Path,
+    *,
+    full: bool = False,
+    progress: bool = False,
+    source_budget: int | None = None,
+    source_watch: Callable[[], None] | None = None,
+) -> Report:
     """Check the artifact in `out`. A folder that `shardprep fetch` filled may hold only
-    some stages (or ranks): those are checked, and the report says which."""
+    some stages (or ranks): those are checked, and the report says which. `full`: also
+    rebuild every source tensor (`round_trip.py`), a Hub source's files downloaded into the
+    Hugging Face cache, or with `source_budget` into a temporary folder, at most that many
+    bytes of them at once (`source_watch` is called whenever that folder may peak)."""
     manifest = mf.read_manifest(out)
     report = Report(stages=list(manifest.stages), pp=manifest.topology.pp)
     units = sorted({(f.pp, f.tp) for f in manifest.files})
@@ -103,7 +116,19 @@ def verify(out: Path, *, full: bool = False, progress: bool = False) -> Report:
         _check_coverage(out, manifest, report)
         _check_ranks_agree(manifest, report)
     if full and report.ok:
-        _round_trip(out, manifest, report, progress)
+        from shardprep.convert.round_trip import round_trip  # imports torch
+
+        problems, report.round_trip_tensors = round_trip(
+            out,
+            manifest,
+            checked,
+            complete=report.complete,
+            progress=progress,
+            budget=source_budget,
+            watch=source_watch,
+        )
+        report.problems += problems
+        report.rebuilt_differ = bool(problems)
     return report
 
 
@@ -111,7 +136,7 @@ def _check_hashes(
     out: Path, manifest: mf.Manifest, files: list[mf.FileEntry], report: Report, progress: bool
 ) -> None:
     entries = [(f.path, f.bytes, f.sha256) for f in files]
-    entries += [(e.path, e.bytes, e.sha256) for e in manifest.side_files]
+    entries += [(e.path, e.bytes, e.sha256) for e in manifest.extra_files]
     total = sum(size for _, size, _ in entries)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
         for path, size, digest in entries:
@@ -210,163 +235,3 @@ def _check_ranks_agree(manifest: mf.Manifest, report: Report) -> None:
                     f"{model.role} stage {pp}: tp rank {odd[0]} and tp rank {min(ranks)} hold "
                     f"different parameters ({summarize(differ)})"
                 )
-
-
-def legacy_request(manifest: mf.Manifest, target: mf.ModelEntry) -> mf.ConversionRequest:
-    """The request of an artifact made before the manifest recorded it, rebuilt from the
-    fields that record its effects. A draft whose source is the target's own checkpoint
-    (MTP layers) was not given with --draft; no draft at all means none was converted."""
-    draft = manifest.model("draft")
-    topo = manifest.topology
-    given = draft is not None and draft.source.model != target.source.model
-    return mf.ConversionRequest(
-        tp=topo.tp,
-        pp=topo.pp,
-        draft=draft.source.model if draft is not None and given else None,
-        draft_method=draft.method if draft is not None and given else None,
-        partition=",".join(map(str, topo.partition)),
-        stage=manifest.stages[0] if len(manifest.stages) == 1 and topo.pp > 1 else None,
-        dtype=next(name for name, code in MODEL_DTYPES.items() if code == target.dtype),
-        revision=target.source.revision,
-        expert_parallel=topo.expert_parallel,
-        expert_placement=target.experts.requested_placement if target.experts else "linear",
-        dp=target.experts.dp if target.experts else 1,
-        mtp_draft=draft is not None,
-        mxfp4_pad=_baked_mxfp4_pad(target),
-    )
-
-
-def _baked_mxfp4_pad(target: mf.ModelEntry) -> str | None:
-    """The --mxfp4-pad the experts' padding records; None where nothing is baked in."""
-    padding = target.experts.assumptions.get("mxfp4_padding") if target.experts else None
-    return None if padding == MXFP4_PADDING_AT_LOAD else padding
-
-
-def _round_trip(out: Path, manifest: mf.Manifest, report: Report, progress: bool) -> None:
-    """Re-plan from the source and compare every block of every rank file with the source
-    bytes it came from; every source element must be covered."""
-    from shardprep.convert.run import Options, load_and_plan
-
-    target = manifest.model("target")
-    if target is None:
-        raise ShardprepError(f"{out} has no target model in its manifest")
-    request = manifest.request or legacy_request(manifest, target)
-    options = Options(**dataclasses.asdict(request))
-    plan, checkpoints = load_and_plan(target.source.repo_id or target.source.model, options)
-    checked = set(report.checked)
-    located = _locate(out, manifest, checked)
-    covered: dict[tuple[str, str], torch.Tensor] = {}
-    handles: dict[str, object] = {}
-    planned = [f for f in plan.files if (f.pp, f.tp) in checked]
-    for file_plan in tqdm(planned, desc="round trip", disable=not progress):
-        for tensor in file_plan.tensors:
-            path = located[(file_plan.role, file_plan.pp, file_plan.tp, file_plan.dp, tensor.name)]
-            dest = _open(handles, out / path).get_tensor(tensor.name)
-            dest = dest.reshape(tensor.stacked_shape or (1,))  # a 0-d parameter: one row
-            checkpoint = checkpoints[file_plan.role]
-            row = 0
-            for block in tensor.blocks:
-                rows = block.height
-                part = dest[row : row + rows]
-                row += rows
-                if block.source is None:
-                    if torch.count_nonzero(part):
-                        report.problems.append(f"{path}: padding of {tensor.name} is not zero")
-                    continue
-                source = _source_tensor(handles, checkpoint, block.source)
-                expected = cut_block(source, block)
-                if not _same_bytes(part, cast(torch, expected, part.dtype)):
-                    report.problems.append(
-                        f"{path}: {tensor.name} differs from {block.source} rows {block.rows}"
-                    )
-                mask = covered.setdefault(
-                    (file_plan.role, block.source),
-                    torch.zeros(_mask_shape(source), dtype=torch.bool),
-                )
-                _mark(mask, block)
-    for (role, name), mask in covered.items():
-        if report.complete and not bool(mask.all()):
-            report.problems.append(f"{role}: parts of {name} are in no rank file")
-        report.round_trip_tensors += 1
-
-
-def _source_tensor(handles: dict[str, object], checkpoint: Checkpoint, name: str) -> torch.Tensor:
-    info = checkpoint.tensors[name].info
-    if name in checkpoint.side_tensors:
-        raw = torch.frombuffer(bytearray(checkpoint.side_tensors[name]), dtype=torch.uint8)
-        return raw.view(torch_dtype(torch, info.dtype)).view(info.shape)
-    return _open(handles, checkpoint.root / checkpoint.tensors[name].file).get_tensor(name)
-
-
-def _locate(
-    out: Path, manifest: mf.Manifest, units: set[tuple[int, int]]
-) -> dict[tuple[str, int, int, int | None, str], str]:
-    located = {}
-    for entry in manifest.files:
-        if (entry.pp, entry.tp) not in units:
-            continue
-        for name in read_header(out / entry.path).tensors:
-            located[(entry.role, entry.pp, entry.tp, entry.dp, name)] = entry.path
-    return located
-
-
-def _open(handles: dict[str, object], path: Path) -> object:
-    key = str(path)
-    if key not in handles:
-        handles[key] = safe_open(key, framework="pt")
-    return handles[key]
-
-
-def _mask_shape(source: torch.Tensor) -> tuple[int, ...]:
-    if source.dim() == 0:
-        return (1,)
-    return tuple(source.shape[:2])
-
-
-def _mark(mask: torch.Tensor, block: Block) -> None:
-    """Mark the source rows (and columns) that `block` reads."""
-    (up, across), rows, cols = block.repeat, block.rows, block.cols
-    first, last = rows[0] // up, -(-rows[1] // up)
-    if block.matrix is not None:  # the dims after the first two are not tracked
-        mask[first:last, block.matrix[0][0] : block.matrix[0][1]] = True
-    elif block.slab is not None:
-        (a0, a1), (b0, b1), (height, _) = block.slab  # a vector per expert: its columns
-        span = (b0, b1) if height == 1 else (a0, a1)
-        mask[first:last, span[0] : span[1]] = True
-    elif cols is None:
-        mask[first:last] = True
-    else:
-        mask[first:last, cols[0] // across : -(-cols[1] // across)] = True
-
-
-def cut_block(source: torch.Tensor, block: Block) -> torch.Tensor:
-    """The part of a whole source tensor that `block` names (what the scatter writes)."""
-    if source.dim() == 0:  # a per-tensor scale: one row of its parameter
-        source = source.reshape(1)
-    if block.repeat != (1, 1):
-        source = source.repeat_interleave(block.repeat[0], 0)
-        source = source.repeat_interleave(block.repeat[1], 1)
-    part = source[block.rows[0] : block.rows[1]]
-    if block.slab is not None:
-        (a0, a1), (b0, b1), (height, width) = block.slab
-        inner = part.shape[1] if part.dim() > 2 else 1
-        values = part.reshape(part.shape[0], inner, -1)[:, a0:a1, b0:b1]
-        out = torch.zeros((part.shape[0], height, width), dtype=part.dtype)
-        out[:, : a1 - a0, : b1 - b0] = values
-        return out.reshape(part.shape[0] * height, width)  # a rank may hold 0 columns
-    if block.matrix is not None:
-        (a0, a1), (b0, b1) = block.matrix
-        return part[:, a0:a1, b0:b1].transpose(1, 2).reshape(-1, a1 - a0)
-    return part if block.cols is None else part[:, block.cols[0] : block.cols[1]]
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same values in the same order; the shapes may differ by dims of one (an expert
-    stack with one row of scales per expert reads as a vector per expert)."""
-    if a.numel() != b.numel() or a.dtype != b.dtype:
-        return False
-    return bool(torch.equal(_as_bytes(a), _as_bytes(b)))
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)

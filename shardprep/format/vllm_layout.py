@@ -92,20 +92,46 @@ def legacy_layout() -> VllmLayout:
 
 def release(version: str) -> tuple[int, ...]:
     """Release numbers only: '0.32.0+cpu' and '0.32.0.dev3+g1234' are both (0, 32, 0)."""
-    match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
-    if not match:
+    found = _release(version)
+    if found is None:
         raise LayoutMismatchError(
             f"cannot read a release number from vLLM's version {version!r}; "
             f"set {ENV_ALLOW_UNVERIFIED_VLLM}=1 to load anyway"
         )
-    return tuple(int(part or 0) for part in match.groups())
+    return found
+
+
+def _release(version: object) -> tuple[int, ...] | None:
+    match = (
+        re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+        if isinstance(version, str)
+        else None
+    )
+    return tuple(int(part or 0) for part in match.groups()) if match else None
+
+
+def _verified_with(layout: VllmLayout, where: str) -> list[tuple[int, ...]]:
+    """The releases the manifest claims, each a release number (else the manifest is
+    blamed, not the running vLLM)."""
+    found = []
+    for version in layout.verified_with:
+        parsed = _release(version)
+        if parsed is None:
+            raise LayoutMismatchError(
+                f"{where}'s manifest names {version!r} among the vLLM releases its layout was "
+                "verified with, which is not a release number; convert it again with this "
+                "shardprep"
+            )
+        found.append(parsed)
+    return found
 
 
 def check_layout(layout: VllmLayout, vllm_version: str, where: str) -> None:
     """Refuse an artifact whose layout the running vLLM does not build, or a vLLM newer
-    than every release the layout was verified on (unless ENV_ALLOW_UNVERIFIED_VLLM is set)."""
+    than every release the layout was verified on, by the manifest's claim and by this
+    shardprep's own table (unless ENV_ALLOW_UNVERIFIED_VLLM is set)."""
     running = release(vllm_version)
-    verified = [release(v) for v in layout.verified_with]
+    verified = _verified_with(layout, where)
     served = f"vLLM {_span(verified)}" if verified else "the vLLM it was converted for"
     if layout.id == LEGACY_LAYOUT:
         if running[:2] != (0, 32):
@@ -135,12 +161,47 @@ def check_layout(layout: VllmLayout, vllm_version: str, where: str) -> None:
                 f"builds revision {builds} ({change}); serve it with {served}, or convert "
                 "it again with a shardprep that knows this vLLM"
             )
-    if verified and running > max(verified) and not unverified_vllm_allowed():
+    if unverified_vllm_allowed():
+        return
+    anyway = (
+        f"set {ENV_ALLOW_UNVERIFIED_VLLM}=1 to load anyway (every parameter's shape and dtype "
+        "is still checked)"
+    )
+    if not verified:
+        raise LayoutMismatchError(
+            f"{where}'s manifest names no vLLM release its layout was verified with; convert "
+            f"it again with this shardprep, or {anyway}"
+        )
+    if running > max(verified):
         raise LayoutMismatchError(
             f"vLLM {vllm_version} is newer than every vLLM {where} was verified with "
-            f"({', '.join(layout.verified_with)}); serve it with {served}, or set "
-            f"{ENV_ALLOW_UNVERIFIED_VLLM}=1 to load anyway (every parameter's shape and dtype "
-            "is still checked)"
+            f"({', '.join(layout.verified_with)}); serve it with {served}, or {anyway}"
+        )
+    if running > max(VERIFIED):  # the manifest may claim releases this shardprep never saw
+        own = _span(list(VERIFIED))
+        raise LayoutMismatchError(
+            f"vLLM {vllm_version} is newer than every vLLM this shardprep was verified with "
+            f"({own}); serve {where} with vLLM {own}, install a shardprep verified with vLLM "
+            f"{vllm_version}, or {anyway}"
+        )
+
+
+def check_covered(
+    layout: VllmLayout, role: str, family: str, schemes: frozenset[str] | None, where: str
+) -> None:
+    """Refuse a layout record without a revision for the `role` model's `family`, or (a
+    quantized model: `schemes`, those of its quantization method) for any of its schemes:
+    nothing would tell whether the running vLLM builds that layout."""
+    if layout.id == LEGACY_LAYOUT:  # it stands for the vLLM 0.32 layouts of every name
+        return
+    missing = [] if family in layout.revisions else [family]
+    if schemes is not None and not schemes & set(layout.revisions):
+        missing.append(" or ".join(sorted(schemes)) or "its quantization")
+    if missing:
+        raise LayoutMismatchError(
+            f"{where}'s manifest records no layout revision for {' nor '.join(missing)} (its "
+            f"{role} model), so no vLLM can be checked against it; convert it again with this "
+            "shardprep"
         )
 
 

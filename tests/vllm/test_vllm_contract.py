@@ -63,6 +63,11 @@ def revision_2(data: dict, where: Path) -> None:
     shutil.rmtree(where / "shards")
 
 
+def no_revisions(data: dict, where: Path) -> None:
+    data["vllm_layout"]["revisions"] = {}
+    shutil.rmtree(where / "shards")
+
+
 def substituted(data: dict, where: Path) -> None:
     config = json.loads((where / "config.json").read_text())
     (where / "config.json").write_text(json.dumps({**config, "approximate_experts": True}))
@@ -74,6 +79,7 @@ def substituted(data: dict, where: Path) -> None:
     [
         (revision_2, "holds the llama layout revision 2 but vLLM 0.32.0"),
         (substituted, "the model config asks vLLM to substitute experts (approximate_experts)"),
+        (no_revisions, "records no layout revision for llama (its target model)"),
     ],
 )
 def test_a_layout_vllm_does_not_build_stops_before_any_file(

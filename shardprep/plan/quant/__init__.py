@@ -7,6 +7,7 @@ live here, once, whichever family uses it.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from shardprep.plan.quant.fp4 import (
 )
 from shardprep.plan.quant.fp8 import BlockQuant, block_quant
 from shardprep.plan.quant.fp8_ct import FloatQuant, float_quant
+from shardprep.plan.quant.fp8_mxfp4 import Fp8Mxfp4Quant
 from shardprep.plan.quant.fp8_tensor import TensorQuant
 from shardprep.plan.quant.int4 import PackQuant, pack_quant
 from shardprep.plan.quant.modelopt import ModeloptNvfp4, is_modelopt, modelopt_quant
@@ -41,6 +43,15 @@ Scheme = (
     | Mxfp4Quant
     | ModeloptNvfp4
 )
+# Every scheme, with those a family substitutes for one of these (`Family.quant_scheme`).
+SCHEMES = (*typing.get_args(Scheme), Fp8Mxfp4Quant)
+
+
+def scheme_names(method: str) -> frozenset[str]:
+    """The schemes whose stored tensors vLLM's quantization `method` loads."""
+    return frozenset(scheme.name for scheme in SCHEMES if scheme.method == method)
+
+
 # What vLLM's quantization configs give every attention layer (`BaseKVCacheMethod`): KV-cache
 # scales, left at -1 unless the checkpoint has them (which shardprep's plans never do).
 KV_CACHE_SCALES = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.prob_scale")
