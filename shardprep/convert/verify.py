@@ -136,7 +136,7 @@ def _check_hashes(
     out: Path, manifest: mf.Manifest, files: list[mf.FileEntry], report: Report, progress: bool
 ) -> None:
     entries = [(f.path, f.bytes, f.sha256) for f in files]
-    entries += [(e.path, e.bytes, e.sha256) for e in manifest.extra_files]
+    entries += [(e.path, e.bytes, e.sha256) for e in manifest.side_files]
     total = sum(size for _, size, _ in entries)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
         for path, size, digest in entries:
