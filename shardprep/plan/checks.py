@@ -36,16 +36,17 @@ def checked_layout(
     context: dict[str, Any],
 ) -> tuple[Layout | None, list[str]]:
     """Problems of one model; its layout when there are none and the topology is valid."""
-    layers = source.config.get("num_hidden_layers")
-    if isinstance(layers, (int, float)) and layers > len(source.tensors):
-        # Every layer has tensors: bound all work by the tensors actually present.
-        return None, [
-            f"{role}: config.json says num_hidden_layers={layers} but the checkpoint holds "
-            f"only {len(source.tensors)} tensors; fix config.json"
-        ]
     refused = loading_problems(source.config, family)
     if refused:
         return None, [f"{role}: {p}" for p in refused]
+    try:
+        counted = count_problems(family, source, context)
+    except ConfigError as exc:
+        return None, [f"{role}: {exc}"]
+    except (KeyError, ValueError, TypeError) as exc:
+        return None, [f"{role}: config.json lacks or garbles {exc}"]
+    if counted:
+        return None, [f"{role}: {p}" for p in counted]
     try:
         problems = [f"{role}: {p}" for p in family.check(source.config, tp, **context)]
         expected = quantized.expected_shapes(family, source.config, **context)
@@ -83,6 +84,41 @@ def checked_layout(
             f"{summarize(missing)}"
         )
     return layout, problems
+
+
+def count_problems(family: Family, source: SourceModel, context: Mapping[str, Any]) -> list[str]:
+    """The first count of config.json that is more than the checkpoint's headers can hold,
+    found before any hook enumerates it: every layer and every counted unit has tensors
+    (or rows of a stacked tensor) of its own, so the tensors present bound all later work."""
+    held = len(source.tensors)
+    layers = source.config.get("num_hidden_layers")
+    if isinstance(layers, (int, float)) and layers > held:
+        return [
+            f"config.json says num_hidden_layers={layers} but the checkpoint holds only "
+            f"{held} tensors; fix config.json"
+        ]
+    for count in family.counts(source.config, **context):
+        stacked = [shape[0] for s in count.stacks if (shape := source.tensors.get(s, ("", ()))[1])]
+        if stacked and count.value > max(stacked):
+            return [
+                f"config.json says {count.key}={count.value}, but the checkpoint's stacked "
+                f"tensors ({count.stacks[0]} ...) hold at most {max(stacked):,}; fix config.json"
+            ]
+        if count.tensors > held or (count.stacks and not stacked and count.value > held):
+            return [
+                f"config.json says {count.key}={count.value}, which needs more tensors than "
+                f"the {held:,} the checkpoint holds; fix config.json"
+            ]
+    return []
+
+
+def counts_fit(family: Family, source: SourceModel) -> bool:
+    """Whether config.json's counts fit the checkpoint's headers, so that the family's
+    hooks may enumerate them (else planning says which does not)."""
+    try:
+        return not count_problems(family, source, {})
+    except (ConfigError, KeyError, ValueError, TypeError):
+        return False
 
 
 def dtype_problems(layout: Layout, source: SourceModel, family: Family) -> list[str]:
@@ -128,6 +164,12 @@ def loading_problems(config: Mapping[str, Any], family: Family) -> list[str]:
 
 
 def problem_summary(problems: list[str], limit: int = 8) -> str:
+    """One line of every problem once: a draft inside the target checkpoint repeats the
+    target's problems of the same config.json (`role: ...`), which are left out."""
+    unrepeated: dict[str, str] = {}
+    for problem in problems:
+        unrepeated.setdefault(problem.partition(": ")[2] or problem, problem)
+    problems = list(unrepeated.values())
     head = "; ".join(problems[:limit])
     more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
     return f"cannot convert: {head}{more}"
