@@ -16,7 +16,7 @@ from typing import Any
 from shardprep import __version__, report
 from shardprep.cli.flags import add_convert_flags, add_hub_flags
 from shardprep.constants import debug_enabled
-from shardprep.errors import ConfigError, ShardprepError
+from shardprep.errors import ConfigError, ShardprepError, printable
 from shardprep.sizes import flag_size
 from shardprep.terminal import Terminated, error_line, quiet_output, terminate
 
@@ -27,7 +27,13 @@ def _source_budget(args: argparse.Namespace) -> int | None:
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=1, sort_keys=True) if args.json else text)
+    """The result on stdout: JSON (which escapes control characters), or `text`, whose
+    strings from a manifest, a config or a server may hold escape codes: each line is
+    printed with its control characters made visible, as error lines are."""
+    if args.json:
+        print(json.dumps(data, indent=1, sort_keys=True))
+    else:
+        print("\n".join(printable(line) for line in text.split("\n")))
 
 
 def _options(args: argparse.Namespace) -> Any:

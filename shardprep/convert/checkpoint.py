@@ -16,6 +16,7 @@ from shardprep.constants import (
 )
 from shardprep.errors import ConfigError, CorruptFileError, printable, summarize
 from shardprep.format import jsonio
+from shardprep.format.checks import is_extra_file_path
 from shardprep.format.headers import Header, TensorInfo, read_header
 from shardprep.plan import archs
 
@@ -103,6 +104,8 @@ def open_checkpoint(
     copied = {p.name for pattern in COPIED_FILE_PATTERNS for p in root.glob(pattern)}
     for name in sorted({*files, *copied}):
         _require_utf8(name, "file", root / name)
+    for name in sorted(copied):
+        _require_recordable(name, root)
     tensors = collect_tensors(root, [(file, read_header(root / file)) for file in files])
     check_index(root / INDEX_NAME, weight_map, tensors)
     return Checkpoint(root, config, tensors, tuple(files), repo_id, revision)
@@ -135,6 +138,19 @@ def _require_utf8(name: str, what: str, path: Path) -> None:
             f"the source {what} {shown} has a name that is not valid UTF-8, which the "
             "manifest cannot record; rename it (e.g. `convmv -f latin1 -t utf8`) and rerun"
         ) from None
+
+
+def _require_recordable(name: str, root: Path) -> None:
+    """A file copied next to the shards must have a name the artifact's reader accepts
+    (format/checks.py): one with a control character or a backslash, or a temporary
+    file's, is refused before anything is written, not by the reader afterwards."""
+    if not is_extra_file_path(name, has_draft=False):
+        raise ConfigError(
+            f"the source file {printable(repr(name)[1:-1], 300)} in {printable(root, 300)} "
+            "has a name that an artifact cannot hold (a control character, a backslash or "
+            "a temporary file's ending), and shardprep copies every config and tokenizer "
+            "file; rename or remove it and rerun"
+        )
 
 
 def _require_regular(path: Path) -> None:
