@@ -243,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resume(args: argparse.Namespace) -> str:
+    """What to do after a stop: a command that writes resumes where it stopped; one that
+    only reads (plan, verify, inspect) has nothing to resume."""
+    if args.func in (cmd_plan, cmd_verify, cmd_inspect):
+        return ""
+    return "; rerun the same command to resume"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous = signal.getsignal(signal.SIGTERM)
@@ -254,11 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     except BrokenPipeError:
-        # The reader went away (`| head`): as the Python docs advise, send the rest of the
-        # output to devnull so that the flush at exit stays silent, and exit 1.
+        # The reader went away (`| head -1`): as the Python docs advise, send the rest of the
+        # output to devnull so that the flush at exit stays silent. The reader took what it
+        # wanted, and whether it went before or after the last write is a race: exit 0.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return 0
     except ShardprepError as exc:
         if debug_enabled():
             traceback.print_exc()
@@ -271,10 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error_line(f"{exc.strerror or exc}{where}"), file=sys.stderr)
         return 1
     except Terminated:
-        print("shardprep: terminated; rerun the same command to resume", file=sys.stderr)
+        print(f"shardprep: terminated{_resume(args)}", file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        print("shardprep: interrupted; rerun the same command to resume", file=sys.stderr)
+        print(f"shardprep: interrupted{_resume(args)}", file=sys.stderr)
         return 130
     finally:
         if in_main_thread:
