@@ -106,6 +106,7 @@ def open_checkpoint(
         _require_utf8(name, "file", root / name)
     for name in sorted(copied):
         _require_recordable(name, root)
+        _require_own_file(root / name)
     tensors = collect_tensors(root, [(file, read_header(root / file)) for file in files])
     check_index(root / INDEX_NAME, weight_map, tensors)
     return Checkpoint(root, config, tensors, tuple(files), repo_id, revision)
@@ -150,6 +151,22 @@ def _require_recordable(name: str, root: Path) -> None:
             "has a name that an artifact cannot hold (a control character, a backslash or "
             "a temporary file's ending), and shardprep copies every config and tokenizer "
             "file; rename or remove it and rerun"
+        )
+
+
+def _require_own_file(path: Path) -> None:
+    """A copied file is published with the artifact: a link may lead to a file of the
+    model folder or to a Hugging Face cache blob (`<cache>/models--org--name/blobs/`, where
+    a snapshot's files and `--local-dir` downloads link), never to any other file."""
+    if not path.is_symlink():
+        return
+    target = path.resolve()
+    blob = target.parent.name == "blobs" and target.parent.parent.name.startswith("models--")
+    if not blob and not target.is_relative_to(path.parent.resolve()):
+        raise ConfigError(
+            f"the source file {printable(path, 300)} is a link to {printable(target, 300)}, "
+            "outside the model folder, and would be copied into the artifact and published "
+            "with it; put a copy of the file in the model folder instead of the link"
         )
 
 

@@ -46,3 +46,28 @@ def test_a_copied_file_the_artifact_cannot_hold_is_refused_up_front(
     assert err.startswith("shardprep: error: the source file ") and err.count("\n") == 1, err
     assert "has a name that an artifact cannot hold" in err and "\x1b" not in err
     assert not out.exists()
+
+
+def test_a_copied_file_linked_outside_the_model_is_refused(tiny, tmp_path: Path, capsys) -> None:
+    model, out, secret = tmp_path / "model", tmp_path / "out", tmp_path / "secret.txt"
+    shutil.copytree(tiny.model("llama"), model)
+    secret.write_text("not for publishing")
+    (model / "tokenizer.json").unlink(missing_ok=True)
+    (model / "tokenizer.json").symlink_to(secret)
+    assert main(["convert", str(model), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"tokenizer.json is a link to {secret}, outside" in err
+    assert not out.exists()
+
+
+def test_a_link_into_a_hugging_face_cache_blob_is_copied(tiny, tmp_path: Path) -> None:
+    model, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(tiny.model("llama"), model)
+    blob = tmp_path / "hub" / "models--org--tiny" / "blobs" / "0123abcd"
+    blob.parent.mkdir(parents=True)
+    blob.write_text('{"version": "1.0"}')
+    (model / "tokenizer.json").unlink(missing_ok=True)
+    (model / "tokenizer.json").symlink_to(blob)
+    assert main(["convert", str(model), "-o", str(out), "--quiet"]) == 0
+    copied = out / "tokenizer.json"
+    assert not copied.is_symlink() and copied.read_text() == '{"version": "1.0"}'
