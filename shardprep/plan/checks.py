@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardprep.errors import ConfigError, summarize
-from shardprep.format.dtypes import FLOAT_DTYPES
+from shardprep.format.dtypes import FLOAT_DTYPES, keeps_values
 from shardprep.format.records import Topology
 from shardprep.format.vllm_layout import expert_substitution
 from shardprep.plan.archs import quantized
-from shardprep.plan.archs.base import Family, Layout
+from shardprep.plan.archs.base import Family, Layout, Param
+from shardprep.plan.cuts import MODEL_DTYPE
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.records import SourceModel
 
@@ -123,22 +124,32 @@ def counts_fit(family: Family, source: SourceModel) -> bool:
 
 def dtype_problems(layout: Layout, source: SourceModel, family: Family) -> list[str]:
     """A parameter that follows the model dtype is floating point in vLLM: its source
-    must be too, or quantized as the family declares (`source_dtypes`); an integer
-    parameter has its dtype fixed by the family."""
+    must be too, or quantized as the family declares (`source_dtypes`); a parameter of a
+    fixed dtype (fp8 weights, float32 scales, int32 packed weights) takes only a source
+    whose values a copy into it keeps."""
     declared = quantized.source_dtypes(family, source.config)
     problems = []
     for param in layout.params:
-        if param.dtype is not None:
-            continue
         for piece in param.pieces:
-            dtype = source.tensors.get(piece.source, ("F32",))[0]  # absent: reported apart
-            if dtype not in FLOAT_DTYPES and declared.get(piece.source) != dtype:
-                problems.append(
-                    f"{piece.source} is {dtype} in the checkpoint, but vLLM holds "
-                    f"{param.name} as a floating-point parameter; use a checkpoint whose "
-                    "weights are floating point"
-                )
+            if piece.source in source.tensors:  # an absent one is reported apart
+                dtype = source.tensors[piece.source][0]
+                problems += _dtype_problem(param, piece.source, dtype, declared.get(piece.source))
     return problems
+
+
+def _dtype_problem(param: Param, name: str, dtype: str, declared: str | None) -> list[str]:
+    if param.dtype is None and dtype not in FLOAT_DTYPES and declared != dtype:
+        return [
+            f"{name} is {dtype} in the checkpoint, but vLLM holds {param.name} as a "
+            "floating-point parameter; use a checkpoint whose weights are floating point"
+        ]
+    if param.dtype not in (None, MODEL_DTYPE) and not keeps_values(dtype, param.dtype):
+        return [
+            f"{name} is {dtype} in the checkpoint, but vLLM holds {param.name} as "
+            f"{param.dtype}, and a copy into it would change its values; use a checkpoint "
+            f"that stores {name} as {param.dtype}"
+        ]
+    return []
 
 
 def loading_problems(config: Mapping[str, Any], family: Family) -> list[str]:
