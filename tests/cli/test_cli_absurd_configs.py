@@ -42,6 +42,11 @@ CASES: list[tuple[str, str, dict | None, str, Any, str]] = [
     ("kimi-k3-mtp", "KimiK3ForConditionalGeneration", None,
      "text_config.num_nextn_predict_layers", BILLION,
      f"num_nextn_predict_layers=1000000000, {COUNT}"),
+    ("qwen3.5-moe-vision", "Qwen3_5MoeForConditionalGeneration", None, "vision_config.depth",
+     BILLION, f"vision_config.depth=1000000000, {COUNT}"),
+    ("kimi-k3-vision", "KimiK3ForConditionalGeneration", None,
+     "vision_config.vt_num_hidden_layers", BILLION,
+     f"vision_config.vt_num_hidden_layers=1000000000, {COUNT}"),
     # Experts stacked in one tensor per layer: compared with the stack's first dimension.
     ("gpt-oss-experts", "GptOssForCausalLM", None, "num_local_experts", BILLION,
      "num_local_experts=1000000000, but the checkpoint's stacked tensors "
@@ -56,6 +61,8 @@ CASES: list[tuple[str, str, dict | None, str, Any, str]] = [
      "config.json has decoder_sparse_step: 0, which is not a whole number of at least 1"),
     ("experts-8.5", "Qwen3MoeForCausalLM", None, "num_experts", 8.5,
      "config.json has num_experts: 8.5, which is not a whole number"),
+    ("mtp-text", "Qwen3NextForCausalLM", None, "num_nextn_predict_layers", "abc",
+     "config.json has num_nextn_predict_layers: 'abc', which is not a whole number"),
     ("block-zero", "LlamaForCausalLM", TINY_FP8, "quantization_config.weight_block_size",
      [0, 128], "weight_block_size [0, 128], which is not two whole numbers of at least 1"),
     ("block-strings", "LlamaForCausalLM", TINY_FP8, "quantization_config.weight_block_size",
@@ -134,6 +141,6 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
 def test_an_absurd_config_is_one_line_within_bounds(results, name: str, words: str) -> None:
     code, err, seconds = results[name]
     assert code == 1, err
-    assert err.startswith("shardprep: error: cannot convert: ") and err.count("\n") == 1, err
+    assert err.startswith("shardprep: error: ") and err.count("\n") == 1, err
     assert words in err
     assert seconds < SECONDS, f"{name} took {seconds:.1f}s"

@@ -232,13 +232,11 @@ def config_count(config: Config, key: str, default: int = 0) -> int:
     return int(value)
 
 
-def expert_count(
-    config: Config, key: str, moe_layers: int, *, required: bool = False, per_expert: int = 3
-) -> Count:
-    """`key`'s experts in each of `moe_layers` layers, each with `per_expert` tensors of
-    its own (gate, up and down projections); `required`: at least one."""
+def expert_count(config: Config, key: str, moe_layers: int, *, required: bool = False) -> Count:
+    """`key`'s experts in each of `moe_layers` layers, each with three tensors of its own
+    (gate, up and down projections); `required`: at least one."""
     experts = config_int(config, key) if required else config_count(config, key)
-    return Count(key, experts, experts * moe_layers * per_expert)
+    return Count(key, experts, 3 * experts * moe_layers)
 
 
 def with_attribute_map(config: Config, attribute_map: Mapping[str, str] | None) -> dict[str, Any]:

@@ -239,7 +239,7 @@ class Glm4MoeFamily(Family):
 
     def internal_draft(self, config: Config) -> str | None:
         """vLLM serves the MTP layers as the `mtp` draft (`speculative.py`)."""
-        return "mtp" if GlmDims(config).mtp else None
+        return "mtp" if glm_dims(config).mtp else None
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         return GlmDims(config).problems(tp, context)

@@ -271,6 +271,11 @@ class Qwen35MoeFamily(Qwen3NextFamily):
             read_text_config(config) if "text_config" in config else config
         )
 
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """The text model's, and the vision tower's blocks."""
+        depth = VisionDims.of(config).depth
+        return [*super().counts(config, **context), Count("vision_config.depth", depth, depth)]
+
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         text = super().expected_shapes(config, **context)
         vision = {name: shape for name, (shape, _) in VisionDims.of(config).tensors().items()}

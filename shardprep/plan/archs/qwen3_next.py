@@ -325,7 +325,7 @@ class Qwen3NextFamily(Family):
     def internal_draft(self, config: Config) -> str | None:
         """vLLM serves the `mtp.*` layers as the `mtp` draft; it assumes one MTP layer when
         config.json names none (`num_nextn_predict_layers`)."""
-        return "mtp" if self.dims(config).mtp else None
+        return "mtp" if self.dims.counted(config).mtp else None
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         extra = {"attention_bias": bool(config.get("attention_bias", False))}
