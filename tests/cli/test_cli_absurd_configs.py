@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hub_server import HubServer
+from huggingface_hub import HfApi
 
 from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, TINY_INT4, make_tiny_model
 
@@ -86,16 +89,30 @@ limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 from shardprep.cli import main
 found = {}
-for name, folder in json.loads(sys.argv[2]).items():
+for name, model in json.loads(sys.argv[2]).items():
     err, start = io.StringIO(), time.monotonic()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = main(["plan", folder])
+            code = main(["plan", model])
     except BaseException as exc:
         code, err = -1, io.StringIO(f"{type(exc).__name__}: {exc}")
     found[name] = [code, err.getvalue(), time.monotonic() - start]
 print(json.dumps(found))
 """
+
+
+def plan_within_limits(models: dict[str, str], env: dict[str, str] | None = None) -> dict:
+    """{name: [exit status, stderr, seconds]} of `shardprep plan MODEL` for each of
+    `models` (a folder or a Hub repo id), all in one child process under MEMORY_LIMIT."""
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(MEMORY_LIMIT), json.dumps(models)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout)
 
 
 def _set(config: dict[str, Any], path: str, value: Any) -> None:
@@ -125,14 +142,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
         _set(config, path, copy.deepcopy(value))
         (folder / "config.json").write_text(json.dumps(config))
         folders[name] = str(folder)
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(MEMORY_LIMIT), json.dumps(folders)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stderr[-3000:]
-    return json.loads(child.stdout)
+    return plan_within_limits(folders)
 
 
 @pytest.mark.parametrize(
@@ -144,3 +154,22 @@ def test_an_absurd_config_is_one_line_within_bounds(results, name: str, words: s
     assert err.startswith("shardprep: error: ") and err.count("\n") == 1, err
     assert words in err
     assert seconds < SECONDS, f"{name} took {seconds:.1f}s"
+
+
+@pytest.mark.usefixtures("hf_client_env")
+@pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")  # the client's PUT
+def test_an_absurd_count_of_a_hub_repo_is_one_line_from_its_metadata(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """`plan ORG/MODEL` reads only config.json and the headers: the same line, in bounds."""
+    model = make_tiny_model(tmp_path / "model", "DeepseekV3ForCausalLM", num_hidden_layers=2)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": BILLION}))
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo("org/absurd")
+    api.upload_folder(repo_id="org/absurd", folder_path=model)
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "home")}
+    code, err, seconds = plan_within_limits({"hub": "org/absurd"}, env)["hub"]
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"num_nextn_predict_layers=1000000000, {COUNT}" in err
+    assert seconds < SECONDS
