@@ -76,8 +76,8 @@ class GlmDims(Dims):
         self.groups = int(config.get("n_group") or 1)
 
     def counts(self, config: Config) -> list[Count]:
-        """The routed experts of the decoder layers, and the MTP layers, each with
-        `per_mtp_layer` tensors of its own at least."""
+        """The routed experts of the decoder layers (three tensors each), and the MTP
+        layers, each with its own norms and projection, and its experts."""
         mtp = range(self.layers, self.layers + self.mtp)
         return [
             expert_count(config, "n_routed_experts", self.moe_layers(range(self.layers))),
