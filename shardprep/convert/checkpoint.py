@@ -105,7 +105,7 @@ def open_checkpoint(
     for name in sorted({*files, *copied}):
         _require_utf8(name, "file", root / name)
     for name in sorted(copied):
-        _require_recordable(name, root)
+        require_recordable(name, root)
         _require_own_file(root / name)
     tensors = collect_tensors(root, [(file, read_header(root / file)) for file in files])
     check_index(root / INDEX_NAME, weight_map, tensors)
@@ -141,7 +141,7 @@ def _require_utf8(name: str, what: str, path: Path) -> None:
         ) from None
 
 
-def _require_recordable(name: str, root: Path) -> None:
+def require_recordable(name: str, root: Path | str) -> None:
     """A file copied next to the shards must have a name the artifact's reader accepts
     (format/checks.py): one with a control character or a backslash, or a temporary
     file's, is refused before anything is written, not by the reader afterwards."""
@@ -150,7 +150,7 @@ def _require_recordable(name: str, root: Path) -> None:
             f"the source file {printable(repr(name)[1:-1], 300)} in {printable(root, 300)} "
             "has a name that an artifact cannot hold (a control character, a backslash or "
             "a temporary file's ending), and shardprep copies every config and tokenizer "
-            "file; rename or remove it and rerun"
+            "file; rename or remove it (a Hub repo's: in a downloaded copy) and rerun"
         )
 
 

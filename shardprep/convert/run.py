@@ -26,6 +26,7 @@ from shardprep.convert.checkpoint import (
     Checkpoint,
     SourceTensor,
     load_side_file,
+    require_recordable,
     same_bytes,
 )
 from shardprep.convert.dequantize import with_dequantized
@@ -35,7 +36,7 @@ from shardprep.convert.hub_budget import (
     prune_private,
     remove_private,
 )
-from shardprep.convert.hub_source import Arrivals, fetch, open_source
+from shardprep.convert.hub_source import Arrivals, copied_files, fetch, open_source
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.record import manifest_of
 from shardprep.convert.scatter import write_rank_files
@@ -113,6 +114,9 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
                 f"config.json promises a {internal} draft inside the checkpoint, which holds "
                 f"none of its tensors: the target is converted without a {internal} draft"
             )
+    for checkpoint in checkpoints.values():  # a local folder's were checked as it was opened
+        for name in copied_files(checkpoint):
+            require_recordable(name, checkpoint.repo_id or checkpoint.root)
     plan = make_plan(
         source_model(target),
         tp=options.tp,

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from hostile import edit_manifest
+from hub_server import HubServer
+from huggingface_hub import HfApi
 
 from shardprep.cli import main
 
@@ -45,6 +47,25 @@ def test_a_copied_file_the_artifact_cannot_hold_is_refused_up_front(
     err = capsys.readouterr().err
     assert err.startswith("shardprep: error: the source file ") and err.count("\n") == 1, err
     assert "has a name that an artifact cannot hold" in err and "\x1b" not in err
+    assert not out.exists()
+
+
+@pytest.mark.usefixtures("hf_client_env")
+@pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")  # the client's PUT
+def test_a_hub_repos_file_the_artifact_cannot_hold_is_refused_up_front(
+    tiny, hub: HubServer, tmp_path: Path, capsys
+) -> None:
+    api = HfApi(endpoint=hub.endpoint)
+    api.create_repo("org/names")
+    api.upload_folder(repo_id="org/names", folder_path=tiny.model("llama"))
+    api.upload_file(repo_id="org/names", path_or_fileobj=b"{}", path_in_repo=NAMES[0])
+    out = tmp_path / "out"
+    capsys.readouterr()  # the uploads' bars
+    for command in (["plan"], ["convert", "-o", str(out)]):
+        assert main([*command[:1], "org/names", *command[1:], "--endpoint", hub.endpoint]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("shardprep: error: the source file tokenizer\\x1b[31m.json in ")
+        assert err.count("\n") == 1 and "org/names has a name that an artifact" in err
     assert not out.exists()
 
 
