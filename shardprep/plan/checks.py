@@ -179,7 +179,7 @@ def problem_summary(problems: list[str], limit: int = 8) -> str:
     target's problems of the same config.json (`role: ...`), which are left out."""
     unrepeated: dict[str, str] = {}
     for problem in problems:
-        unrepeated.setdefault(problem.partition(": ")[2] or problem, problem)
+        unrepeated.setdefault(problem.removeprefix("target: ").removeprefix("draft: "), problem)
     problems = list(unrepeated.values())
     head = "; ".join(problems[:limit])
     more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
