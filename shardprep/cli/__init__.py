@@ -16,7 +16,7 @@ from typing import Any
 from shardprep import __version__, report
 from shardprep.cli.flags import add_convert_flags, add_hub_flags
 from shardprep.constants import debug_enabled
-from shardprep.errors import ConfigError, ShardprepError
+from shardprep.errors import ConfigError, ShardprepError, printable
 from shardprep.sizes import flag_size
 from shardprep.terminal import Terminated, error_line, quiet_output, terminate
 
@@ -27,7 +27,13 @@ def _source_budget(args: argparse.Namespace) -> int | None:
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=1, sort_keys=True) if args.json else text)
+    """The result on stdout: JSON (which escapes control characters), or `text`, whose
+    strings from a manifest, a config or a server may hold escape codes: each line is
+    printed with its control characters made visible, as error lines are."""
+    if args.json:
+        print(json.dumps(data, indent=1, sort_keys=True))
+    else:
+        print("\n".join(printable(line) for line in text.split("\n")))
 
 
 def _options(args: argparse.Namespace) -> Any:
@@ -247,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resume(args: argparse.Namespace) -> str:
+    """What to do after a stop: a command that writes resumes where it stopped; one that
+    only reads (plan, verify, inspect) has nothing to resume."""
+    if args.func in (cmd_plan, cmd_verify, cmd_inspect):
+        return ""
+    return "; rerun the same command to resume"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous = signal.getsignal(signal.SIGTERM)
@@ -258,11 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     except BrokenPipeError:
-        # The reader went away (`| head`): as the Python docs advise, send the rest of the
-        # output to devnull so that the flush at exit stays silent, and exit 1.
+        # The reader went away (`| head -1`): as the Python docs advise, send the rest of the
+        # output to devnull so that the flush at exit stays silent. The reader took what it
+        # wanted, and whether it went before or after the last write is a race: exit 0.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return 0
     except ShardprepError as exc:
         if debug_enabled():
             traceback.print_exc()
@@ -275,10 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error_line(f"{exc.strerror or exc}{where}"), file=sys.stderr)
         return 1
     except Terminated:
-        print("shardprep: terminated; rerun the same command to resume", file=sys.stderr)
+        print(f"shardprep: terminated{_resume(args)}", file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        print("shardprep: interrupted; rerun the same command to resume", file=sys.stderr)
+        print(f"shardprep: interrupted{_resume(args)}", file=sys.stderr)
         return 130
     finally:
         if in_main_thread:

@@ -17,6 +17,7 @@ from shardprep.constants import (
 )
 from shardprep.errors import ConfigError, CorruptFileError, printable, summarize
 from shardprep.format import jsonio
+from shardprep.format.checks import is_extra_file_path
 from shardprep.format.headers import Header, TensorInfo, read_header
 from shardprep.plan import archs
 
@@ -119,6 +120,9 @@ def open_checkpoint(
     copied = {p.name for pattern in COPIED_FILE_PATTERNS for p in root.glob(pattern)}
     for name in sorted({*files, *copied}):
         _require_utf8(name, "file", root / name)
+    for name in sorted(copied):
+        require_recordable(name, root)
+        _require_own_file(root / name)
     tensors = collect_tensors(root, [(file, read_header(root / file)) for file in files])
     check_index(root / INDEX_NAME, weight_map, tensors)
     return Checkpoint(root, config, tensors, tuple(files), repo_id, revision)
@@ -151,6 +155,35 @@ def _require_utf8(name: str, what: str, path: Path) -> None:
             f"the source {what} {shown} has a name that is not valid UTF-8, which the "
             "manifest cannot record; rename it (e.g. `convmv -f latin1 -t utf8`) and rerun"
         ) from None
+
+
+def require_recordable(name: str, root: Path | str) -> None:
+    """A file copied next to the shards must have a name the artifact's reader accepts
+    (format/checks.py): one with a control character or a backslash, or a temporary
+    file's, is refused before anything is written, not by the reader afterwards."""
+    if not is_extra_file_path(name, has_draft=False):
+        raise ConfigError(
+            f"the source file {printable(repr(name)[1:-1], 300)} in {printable(root, 300)} "
+            "has a name that an artifact cannot hold (a control character, a backslash or "
+            "a temporary file's ending), and shardprep copies every config and tokenizer "
+            "file; rename or remove it (a Hub repo's: in a downloaded copy) and rerun"
+        )
+
+
+def _require_own_file(path: Path) -> None:
+    """A copied file is published with the artifact: a link may lead to a file of the
+    model folder or to a Hugging Face cache blob (`<cache>/models--org--name/blobs/`, where
+    a snapshot's files and `--local-dir` downloads link), never to any other file."""
+    if not path.is_symlink():
+        return
+    target = path.resolve()
+    blob = target.parent.name == "blobs" and target.parent.parent.name.startswith("models--")
+    if not blob and not target.is_relative_to(path.parent.resolve()):
+        raise ConfigError(
+            f"the source file {printable(path, 300)} is a link to {printable(target, 300)}, "
+            "outside the model folder, and would be copied into the artifact and published "
+            "with it; put a copy of the file in the model folder instead of the link"
+        )
 
 
 def _require_regular(path: Path) -> None:

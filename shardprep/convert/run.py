@@ -26,6 +26,7 @@ from shardprep.convert.checkpoint import (
     Checkpoint,
     SourceTensor,
     load_side_file,
+    require_recordable,
     same_bytes,
 )
 from shardprep.convert.dequantize import with_dequantized
@@ -35,7 +36,7 @@ from shardprep.convert.hub_budget import (
     prune_private,
     remove_private,
 )
-from shardprep.convert.hub_source import Arrivals, fetch, open_source
+from shardprep.convert.hub_source import Arrivals, copied_files, fetch, open_source
 from shardprep.convert.journal import Journal, fingerprint
 from shardprep.convert.record import manifest_of
 from shardprep.convert.scatter import write_rank_files
@@ -46,6 +47,7 @@ from shardprep.format.headers import TensorInfo
 from shardprep.format.request import ConversionRequest
 from shardprep.hashing import sha256_file
 from shardprep.plan import archs
+from shardprep.plan.checks import counts_fit
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import Plan, SourceModel
 
@@ -79,6 +81,12 @@ def source_model(checkpoint: Checkpoint) -> SourceModel:
     return SourceModel(checkpoint.config, tensors)
 
 
+def read_source(checkpoint: Checkpoint) -> SourceModel:
+    """The checkpoint's headers, with config.json as vLLM reads it."""
+    source = source_model(checkpoint)
+    return SourceModel(archs.read_config(source.config), source.tensors)
+
+
 def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpoint]]:
     """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
     nothing is written."""
@@ -97,13 +105,19 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
     elif options.mtp_draft and (internal := archs.internal_draft_method(target.config)):
         # The draft's tensors are in the target checkpoint, which is read once for both.
         family = archs.draft_family(internal, archs.target_family(target.config)[1].name)
-        if set(family.expected_shapes(target.config)) & set(target.tensors):
+        # Counts beyond the headers are not enumerated here: planning the draft names them.
+        if not counts_fit(family, read_source(target)) or (
+            set(family.expected_shapes(target.config)) & set(target.tensors)
+        ):
             checkpoints["draft"], method = target, internal
         else:  # e.g. a DeepSeek-V3 re-saved by transformers, which drops the MTP layers
             notes.append(
                 f"config.json promises a {internal} draft inside the checkpoint, which holds "
                 f"none of its tensors: the target is converted without a {internal} draft"
             )
+    for checkpoint in checkpoints.values():  # a local folder's were checked as it was opened
+        for name in copied_files(checkpoint):
+            require_recordable(name, checkpoint.repo_id or checkpoint.root)
     plan = make_plan(
         source_model(target),
         tp=options.tp,
@@ -132,6 +146,8 @@ def distinct_copies(checkpoints: dict[str, Checkpoint], method: str | None) -> f
     if draft is None or method is None:
         return frozenset()
     family = archs.draft_family(method, archs.target_family(target.config)[1].name)
+    if not counts_fit(family, read_source(draft)):
+        return frozenset()  # planning refuses the draft's counts
     return frozenset(
         copy
         for copy, original in family.shared_copies(draft.config).items()

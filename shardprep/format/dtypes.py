@@ -34,6 +34,23 @@ MODEL_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 BIT_CASTS = frozenset({("F8_E8M0", "U8"), ("I8", "U8")})
 
 
+# Integer dtypes, narrowest first: copying one into a wider one keeps its values.
+INTEGER_DTYPES = ("I8", "I16", "I32", "I64")
+
+
+def keeps_values(source: str, dest: str) -> bool:
+    """Whether vLLM's copy of a `source` tensor into a parameter of dtype `dest` keeps what
+    it means: the same dtype, a bit cast, floating point into floating point (the model's
+    precision), an integer into one at least as wide. Not fp8 from anything else, nor
+    floating point into integers (packed weights, index tables) or the reverse."""
+    if source == dest or (source, dest) in BIT_CASTS:
+        return True
+    if source in FLOAT_DTYPES and dest in FLOAT_DTYPES:
+        return True
+    ints = INTEGER_DTYPES
+    return source in ints and dest in ints and ints.index(source) <= ints.index(dest)
+
+
 def cast(torch: Any, values: Any, dest: Any) -> Any:
     """A tensor in torch dtype `dest`, as vLLM's loaders put it into a parameter: the same
     bytes for `BIT_CASTS`, the value converted otherwise."""

@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardprep.errors import ConfigError, summarize
-from shardprep.format.dtypes import FLOAT_DTYPES
+from shardprep.format.dtypes import FLOAT_DTYPES, keeps_values
 from shardprep.format.records import Topology
 from shardprep.format.vllm_layout import expert_substitution
 from shardprep.plan.archs import quantized
-from shardprep.plan.archs.base import Family, Layout
+from shardprep.plan.archs.base import Family, Layout, Param
+from shardprep.plan.cuts import MODEL_DTYPE
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.records import SourceModel
 
@@ -36,16 +37,17 @@ def checked_layout(
     context: dict[str, Any],
 ) -> tuple[Layout | None, list[str]]:
     """Problems of one model; its layout when there are none and the topology is valid."""
-    layers = source.config.get("num_hidden_layers")
-    if isinstance(layers, (int, float)) and layers > len(source.tensors):
-        # Every layer has tensors: bound all work by the tensors actually present.
-        return None, [
-            f"{role}: config.json says num_hidden_layers={layers} but the checkpoint holds "
-            f"only {len(source.tensors)} tensors; fix config.json"
-        ]
     refused = loading_problems(source.config, family)
     if refused:
         return None, [f"{role}: {p}" for p in refused]
+    try:
+        counted = count_problems(family, source, context)
+    except ConfigError as exc:
+        return None, [f"{role}: {exc}"]
+    except (KeyError, ValueError, TypeError) as exc:
+        return None, [f"{role}: config.json lacks or garbles {exc}"]
+    if counted:
+        return None, [f"{role}: {p}" for p in counted]
     try:
         problems = [f"{role}: {p}" for p in family.check(source.config, tp, **context)]
         expected = quantized.expected_shapes(family, source.config, **context)
@@ -85,24 +87,69 @@ def checked_layout(
     return layout, problems
 
 
+def count_problems(family: Family, source: SourceModel, context: Mapping[str, Any]) -> list[str]:
+    """The first count of config.json that is more than the checkpoint's headers can hold,
+    found before any hook enumerates it: every layer and every counted unit has tensors
+    (or rows of a stacked tensor) of its own, so the tensors present bound all later work."""
+    held = len(source.tensors)
+    layers = source.config.get("num_hidden_layers")
+    if isinstance(layers, (int, float)) and layers > held:
+        return [
+            f"config.json says num_hidden_layers={layers} but the checkpoint holds only "
+            f"{held} tensors; fix config.json"
+        ]
+    for count in family.counts(source.config, **context):
+        stacked = [shape[0] for s in count.stacks if (shape := source.tensors.get(s, ("", ()))[1])]
+        if stacked and count.value > max(stacked):
+            return [
+                f"config.json says {count.key}={count.value}, but the checkpoint's stacked "
+                f"tensors ({count.stacks[0]} ...) hold at most {max(stacked):,}; fix config.json"
+            ]
+        if count.tensors > held or (count.stacks and not stacked and count.value > held):
+            return [
+                f"config.json says {count.key}={count.value}, which needs more tensors than "
+                f"the {held:,} the checkpoint holds; fix config.json"
+            ]
+    return []
+
+
+def counts_fit(family: Family, source: SourceModel) -> bool:
+    """Whether config.json's counts fit the checkpoint's headers, so that the family's
+    hooks may enumerate them (else planning says which does not)."""
+    try:
+        return not count_problems(family, source, {})
+    except (ConfigError, KeyError, ValueError, TypeError):
+        return False
+
+
 def dtype_problems(layout: Layout, source: SourceModel, family: Family) -> list[str]:
     """A parameter that follows the model dtype is floating point in vLLM: its source
-    must be too, or quantized as the family declares (`source_dtypes`); an integer
-    parameter has its dtype fixed by the family."""
+    must be too, or quantized as the family declares (`source_dtypes`); a parameter of a
+    fixed dtype (fp8 weights, float32 scales, int32 packed weights) takes only a source
+    whose values a copy into it keeps."""
     declared = quantized.source_dtypes(family, source.config)
     problems = []
     for param in layout.params:
-        if param.dtype is not None:
-            continue
         for piece in param.pieces:
-            dtype = source.tensors.get(piece.source, ("F32",))[0]  # absent: reported apart
-            if dtype not in FLOAT_DTYPES and declared.get(piece.source) != dtype:
-                problems.append(
-                    f"{piece.source} is {dtype} in the checkpoint, but vLLM holds "
-                    f"{param.name} as a floating-point parameter; use a checkpoint whose "
-                    "weights are floating point"
-                )
+            if piece.source in source.tensors:  # an absent one is reported apart
+                dtype = source.tensors[piece.source][0]
+                problems += _dtype_problem(param, piece.source, dtype, declared.get(piece.source))
     return problems
+
+
+def _dtype_problem(param: Param, name: str, dtype: str, declared: str | None) -> list[str]:
+    if param.dtype is None and dtype not in FLOAT_DTYPES and declared != dtype:
+        return [
+            f"{name} is {dtype} in the checkpoint, but vLLM holds {param.name} as a "
+            "floating-point parameter; use a checkpoint whose weights are floating point"
+        ]
+    if param.dtype not in (None, MODEL_DTYPE) and not keeps_values(dtype, param.dtype):
+        return [
+            f"{name} is {dtype} in the checkpoint, but vLLM holds {param.name} as "
+            f"{param.dtype}, and a copy into it would change its values; use a checkpoint "
+            f"that stores {name} as {param.dtype}"
+        ]
+    return []
 
 
 def loading_problems(config: Mapping[str, Any], family: Family) -> list[str]:
@@ -128,6 +175,12 @@ def loading_problems(config: Mapping[str, Any], family: Family) -> list[str]:
 
 
 def problem_summary(problems: list[str], limit: int = 8) -> str:
+    """One line of every problem once: a draft inside the target checkpoint repeats the
+    target's problems of the same config.json (`role: ...`), which are left out."""
+    unrepeated: dict[str, str] = {}
+    for problem in problems:
+        unrepeated.setdefault(problem.removeprefix("target: ").removeprefix("draft: "), problem)
+    problems = list(unrepeated.values())
     head = "; ".join(problems[:limit])
     more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
     return f"cannot convert: {head}{more}"

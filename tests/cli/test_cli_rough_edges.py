@@ -175,7 +175,8 @@ def test_an_error_line_is_bounded(tiny, tmp_path: Path) -> None:
 
 def test_a_closed_pipe_ends_the_output_quietly(tiny) -> None:
     """`shardprep plan ... | head`: the reader is gone before the output is written; no
-    "Broken pipe" message and no traceback, exit status 1 as the Python docs advise."""
+    "Broken pipe" message, no traceback, and exit status 0, as when the reader goes after
+    the output is written (which of the two happens is a race)."""
     proc = subprocess.Popen(
         [*CLI, "plan", str(tiny.model("llama")), "--tp", "2", "--json", "--quiet"],
         stdout=subprocess.PIPE,
@@ -184,7 +185,7 @@ def test_a_closed_pipe_ends_the_output_quietly(tiny) -> None:
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # before the command has printed anything
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 1
+    assert proc.wait(timeout=120) == 0
     assert err == ""
 
 

@@ -56,6 +56,19 @@ class Layout:
     num_expert_group: int | None = None
 
 
+@dataclass(frozen=True)
+class Count:
+    """A count of config.json that a family's hooks enumerate (`key`: `value`) and the
+    least a checkpoint must hold for it: `tensors` source tensors of their own, or, for
+    units stacked along dim 0 of one tensor per layer (gpt-oss's experts), `value` rows
+    in the tensors named by `stacks`."""
+
+    key: str
+    value: int
+    tensors: int = 0
+    stacks: tuple[str, ...] = ()
+
+
 class Family:
     """A target family. `name` keys its layout revision (format/vllm_layout.py)."""
 
@@ -85,6 +98,14 @@ class Family:
         """config.json as transformers' config class reads it: each key of an
         attribute-map pair also under the other name."""
         return with_attribute_map(config, self.attribute_maps.get(str(config.get("model_type"))))
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """Every count that the other hooks enumerate (experts, MTP layers), worked out
+        without enumerating anything; a value that is not a whole number is a ConfigError.
+        The planner compares each with the checkpoint's headers before calling any other
+        hook, so an absurd count is one line, not memory without bound. Decoder layers
+        (num_hidden_layers) are compared for every family."""
+        return []
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         """Every source tensor the config implies, with its shape (Hugging Face names)."""
@@ -196,6 +217,28 @@ def config_int(config: Config, key: str, default: int | None = None) -> int:
     return int(value)
 
 
+def config_count(config: Config, key: str, default: int = 0) -> int:
+    """A count from config.json that may be 0 (MTP layers, dense first layers): a whole
+    number >= 0, else one line naming the key."""
+    value = config.get(key)
+    if value is None:
+        return default
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < 0:
+        raise ConfigError(
+            f"config.json has {key}: {value!r}, which is not a whole number of at least 0; "
+            "fix config.json"
+        )
+    return int(value)
+
+
+def expert_count(config: Config, key: str, moe_layers: int, *, required: bool = False) -> Count:
+    """`key`'s experts in each of `moe_layers` layers, each with three tensors of its own
+    (gate, up and down projections); `required`: at least one."""
+    experts = config_int(config, key) if required else config_count(config, key)
+    return Count(key, experts, 3 * experts * moe_layers)
+
+
 def with_attribute_map(config: Config, attribute_map: Mapping[str, str] | None) -> dict[str, Any]:
     """`config` with the two names of every `attribute_map` pair holding the same value;
     both given with different values is one line naming them."""
@@ -210,6 +253,15 @@ def with_attribute_map(config: Config, attribute_map: Mapping[str, str] | None) 
         if values:
             found[attribute] = found[key] = next(iter(values.values()))
     return found
+
+
+def moe_layers(layers: range, first_dense: int, freq: int) -> int:
+    """How many of `layers` hold experts under DeepSeek's rule (`is_moe_layer`: from
+    layer `first_dense` on, every `freq`-th), counted without enumerating them."""
+    start = max(layers.start, first_dense)
+    if layers.stop <= start:
+        return 0
+    return (layers.stop - 1) // freq - (start - 1) // freq
 
 
 def mtp_layers(config: Config) -> range:

@@ -16,7 +16,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
+from shardprep.plan.archs.base import (
+    Config,
+    Count,
+    Family,
+    Layout,
+    Param,
+    Shapes,
+    config_count,
+    config_int,
+    expert_count,
+    moe_layers,
+)
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.experts import w2_pieces, w13_pieces
 from shardprep.plan.topology import Topology, pad_vocab
@@ -69,6 +80,10 @@ class Dims:
             noaux_bias=config.get("topk_method") == "noaux_tc",
             tied=bool(config.get("tie_word_embeddings", False)),
         )
+
+    def moe_layers(self, layers: range) -> int:
+        """How many of `layers` hold experts."""
+        return moe_layers(layers, self.first_dense, self.moe_freq) if self.experts else 0
 
     def is_moe(self, layer: int) -> bool:
         """vLLM's `is_moe_layer`."""
@@ -218,6 +233,15 @@ class DeepseekFamily(Family):
     def layer_quantized(self, d: Dims, layer: int) -> dict[str, str]:
         """{source weight: vLLM layer} of one decoder layer's quantized weights."""
         return layer_quantized(d, layer)
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        config_int(config, "moe_layer_freq", 1)  # vLLM divides by it
+        for key in ("first_k_dense_replace", "n_shared_experts", "n_routed_experts"):
+            config_count(config, key)
+        mtp = config_count(config, "num_nextn_predict_layers")
+        d = self.dims(config)
+        experts = expert_count(config, "n_routed_experts", d.moe_layers(range(d.layers)))
+        return [experts, Count("num_nextn_predict_layers", mtp, mtp)]
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config).items()}

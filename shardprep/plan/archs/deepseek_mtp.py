@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from shardprep.plan.archs.base import (
     Config,
+    Count,
     DraftFamily,
     Layout,
     Param,
@@ -46,6 +47,14 @@ class DeepseekMtpDraft(DraftFamily):
     standalone = False  # it comes inside its target, never with --draft
     # The target family whose decoder layers the MTP layers are.
     target: ClassVar[type[DeepseekFamily]] = DeepseekFamily
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """The target's counts, and each MTP layer's own tensors and experts."""
+        target = self.target()
+        counted = target.counts(config)
+        d, layers = target.dims(config), mtp_layers(config)
+        tensors = len(layers) * len(OWN) + 3 * d.experts * d.moe_layers(layers)
+        return [*counted, Count("num_nextn_predict_layers", len(layers), tensors)]
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config, **context).items()}

@@ -43,10 +43,12 @@ from typing import Any, ClassVar
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import (
     Config,
+    Count,
     Family,
     Layout,
     Param,
     Shapes,
+    config_count,
     config_int,
     expert_parallel_problems,
 )
@@ -257,6 +259,13 @@ class DeepseekV4Family(Family):
                 for suffix, shape in expert_shapes(d).items():
                     found[f"{prefix}ffn.experts.{e}.{suffix}"] = (shape, None)
         return found
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """The routed experts of every layer, three tensors each."""
+        for key in ("n_shared_experts", "num_hash_layers"):
+            config_count(config, key)
+        d = self.dims(config)
+        return [Count("n_routed_experts", d.experts, 3 * d.experts * d.layers)]
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config).items()}

@@ -34,11 +34,20 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, DraftFamily, Layout, Param, Shapes, config_int
+from shardprep.plan.archs.base import (
+    Config,
+    Count,
+    DraftFamily,
+    Layout,
+    Param,
+    Shapes,
+    config_int,
+)
 from shardprep.plan.archs.deepseek import F32, fused_params
 from shardprep.plan.archs.deepseek_v4 import (
     HC_HEAD,
     PADDED_AT_LOAD,
+    DeepseekV4Family,
     V4Dims,
     block_params,
     block_tensors,
@@ -118,6 +127,12 @@ class DeepseekV4DSparkDraft(DraftFamily):
         "*": "the DSpark stages (mtp.*) of a quantized DeepSeek-V4 are not laid out yet "
         "(convert the target alone with --no-mtp)"
     }
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """The target's counts, and the DSpark stages, each a block with its own experts."""
+        counted = DeepseekV4Family().counts(config)
+        stages, experts = num_stages(config), counted[0].value
+        return [*counted, Count("n_mtp_layers", stages, stages * (1 + 3 * experts))]
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config, **context).items()}

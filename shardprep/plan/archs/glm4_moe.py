@@ -26,11 +26,14 @@ from typing import Any, ClassVar
 
 from shardprep.plan.archs.base import (
     Config,
+    Count,
     DraftFamily,
     Family,
     Layout,
     Param,
     Shapes,
+    config_count,
+    expert_count,
     mtp_layers,
     require_mtp_layer,
 )
@@ -71,6 +74,23 @@ class GlmDims(Dims):
         self.qk_norm = bool(config.get("use_qk_norm", False))
         self.mtp = int(config.get("num_nextn_predict_layers") or 0)
         self.groups = int(config.get("n_group") or 1)
+
+    def counts(self, config: Config) -> list[Count]:
+        """The routed experts of the decoder layers (three tensors each), and the MTP
+        layers, each with its own norms and projection, and its experts."""
+        mtp = range(self.layers, self.layers + self.mtp)
+        return [
+            expert_count(config, "n_routed_experts", self.moe_layers(range(self.layers))),
+            Count(
+                "num_nextn_predict_layers",
+                self.mtp,
+                self.mtp * len(OWN) + 3 * self.experts * self.moe_layers(mtp),
+            ),
+        ]
+
+    def moe_layers(self, layers: range) -> int:
+        """How many of `layers` hold experts."""
+        return max(0, layers.stop - max(layers.start, self.first_dense)) if self.experts else 0
 
     def is_moe(self, layer: int) -> bool:
         """vLLM's `Glm4MoeDecoderLayer` rule."""
@@ -168,6 +188,21 @@ def _is_plain(suffix: str) -> bool:
     return not suffix.startswith(("mlp.gate.", SHARED, "mlp.experts."))
 
 
+COUNTED = (
+    "n_routed_experts",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "num_nextn_predict_layers",
+)
+
+
+def glm_dims(config: Config) -> GlmDims:
+    """GlmDims once the counts it reads are whole numbers."""
+    for key in COUNTED:
+        config_count(config, key)
+    return GlmDims(config)
+
+
 class Glm4MoeFamily(Family):
     name = "glm4_moe"
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = ATTRIBUTE_MAPS
@@ -177,6 +212,9 @@ class Glm4MoeFamily(Family):
         "which shardprep converts"
     }
     kv_cache_scales = True
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        return glm_dims(config).counts(config)
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         return quantized_weights(shapes, range(GlmDims(config).layers))
@@ -201,7 +239,7 @@ class Glm4MoeFamily(Family):
 
     def internal_draft(self, config: Config) -> str | None:
         """vLLM serves the MTP layers as the `mtp` draft (`speculative.py`)."""
-        return "mtp" if GlmDims(config).mtp else None
+        return "mtp" if glm_dims(config).mtp else None
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         return GlmDims(config).problems(tp, context)
@@ -239,6 +277,9 @@ class Glm4MoeMtpDraft(DraftFamily):
     # them cannot be loaded by vLLM, and its tensors are refused as unknown.
     quant_schemes = Glm4MoeFamily.quant_schemes
     quant_refusals = Glm4MoeFamily.quant_refusals
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        return glm_dims(config).counts(config)
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         return quantized_weights(shapes, mtp_layers(config))

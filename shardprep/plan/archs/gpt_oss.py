@@ -30,10 +30,12 @@ from typing import Any, ClassVar
 
 from shardprep.plan.archs.base import (
     Config,
+    Count,
     Family,
     Layout,
     Param,
     Shapes,
+    config_int,
     expert_parallel_problems,
 )
 from shardprep.plan.archs.llama import Dims, layer_params
@@ -98,6 +100,13 @@ class GptOssFamily(Family):
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {
         "gpt_oss": {"num_experts": "num_local_experts"}
     }
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """The experts, stacked in each layer's tensors (the bias: also in MXFP4)."""
+        experts = config_int(config, "num_local_experts")
+        layers = range(config_int(config, "num_hidden_layers"))
+        stacks = tuple(f"model.layers.{i}.{EXPERTS}gate_up_proj_bias" for i in layers)
+        return [Count("num_local_experts", experts, stacks=stacks)]
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         dims = GptOssDims(config)

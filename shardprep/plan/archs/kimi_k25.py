@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, Layout, Param, Shapes
+from shardprep.plan.archs.base import Config, Count, Layout, Param, Shapes
 from shardprep.plan.archs.deepseek import DeepseekFamily
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
@@ -216,6 +216,12 @@ class KimiK25Family(DeepseekFamily):
         """vLLM serves no MTP draft for Kimi-K2.5 (`SpeculativeConfig.hf_config_override`
         turns only DeepSeek model types into one)."""
         return None
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """The text model's, and the vision tower's blocks."""
+        layers = VisionDims.of(config).layers
+        vision = Count("vision_config.num_hidden_layers", layers, layers)
+        return [*super().counts(config, **context), vision]
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         text = super().expected_shapes(config, **context)

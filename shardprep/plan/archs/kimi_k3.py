@@ -43,11 +43,14 @@ from typing import Any
 
 from shardprep.plan.archs.base import (
     Config,
+    Count,
     Family,
     Layout,
     Param,
     Shapes,
+    config_count,
     expert_parallel_problems,
+    mtp_layers,
 )
 from shardprep.plan.archs.deepseek import fused_params
 from shardprep.plan.archs.kimi_k3_dspark import target_draft_problems, target_embed_stages
@@ -82,7 +85,19 @@ class KimiK3Family(Family):
         """vLLM serves the MTP layers (`num_nextn_predict_layers`) as the `mtp` draft
         (`KimiK3MTPModel`, kimi_k3_mtp.py)."""
         text = text_config(config) if "text_config" in config else config
-        return "mtp" if int(text.get("num_nextn_predict_layers") or 0) else None
+        return "mtp" if config_count(text, "num_nextn_predict_layers") else None
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """The experts, and the MTP layers (one tensor each at least: the target's own
+        checkpoint may leave them out)."""
+        d, vision = K3Dims.counted(config), VisionTower.of(config).layers
+        mtp = mtp_layers(config)
+        experts, _ = d.counts(mtp)
+        return [
+            experts,
+            Count("num_nextn_predict_layers", len(mtp), len(mtp)),
+            Count("vision_config.vt_num_hidden_layers", vision, vision),
+        ]
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         text = {name: shape for name, (shape, _) in K3Dims.of(config).sources().items()}

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import (
     Config,
+    Count,
     DraftFamily,
     Layout,
     Param,
@@ -67,6 +68,10 @@ class KimiK3MtpDraft(DraftFamily):
 
     def read_config(self, config: Config) -> dict[str, Any]:
         return text_config(config) if "text_config" in config else dict(config)
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        d = K3Dims.counted(config)
+        return d.counts(mtp_layers(config))
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._sources(config, **context).items()}

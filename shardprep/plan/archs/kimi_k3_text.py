@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, config_int
+from shardprep.plan.archs.base import Config, Count, config_count, config_int, moe_layers
 from shardprep.plan.archs.deepseek import F32, Tensor, mlp_tensors
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.experts import w2_pieces, w13_pieces
@@ -97,6 +97,25 @@ class K3Dims:
         """Whether `name` is a tensor of a text layer past the target's last (an MTP layer)."""
         match = LAYER.match(name)
         return match is not None and int(match[1]) >= self.layers
+
+    @classmethod
+    def counted(cls, config: Config) -> K3Dims:
+        """The sizes, once the counts config.json holds are whole numbers."""
+        config_int(config, "moe_layer_freq", 1)  # vLLM divides by it
+        for key in ("num_experts", "num_shared_experts", "first_k_dense_replace"):
+            config_count(config, key)
+        config_count(config, "num_nextn_predict_layers")
+        return cls.of(config)
+
+    def counts(self, mtp: range) -> list[Count]:
+        """The routed experts of the decoder layers (three tensors each), and the `mtp`
+        layers, each with tensors of its own and experts where it holds them."""
+        moe = moe_layers(range(self.layers), self.first_dense, self.moe_freq) if self.experts else 0
+        in_mtp = moe_layers(mtp, self.first_dense, self.moe_freq) if self.experts else 0
+        return [
+            Count("num_experts", self.experts, 3 * self.experts * moe),
+            Count("num_nextn_predict_layers", len(mtp), len(mtp) + 3 * self.experts * in_mtp),
+        ]
 
     def is_moe(self, layer: int) -> bool:
         """vLLM's `KimiDecoderLayer.is_moe_layer`."""

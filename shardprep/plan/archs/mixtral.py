@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
+from shardprep.plan.archs.base import Config, Count, Family, Layout, Param, Shapes, expert_count
 from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params, linear_weights
 from shardprep.plan.archs.moe import (
     ExpertNames,
@@ -38,6 +38,10 @@ class MixtralFamily(Family):
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         """Attention and experts; vLLM builds the router without the quantization."""
         return linear_weights(shapes) | EXPERTS.weights(shapes)
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        layers = Dims(config).layers
+        return [expert_count(config, "num_local_experts", layers, required=True)]
 
     @staticmethod
     def _experts(config: Config) -> int:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, Layout, Param, Shapes
+from shardprep.plan.archs.base import Config, Count, Layout, Param, Shapes
 from shardprep.plan.archs.qwen3_next import (
     ROUTED,
     NextDims,
@@ -79,12 +79,18 @@ class Qwen35Dims(NextDims):
     """Qwen3-Next's sizes, with Qwen3.5-MoE's projections, experts and MTP count."""
 
     label = "Qwen3.5-MoE"
+    mtp_key = "mtp_num_hidden_layers"
 
     def __init__(self, config: Config) -> None:
         # No layer has a dense MLP, and config.json no `intermediate_size`: Dims reads one.
         super().__init__({"intermediate_size": 1, **config})
         self.mtp = int(config.get("mtp_num_hidden_layers", 1) or 0)
         self.sparse_step, self.mlp_only = 1, set()  # every layer holds experts
+
+    def expert_count(self) -> Count:
+        """The routed experts, stacked in each decoder layer's tensors."""
+        stacks = tuple(f"{TEXT}layers.{i}.mlp.experts.gate_up_proj" for i in range(self.layers))
+        return Count("num_experts", self.experts, stacks=stacks)
 
     def projection_shapes(self) -> dict[str, tuple[int, ...]]:
         key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
@@ -264,6 +270,11 @@ class Qwen35MoeFamily(Qwen3NextFamily):
         return super().internal_draft(
             read_text_config(config) if "text_config" in config else config
         )
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """The text model's, and the vision tower's blocks."""
+        depth = VisionDims.of(config).depth
+        return [*super().counts(config, **context), Count("vision_config.depth", depth, depth)]
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         text = super().expected_shapes(config, **context)

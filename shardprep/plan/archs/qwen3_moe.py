@@ -9,7 +9,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
+from shardprep.plan.archs.base import (
+    Config,
+    Count,
+    Family,
+    Layout,
+    Param,
+    Shapes,
+    config_count,
+    config_int,
+    expert_count,
+)
 from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params, linear_weights
 from shardprep.plan.archs.moe import (
     ExpertNames,
@@ -60,6 +70,12 @@ class Qwen3MoeFamily(Family):
         model's quantization (published fp8 checkpoints list it in modules_to_not_convert)."""
         routers = {n: n.removesuffix(".weight") for n in shapes if n.endswith(".mlp.gate.weight")}
         return linear_weights(shapes) | EXPERTS.weights(shapes) | routers
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        config_int(config, "decoder_sparse_step", 1)  # vLLM divides by it
+        config_count(config, "num_experts")
+        dims = MoeDims(config)
+        return [expert_count(config, "num_experts", sum(map(dims.is_sparse, range(dims.layers))))]
 
     def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
         dims = MoeDims(config)

@@ -34,7 +34,17 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, DraftFamily, Family, Layout, Param, Shapes
+from shardprep.plan.archs.base import (
+    Config,
+    Count,
+    DraftFamily,
+    Family,
+    Layout,
+    Param,
+    Shapes,
+    config_count,
+    config_int,
+)
 from shardprep.plan.archs.llama import LAYER_TENSORS, LINEAR_SUFFIXES, Dims, layer_params
 from shardprep.plan.archs.moe import ExpertNames, expert_params, moe_problems
 from shardprep.plan.cuts import Cut, Piece
@@ -74,6 +84,26 @@ class NextDims(Dims):
     """The sizes config.json implies, with Qwen3NextConfig's defaults."""
 
     label = "Qwen3-Next"  # the family's name in messages
+    mtp_key = "num_nextn_predict_layers"  # where config.json counts the MTP layers
+
+    @classmethod
+    def counted(cls, config: Config) -> NextDims:
+        """The sizes, once the counts config.json holds are whole numbers."""
+        config_int(config, "decoder_sparse_step", 1)  # vLLM divides by it
+        config_count(config, "num_experts")
+        config_count(config, cls.mtp_key)
+        return cls(config)
+
+    def moe_count(self, layers: int) -> int:
+        """How many of the first `layers` layers hold experts, without enumerating them."""
+        if not self.experts:
+            return 0
+        dense = sum(1 for i in self.mlp_only if i < layers and (i + 1) % self.sparse_step == 0)
+        return layers // self.sparse_step - dense
+
+    def expert_count(self) -> Count:
+        """The routed experts of the decoder layers, three tensors each."""
+        return Count("num_experts", self.experts, 3 * self.experts * self.moe_count(self.layers))
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -273,6 +303,10 @@ class Qwen3NextFamily(Family):
     }
     kv_cache_scales = True
 
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        d = self.dims.counted(config)
+        return [d.expert_count(), Count(d.mtp_key, d.mtp, d.mtp)]
+
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         return quantized_weights(shapes, "model.layers.")
 
@@ -291,7 +325,7 @@ class Qwen3NextFamily(Family):
     def internal_draft(self, config: Config) -> str | None:
         """vLLM serves the `mtp.*` layers as the `mtp` draft; it assumes one MTP layer when
         config.json names none (`num_nextn_predict_layers`)."""
-        return "mtp" if self.dims(config).mtp else None
+        return "mtp" if self.dims.counted(config).mtp else None
 
     def check(self, config: Config, tp: int, **context: Any) -> list[str]:
         extra = {"attention_bias": bool(config.get("attention_bias", False))}
@@ -325,6 +359,13 @@ class Qwen3NextMtpDraft(DraftFamily):
     embed_source = EMBED  # the target's embedding, in the checkpoint
     quant_schemes = Qwen3NextFamily.quant_schemes
     quant_refusals = Qwen3NextFamily.quant_refusals
+
+    def counts(self, config: Config, **context: Any) -> list[Count]:
+        """The target's counts, and each MTP layer's tensors (its experts' too, when each
+        expert has its own)."""
+        d = self.dims.counted(config)
+        own = d.mtp + (3 * d.experts * d.moe_count(d.mtp) if not d.expert_count().stacks else 0)
+        return [d.expert_count(), Count(d.mtp_key, d.mtp, own)]
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         """The MTP layers' and `mtp.fc` (a column-parallel layer with the quantization)."""

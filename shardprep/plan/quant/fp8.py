@@ -105,9 +105,26 @@ def block_quant(config: Config) -> BlockQuant | TensorQuant | None:
         return BlockQuant((1, 1), "quantization_config's modules_to_not_convert is not a list")
     if not block:
         return tensor_quant(quant, frozenset(ignored))
-    if quant.get("activation_scheme", "dynamic") != "dynamic" or len(block) != 2:
-        return BlockQuant((1, 1), "fp8 blocks need activation_scheme dynamic and a 2-D block")
-    return BlockQuant((int(block[0]), int(block[1])), ignored=frozenset(ignored))
+    size = block_size(block)
+    if size is None:
+        return BlockQuant(
+            (1, 1),
+            f"quantization_config has weight_block_size {block!r}, which is not two whole "
+            "numbers of at least 1 as vLLM needs; fix config.json",
+        )
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        return BlockQuant((1, 1), "fp8 blocks need activation_scheme dynamic")
+    return BlockQuant(size, ignored=frozenset(ignored))
+
+
+def block_size(block: object) -> tuple[int, int] | None:
+    """A 2-D block size as vLLM divides by it: two JSON integers of at least 1 (not a
+    float, a string or a bool), else None."""
+    if not isinstance(block, list) or len(block) != 2:
+        return None
+    if not all(type(b) is int and b >= 1 for b in block):
+        return None
+    return block[0], block[1]
 
 
 @dataclass(frozen=True)

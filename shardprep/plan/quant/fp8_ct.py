@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.cuts import Cut, Piece, ScaleOf
-from shardprep.plan.quant.fp8 import BlockQuant, moe_block_rules
+from shardprep.plan.quant.fp8 import BlockQuant, block_size, moe_block_rules
 from shardprep.plan.quant.fp8_tensor import input_scale
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
 from shardprep.plan.quant.layer import Quantized, QuantParams, StoredAsIs
@@ -148,10 +148,9 @@ def float_quant(quant: Config) -> FloatQuant:
         return FloatQuant("tensor", problem=why)
     (group,) = quant["config_groups"].values()
     weights, inputs = group["weights"], group["input_activations"]
-    block = tuple(weights.get("block_structure") or (1, 1))
     return FloatQuant(
         weights["strategy"],
-        (int(block[0]), int(block[1])),
+        block_size(weights.get("block_structure")) or (1, 1),
         static=not inputs.get("dynamic"),
         activations=str(inputs.get("strategy")),
         ignored=tuple(quant.get("ignore") or []),
@@ -169,9 +168,7 @@ def _refusal(quant: Config) -> str:
     if weights.get("strategy") not in STRATEGIES:
         return f"weights strategy {weights.get('strategy')!r}"
     block = weights.get("block_structure")
-    if weights["strategy"] == "block" and not (
-        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block)
-    ):
+    if weights["strategy"] == "block" and block_size(block) is None:
         return f"weights block_structure {block!r}"
     inputs = group.get("input_activations")
     if not isinstance(inputs, Mapping):

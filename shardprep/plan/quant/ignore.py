@@ -77,4 +77,9 @@ def ignore_list_refusal(quant: Config) -> str:
     ignore = quant.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(name, str) for name in ignore):
         return "an ignore list that is not a list of names"
+    for pattern in (name[3:] for name in ignore if name.startswith("re:")):
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            return f"an ignore pattern 're:{pattern}' that is not a regular expression ({exc})"
     return ""
