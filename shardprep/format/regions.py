@@ -40,7 +40,6 @@ from shardprep.format.schema import ADVICE
 
 REGIONS_FORMAT = "shardprep-regions/1"
 EXPERT = "{e}"
-Pieces = Mapping[str, Sequence[PieceEntry]]
 Shapes = Mapping[str, Sequence[int]]
 # role -> (pieces, source shapes)
 Regions = dict[str, tuple[dict[str, tuple[PieceEntry, ...]], dict[str, tuple[int, ...]]]]
@@ -91,10 +90,10 @@ def read_regions(folder: Path, manifest: Manifest) -> Manifest:
             f"{folder} lacks {record.path}, which the manifest names: the artifact serves "
             "only its own topology without it; convert or fetch the artifact again"
         ) from None
-    if size != record.bytes:
+    if size != record.bytes or size > MAX_JSON_BYTES:
         raise ManifestError(
-            f"{where} has {size:,} bytes, the manifest records {record.bytes:,}; convert or "
-            "fetch the artifact again"
+            f"{where} has {size:,} bytes, the manifest records {record.bytes:,} (at most "
+            f"{MAX_JSON_BYTES:,}); convert or fetch the artifact again"
         )
     regions = _PARSED.get(record.sha256)
     if regions is None:
