@@ -50,7 +50,7 @@ def test_round_trip_through_json(artifact: Path) -> None:
 
 def _edited(artifact: Path, edit) -> str:
     """The manifest edited, its pieces inline as artifacts held them before the regions
-    file (which is checked on its own in test_regions.py)."""
+    file (which is checked on its own in test_regions_file.py)."""
     data = json.loads(read_regions(artifact, read_manifest(artifact)).to_json())
     del data["regions"]
     edit(data)
