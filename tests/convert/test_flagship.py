@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from flagship import FLAGSHIPS, flagship_config, write_checkpoint
+from flagship import FLAGSHIPS, flagship_config, write_checkpoint, write_draft
 
 from shardprep.cli import main
 from shardprep.format.manifest import rank_key, read_manifest, read_regions
@@ -29,16 +29,24 @@ def test_a_published_model_at_its_served_topology(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
 ) -> None:
     _, files, (tp, pp) = FLAGSHIPS[name]
-    source = write_checkpoint(tmp_path / "source", flagship_config(name), files)
+    config = flagship_config(name)
+    source = write_checkpoint(tmp_path / "source", config, files)
+    draft = write_draft(tmp_path / "draft", name, config)
     out = tmp_path / "out"
-    topology = ["--tp", str(tp), "--pp", str(pp)]
-    assert main(["convert", str(source), "-o", str(out), *topology, "--quiet"]) == 0
+    options = ["--tp", str(tp), "--pp", str(pp), "--quiet"]
+    if draft is not None:
+        options += ["--draft", str(draft), "--draft-method", "dspark"]
+    assert main(["convert", str(source), "-o", str(out), *options]) == 0
     assert main(["verify", str(out), "--quiet"]) == 0
     capsys.readouterr()
     assert main(["inspect", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     manifest = read_manifest(out)
     assert summary["topology"]["tp"] == tp and manifest.served_tps[-1] == tp
+    if draft is not None:  # the seed's shape: the draft on the last stage only
+        entry = manifest.model("draft")
+        assert entry is not None and entry.method == "dspark"
+        assert {f.pp for f in manifest.files if f.role == "draft"} == {pp - 1}
     for entry in manifest.models:  # every worker of every model starts
         for stage in manifest.stages if entry.role == "target" else (pp - 1,):
             for rank in range(tp):

@@ -4,6 +4,7 @@ small, in bfloat16, written as a checkpoint of as many files as the published on
 
     flagship_config(name) -> config.json
     write_checkpoint(folder, config, files) -> folder
+    write_draft(folder, name, target_config) -> folder, or None for a model without one
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ FLAGSHIPS = {
     "qwen3.6-35b-a3b": ("qwen3.6-35b-a3b", 26, (4, 1)),
     "gpt-oss-120b": ("gpt-oss-120b", 15, (8, 1)),
 }
+# The published draft that is its own model, by the target's name: its folder in tests/data.
+DRAFTS = {"kimi-k3": "kimi-k3-dspark"}
 # Widths, where a config names them; every count is left as published.
 WIDTHS = {
     "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
@@ -98,6 +101,33 @@ def write_checkpoint(folder: Path, config: dict[str, Any], files: int) -> Path:
         total += size
     index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index_doc))
+    return folder
+
+
+def write_draft(folder: Path, name: str, target: dict[str, Any]) -> Path | None:
+    """The published draft of `name` (DSpark for Kimi-K3) at the target's tiny widths, its
+    counts (layers, heads, the target layers it reads) as published; None without one."""
+    if name not in DRAFTS:
+        return None
+    config = json.loads((DATA / DRAFTS[name] / "config.json").read_text())
+    text = target.get("text_config", target)
+    config.update({k: v for k, v in WIDTHS.items() if k in config})
+    vocab = text["vocab_size"]
+    config.update(
+        hidden_size=text["hidden_size"], target_hidden_size=text["hidden_size"],
+        draft_vocab_size=vocab, mask_token_id=vocab - 3, bos_token_id=1, eos_token_id=2,
+        pad_token_id=vocab - 1, markov_rank=16,
+    )  # fmt: skip
+    family = archs.draft_family("dspark", archs.target_family(archs.read_config(target))[1].name)
+    shapes = family.expected_shapes(config, target_config=target)
+    shapes.pop("lm_head.weight", None)  # as published: the embedding only
+    names = sorted(shapes)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    specs = [TensorSpec(n, "BF16", tuple(shapes[n])) for n in names]
+    with open(folder / "model.safetensors", "wb") as handle:
+        handle.write(encode_header(specs, {"format": "pt"}))
+        handle.write(_finite_bf16(np.random.default_rng(1), sum(s.nbytes for s in specs)))
     return folder
 
 
