@@ -186,6 +186,7 @@ class SourceReader:
     def __init__(self, hasher: ThreadPoolExecutor) -> None:
         self.hasher = hasher
         self.windows: deque[list[Any]] = deque()
+        self.advised = (-1, 0, 0)  # the file and the bytes [start, end) readahead was asked for
 
     def chunks(self, fd: int, info: TensorInfo) -> Iterator[tuple[int, memoryview]]:
         """(first row, bytes) of consecutive row ranges of at most CHUNK_BYTES (one row
@@ -198,10 +199,19 @@ class SourceReader:
             while len(self.windows) >= 2:
                 self._unmap_oldest()
             window = _map(fd, offset, length)
-            # Let the disk fetch the next chunk while this one is scattered.
-            _advise(fd, offset + length, CHUNK_BYTES, "POSIX_FADV_WILLNEED")
+            self._read_ahead(fd, offset + length)
             self.windows.append(window)
             yield start, window[0]
+
+    def _read_ahead(self, fd: int, offset: int) -> None:
+        """Let the disk fetch the next chunk while this one is scattered: asked again only
+        once half of what was asked is behind (a file of small tensors would otherwise ask
+        for the same 64 MiB once per tensor)."""
+        advised_fd, start, end = self.advised
+        if fd == advised_fd and start <= offset and offset + CHUNK_BYTES // 2 < end:
+            return
+        _advise(fd, offset, CHUNK_BYTES, "POSIX_FADV_WILLNEED")
+        self.advised = (fd, offset, offset + CHUNK_BYTES)
 
     def hash_file(self, path: Path) -> Future[str]:
         return self.hasher.submit(sha256_file, path)
