@@ -10,7 +10,6 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from shardprep.constants import (
-    CHUNK_BYTES,
     COPIED_FILE_PATTERNS,
     MAX_JSON_BYTES,
     MAX_SIDE_FILE_BYTES,
@@ -395,20 +394,3 @@ def load_side_file(path: Path) -> Any:
             f"{path} is not a file of plain tensors (a safe load refused it with "
             f"{type(exc).__name__}); use the file that came with this draft"
         ) from None
-
-
-def same_bytes(a: Checkpoint, a_name: str, b: Checkpoint, b_name: str) -> bool:
-    """Whether two source tensors hold the same dtype, shape and bytes (read in chunks;
-    by range request for a Hub source's file not downloaded yet)."""
-    first, second = a.tensors[a_name], b.tensors[b_name]
-    if (first.info.dtype, first.info.shape) != (second.info.dtype, second.info.shape):
-        return False
-    done, total = 0, first.info.nbytes
-    buffers = bytearray(min(total, CHUNK_BYTES)), bytearray(min(total, CHUNK_BYTES))
-    while done < total:
-        step = min(total - done, CHUNK_BYTES)
-        left = a.read(first.file, first.info.offset + done, step, into=buffers[0])
-        if left != b.read(second.file, second.info.offset + done, step, into=buffers[1]):
-            return False
-        done += step
-    return True

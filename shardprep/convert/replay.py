@@ -17,8 +17,8 @@ from shardprep.convert.journal import plan_differences
 from shardprep.convert.run import Options, load_and_plan
 from shardprep.errors import ConfigError, ManifestError, ShardprepError, summarize
 from shardprep.format import manifest as mf
+from shardprep.format.cut_names import MXFP4_PADDING_AT_LOAD
 from shardprep.format.dtypes import MODEL_DTYPES
-from shardprep.format.records import MXFP4_PADDING_AT_LOAD
 from shardprep.plan.records import Plan
 from shardprep.report import format_bytes
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shardprep import safefs
 from shardprep.constants import (
+    CHUNK_BYTES,
     COPIED_FILE_PATTERNS,
     ENV_PP_PARTITION,
     INCOMPLETE_SUFFIX,
@@ -27,7 +28,6 @@ from shardprep.convert.checkpoint import (
     SourceTensor,
     load_side_file,
     require_recordable,
-    same_bytes,
 )
 from shardprep.convert.dequantize import with_dequantized
 from shardprep.convert.hub_budget import (
@@ -155,6 +155,23 @@ def distinct_copies(checkpoints: dict[str, Checkpoint], method: str | None) -> f
         and original in target.tensors
         and not same_bytes(draft, copy, target, original)
     )
+
+
+def same_bytes(a: Checkpoint, a_name: str, b: Checkpoint, b_name: str) -> bool:
+    """Whether two source tensors hold the same dtype, shape and bytes (read in chunks;
+    by range request for a Hub source's file not downloaded yet)."""
+    first, second = a.tensors[a_name], b.tensors[b_name]
+    if (first.info.dtype, first.info.shape) != (second.info.dtype, second.info.shape):
+        return False
+    done, total = 0, first.info.nbytes
+    buffers = bytearray(min(total, CHUNK_BYTES)), bytearray(min(total, CHUNK_BYTES))
+    while done < total:
+        step = min(total - done, CHUNK_BYTES)
+        left = a.read(first.file, first.info.offset + done, step, into=buffers[0])
+        if left != b.read(second.file, second.info.offset + done, step, into=buffers[1]):
+            return False
+        done += step
+    return True
 
 
 def with_side_tensors(checkpoint: Checkpoint, family: archs.DraftFamily) -> Checkpoint:

@@ -13,9 +13,9 @@ from typing import Any
 
 from shardprep.constants import FORMAT, REGIONS_NAME
 from shardprep.errors import ManifestError
+from shardprep.format.cut_names import CUTS, MX_CUTS
 from shardprep.format.dtypes import DTYPE_SIZES
 from shardprep.format.jsonio import shorten
-from shardprep.format.records import CUTS, MX_CUTS
 from shardprep.format.request import REVISION
 from shardprep.format.vllm_layout import LEGACY_LAYOUT
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from torch import nn
 
 from shardprep.errors import TopologyMismatchError
+from shardprep.format.cut_names import MXFP4_PADDING_AT_LOAD
 from shardprep.format.manifest import Experts, ModelEntry, ParamSpec
-from shardprep.format.records import MXFP4_PADDING_AT_LOAD
 from shardprep.loader.fill import StackPads, no_stack_pads
 
 

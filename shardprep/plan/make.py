@@ -17,8 +17,9 @@ from shardprep.constants import (
     SHARDS_DIR,
 )
 from shardprep.errors import ConfigError, PlanError
+from shardprep.format.cut_names import MXFP4_PADDING_AT_LOAD
 from shardprep.format.dtypes import FLOAT_DTYPES, MODEL_DTYPES
-from shardprep.format.records import MXFP4_PADDING_AT_LOAD, Topology
+from shardprep.format.records import Topology
 from shardprep.plan import archs
 from shardprep.plan.archs.base import Family, Layout, Param, config_int
 from shardprep.plan.checks import checked_layout, dp_problems, problem_summary

@@ -47,7 +47,7 @@ _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
     ("mtp", "deepseek_v32"): ("deepseek_v32", "DeepseekV32MtpDraft"),
     ("mtp", "glm4_moe"): ("glm4_moe", "Glm4MoeMtpDraft"),
     ("mtp", "kimi_k3"): ("kimi_k3_mtp", "KimiK3MtpDraft"),
-    ("mtp", "qwen3_next"): ("qwen3_next", "Qwen3NextMtpDraft"),
+    ("mtp", "qwen3_next"): ("qwen3_next_mtp", "Qwen3NextMtpDraft"),
     ("mtp", "qwen3_5_moe"): ("qwen3_5_moe", "Qwen35MoeMtpDraft"),
 }
 

@@ -45,8 +45,8 @@ from shardprep.plan.archs.qwen3_next import (
     ROUTED,
     NextDims,
     Qwen3NextFamily,
-    Qwen3NextMtpDraft,
 )
+from shardprep.plan.archs.qwen3_next_mtp import Qwen3NextMtpDraft
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 

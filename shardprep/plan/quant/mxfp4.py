@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.format.records import MXFP4_PADDING_AT_LOAD
+from shardprep.format.cut_names import MXFP4_PADDING_AT_LOAD
 from shardprep.plan.cuts import MX_BLOCK, Cut, Piece, ScaleOf
 from shardprep.plan.quant.layer import Quantized, QuantParams
 
