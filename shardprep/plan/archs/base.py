@@ -49,11 +49,6 @@ class PlanContext:
     # (`DraftFamily.shares_target_embedding`).
     draft_shares_embedding: bool = False
 
-    @property
-    def with_draft(self) -> bool:
-        """Whether a draft is converted with this target."""
-        return self.draft_method is not None
-
 
 DEFAULT_CONTEXT = PlanContext()
 

@@ -37,7 +37,9 @@ class EagleBase(DraftFamily):
     optional_sources: ClassVar[frozenset[str]] = frozenset({"embed_tokens.weight"})
     # Index tables vLLM holds as integers (draft-to-target token ids: torch.long).
     integer_tables: ClassVar[dict[str, str]] = {"d2t": "I64"}
-    shares_target_embedding = True  # vLLM shares the target's where the draft holds none
+    # At pp > 1 vLLM builds the target's embedding on the last stage too, for the draft to
+    # share when it holds none of its own.
+    shares_target_embedding = True
 
     def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         return draft_dims(config, ctx.target_config).check(tp)
