@@ -10,9 +10,15 @@ from shardprep.errors import ConfigError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES, keeps_values
 from shardprep.format.records import Topology
 from shardprep.format.vllm_layout import expert_substitution
-from shardprep.plan.archs import quantized
-from shardprep.plan.archs.base import Family, Layout
+from shardprep.plan.archs.base import (
+    DEFAULT_CONTEXT,
+    Family,
+    Layout,
+    PlanContext,
+)
+from shardprep.plan.archs.parts import quantized
 from shardprep.plan.cuts import MODEL_DTYPE
+from shardprep.plan.drafts import with_target_rules
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.records import SourceModel
 
@@ -34,14 +40,14 @@ def checked_layout(
     source: SourceModel,
     tp: int,
     topology: Topology | None,
-    context: dict[str, Any],
+    ctx: PlanContext,
 ) -> tuple[Layout | None, list[str]]:
     """Problems of one model; its layout when there are none and the topology is valid."""
     refused = loading_problems(source.config, family)
     if refused:
         return None, [f"{role}: {p}" for p in refused]
     try:
-        counted = count_problems(family, source, context)
+        counted = count_problems(family, source, ctx)
     except ConfigError as exc:
         return None, [f"{role}: {exc}"]
     except (KeyError, ValueError, TypeError) as exc:
@@ -49,8 +55,8 @@ def checked_layout(
     if counted:
         return None, [f"{role}: {p}" for p in counted]
     try:
-        problems = [f"{role}: {p}" for p in family.check(source.config, tp, **context)]
-        expected = quantized.expected_shapes(family, source.config, **context)
+        problems = [f"{role}: {p}" for p in family.check(source.config, tp, ctx)]
+        expected = quantized.expected_shapes(family, source.config, ctx)
     except ConfigError as exc:
         return None, [f"{role}: {exc}"]
     except (KeyError, ValueError, TypeError) as exc:
@@ -64,11 +70,10 @@ def checked_layout(
             f"{role}: {name} has shape {list(shapes[name])} but config.json implies "
             f"{list(expected[name])}"
         )
-    layout = quantized.layout(family, source.config, shapes, topology, **context)
+    layout = quantized.layout(family, source.config, shapes, topology, ctx)
+    layout = with_target_rules(family, source.config, shapes, topology, layout, ctx)
     if not problems:
-        refused = quantized.quantization_problems(
-            family, source.config, layout, shapes, tp, **context
-        )
+        refused = quantized.quantization_problems(family, source.config, layout, shapes, tp, ctx)
         problems += [f"{role}: {p}" for p in refused]
     problems += [f"{role}: {p}" for p in dtype_problems(layout, source, family)]
     consumed = {piece.source for param in layout.params for piece in param.pieces}
@@ -87,7 +92,7 @@ def checked_layout(
     return layout, problems
 
 
-def count_problems(family: Family, source: SourceModel, context: Mapping[str, Any]) -> list[str]:
+def count_problems(family: Family, source: SourceModel, ctx: PlanContext) -> list[str]:
     """The first count of config.json that is more than the checkpoint's headers can hold,
     found before any hook enumerates it: every layer and every counted unit has tensors
     (or rows of a stacked tensor) of its own, so the tensors present bound all later work."""
@@ -98,7 +103,7 @@ def count_problems(family: Family, source: SourceModel, context: Mapping[str, An
             f"config.json says num_hidden_layers={layers} but the checkpoint holds only "
             f"{held} tensors; fix config.json"
         ]
-    for count in family.counts(source.config, **context):
+    for count in family.counts(source.config, ctx):
         stacked = [shape[0] for s in count.stacks if (shape := source.tensors.get(s, ("", ()))[1])]
         if stacked and count.value > max(stacked):
             return [
@@ -117,7 +122,7 @@ def counts_fit(family: Family, source: SourceModel) -> bool:
     """Whether config.json's counts fit the checkpoint's headers, so that the family's
     hooks may enumerate them (else planning says which does not)."""
     try:
-        return not count_problems(family, source, {})
+        return not count_problems(family, source, DEFAULT_CONTEXT)
     except (ConfigError, KeyError, ValueError, TypeError):
         return False
 
