@@ -9,7 +9,7 @@ state complete), and `sharded-fast`, with every collective refused while each ra
 loads, leaves the same state. vLLM's CPU build has no DSpark nor MTP model for
 DeepSeek-V4 (both classes raise when built), so the checkpoint's DSpark draft is left out
 here (`--no-mtp`); tests/plan/test_deepseek_v4_dspark.py and
-scripts/gpu_check_deepseek_v4.py test it.
+tests/gpu/test_gpu_deepseek_v4.py test it.
 """
 
 from __future__ import annotations
