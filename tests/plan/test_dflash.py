@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from plans import source_model
 from safetensors.torch import load_file
 
 from shardprep.cli import main
@@ -44,15 +45,12 @@ OPTIONAL = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "mask_embeddi
 
 
 def draft_source(method: str, config: dict[str, Any], drop=OPTIONAL, **extra) -> SourceModel:
-    shapes = archs.draft_family(method, "llama").expected_shapes(config, target_config=TARGET)
-    tensors = {n: ("BF16", s) for n, s in shapes.items() if n not in drop}
-    tensors.update(extra)
-    return SourceModel(config, tensors)
+    family = archs.draft_family(method, "llama")
+    return source_model(config, family, dtypes={}, drop=drop, extra=extra, target_config=TARGET)
 
 
 def target_source() -> SourceModel:
-    _, family = archs.target_family(TARGET)
-    return SourceModel(TARGET, {n: ("BF16", s) for n, s in family.expected_shapes(TARGET).items()})
+    return source_model(TARGET, dtypes={})
 
 
 def draft_tensors(plan, tp_rank: int) -> dict[str, Any]:
@@ -155,10 +153,7 @@ def test_a_draft_whose_kind_cannot_be_told_is_one_line() -> None:
 
 def test_a_draft_that_does_not_fit_its_target_is_one_line() -> None:
     narrow = {**TARGET, "hidden_size": 96, "head_dim": 24}
-    _, family = archs.target_family(narrow)
-    target = SourceModel(
-        narrow, {n: ("BF16", s) for n, s in family.expected_shapes(narrow).items()}
-    )
+    target = source_model(narrow, dtypes={})
     beyond = {**DFLASH, "dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 6]}}
     with pytest.raises(PlanError) as info:
         make_plan(target, tp=1, pp=1, draft=draft_source("dflash", beyond))
