@@ -1,8 +1,10 @@
 """Shared fixtures: tiny checkpoints built once per session, caches isolated per test.
 
 The tests mirror the package's folders; what several of them use (the Hub server, the
-vLLM runner and its environment, hostile-file builders, the manifest schema) is in
-tests/support/, importable by module name from every test."""
+vLLM runner and its environment, the canary's checks of vLLM's state, hostile-file
+builders, the manifest schema) is in tests/support/, importable by module name from every
+test; a test module imports no other test module. tests/gpu/ holds the checks that need a
+CUDA GPU (marked `gpu`, skipped without one)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
+from gpu_env import cuda_devices
 from hub_server import HubServer
 
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip where this interpreter's torch sees no CUDA GPU."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu and cuda_devices() == 0:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of vLLM")
+        for item in gpu:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -22,14 +21,28 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from stat import S_ISREG
 
+import hub_stages
 import pytest
 from hub_server import HubServer
+from hub_stages import (
+    DRAFT,
+    FIRST,
+    HEADER_LIMIT,
+    REPO,
+    SECOND,
+    THIRD,
+    WEIGHTS,
+    body_ranges,
+    files_fetched,
+    hub_options,
+    sha256_of,
+    split_by_stage,
+    stage_shards,
+)
 from huggingface_hub import HfApi, try_to_load_from_cache
-from safetensors.torch import load_file, save_file
 
 from shardprep.constants import MANIFEST_NAME, MAX_HEADER_BYTES, SOURCE_DOWNLOAD_DIR
 from shardprep.convert.hub_source import files_for_plan
@@ -38,67 +51,17 @@ from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 from shardprep.errors import ConfigError, CorruptFileError, HubError
 
 # The client's own LFS PUT passes a file object as `data=`, which httpx2 deprecates.
+model, repo = hub_stages.model, hub_stages.repo  # the fixtures of these tests
 pytestmark = [
     pytest.mark.usefixtures("hf_client_env"),
     pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning"),
 ]
 
-REPO = "shardprep-test/by-stage"
-DRAFT = "shardprep-test/by-stage-eagle3"
-FIRST, SECOND, THIRD = (f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3))
-WEIGHTS = (FIRST, SECOND, THIRD)
-HEADER_LIMIT = 4096  # bytes of a file `plan` may read: its header, nothing of its tensors
-
-
-def _file_of(name: str) -> str:
-    if name.startswith("model.layers."):
-        return FIRST if int(name.split(".")[2]) < 2 else SECOND
-    return FIRST if "embed_tokens" in name else THIRD
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = make_tiny_model(tmp_path_factory.mktemp("by-stage") / "model", torch_dtype="bfloat16")
-    return _split_by_stage(folder)
-
-
-def _split_by_stage(folder: Path, file_of: Callable[[str], str] = _file_of) -> Path:
-    """The model's one safetensors file rewritten as FIRST, SECOND and THIRD (`file_of`)."""
-    tensors = load_file(folder / "model.safetensors")
-    (folder / "model.safetensors").unlink()
-    weight_map = {name: file_of(name) for name in sorted(tensors)}
-    for file in WEIGHTS:
-        part = {n: t for n, t in tensors.items() if weight_map[n] == file}
-        save_file(part, folder / file, metadata={"format": "pt"})
-    index = {"metadata": {}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    return folder
-
-
-@pytest.fixture
-def repo(hub: HubServer, model: Path) -> str:
-    api = HfApi(endpoint=hub.endpoint)
-    api.create_repo(REPO)
-    api.upload_folder(repo_id=REPO, folder_path=model)
-    return hub.head(REPO)
-
-
-def _options(hub: HubServer, **more: object) -> Options:
-    return Options(tp=2, pp=2, endpoint=hub.endpoint, **more)  # type: ignore[arg-type]
-
-
-def _shards(out: Path, stage: int) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted((out / "shards").glob(f"model-pp-{stage}-*"))}
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
 
 def test_plan_reads_headers_by_range_only(
     hub: HubServer, repo: str, model: Path, tmp_path: Path
 ) -> None:
-    plan, checkpoints = load_and_plan(REPO, _options(hub))
+    plan, checkpoints = load_and_plan(REPO, hub_options(hub))
     for file in WEIGHTS:
         served = hub.bytes_served(REPO, file)
         assert 8 < served <= HEADER_LIMIT, (file, served)
@@ -124,7 +87,7 @@ def test_plan_reads_headers_by_range_only(
 def test_one_stage_downloads_only_its_files(
     hub: HubServer, repo: str, model: Path, tmp_path: Path
 ) -> None:
-    stage = convert(REPO, tmp_path / "stage1", _options(hub, stage=1), progress=False)
+    stage = convert(REPO, tmp_path / "stage1", hub_options(hub, stage=1), progress=False)
     assert hub.bytes_served(REPO, FIRST) <= HEADER_LIMIT  # stage 0's file: its header only
     for file in (SECOND, THIRD):
         assert hub.bytes_served(REPO, file) <= HEADER_LIMIT + (model / file).stat().st_size
@@ -133,16 +96,16 @@ def test_one_stage_downloads_only_its_files(
     assert try_to_load_from_cache(REPO, FIRST, revision=repo) is None
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2), progress=False)
-    assert _shards(tmp_path / "stage1", 1) == _shards(full, 1) and _shards(full, 1)
+    assert stage_shards(tmp_path / "stage1", 1) == stage_shards(full, 1) and stage_shards(full, 1)
     source = stage.model("target").source
     assert (source.repo_id, source.revision) == (REPO, repo)
     assert [(f.path, f.bytes, f.sha256) for f in source.files] == [
-        (f, (model / f).stat().st_size, _sha256(model / f)) for f in WEIGHTS
+        (f, (model / f).stat().st_size, sha256_of(model / f)) for f in WEIGHTS
     ]
     # A full convert from the Hub downloads the rest once and equals the local one.
-    from_hub = convert(REPO, tmp_path / "hub-full", _options(hub), progress=False)
-    assert _shards(tmp_path / "hub-full", 0) == _shards(full, 0)
-    assert _shards(tmp_path / "hub-full", 1) == _shards(full, 1)
+    from_hub = convert(REPO, tmp_path / "hub-full", hub_options(hub), progress=False)
+    assert stage_shards(tmp_path / "hub-full", 0) == stage_shards(full, 0)
+    assert stage_shards(tmp_path / "hub-full", 1) == stage_shards(full, 1)
     assert from_hub.model("target").source.files == source.files
     assert hub.downloads(REPO, SECOND) == len(hub.download_ranges(REPO, SECOND))
 
@@ -153,16 +116,16 @@ def test_a_wrong_sha256_is_refused_then_a_rerun_converts(
     out = tmp_path / "out"
     hub.corrupt_blob(REPO, SECOND)
     with pytest.raises(CorruptFileError) as refused:
-        convert(REPO, out, _options(hub, stage=1), progress=False)
+        convert(REPO, out, hub_options(hub, stage=1), progress=False)
     message = str(refused.value)
     assert "\n" not in message and SECOND in message and "the Hub states" in message
     assert not (out / MANIFEST_NAME).exists() and not list(out.glob("shards/*"))
     assert try_to_load_from_cache(REPO, SECOND, revision=repo) is None
     hub.corrupt_blob(REPO, SECOND)  # the same byte flipped back
-    convert(REPO, out, _options(hub, stage=1), progress=False)
+    convert(REPO, out, hub_options(hub, stage=1), progress=False)
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
-    assert _shards(out, 1) == _shards(full, 1)
+    assert stage_shards(out, 1) == stage_shards(full, 1)
 
 
 def test_a_cut_download_resumes_with_identical_bytes(
@@ -170,25 +133,17 @@ def test_a_cut_download_resumes_with_identical_bytes(
 ) -> None:
     size = (model / SECOND).stat().st_size
     hub.cut_next_download(REPO, SECOND, size // 2)
-    convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
+    convert(REPO, tmp_path / "out", hub_options(hub, stage=1), progress=False)
     # The client asked again, for the rest only: every byte of the body was sent once.
-    assert _bodies(hub, SECOND) == [None, f"bytes={size // 2}-"], hub.download_ranges(REPO, SECOND)
+    assert body_ranges(hub, SECOND) == [None, f"bytes={size // 2}-"], hub.download_ranges(
+        REPO, SECOND
+    )
     assert hub.bytes_served(REPO, SECOND) <= HEADER_LIMIT + size
     cached = try_to_load_from_cache(REPO, SECOND, revision=repo)
     assert isinstance(cached, str) and Path(cached).read_bytes() == (model / SECOND).read_bytes()
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
-    assert _shards(tmp_path / "out", 1) == _shards(full, 1)
-
-
-def _bodies(hub: HubServer, file: str, repo: str = REPO) -> list[str | None]:
-    """The Range header of each GET of `file` for its body (not a header read)."""
-    return [r for r in hub.download_ranges(repo, file) if r is None or r.endswith("-")]
-
-
-def _fetched(hub: HubServer, repo: str, weights: Iterable[str]) -> set[str]:
-    """The weight files of `repo` whose body was asked for (not only their header)."""
-    return {f for f in weights if _bodies(hub, f, repo)}
+    assert stage_shards(tmp_path / "out", 1) == stage_shards(full, 1)
 
 
 def _cli_convert(
@@ -210,21 +165,21 @@ def test_a_killed_convert_resumes_the_file_it_was_downloading(
     out = tmp_path / "out"
     command, env = _cli_convert(hub, out, "--quiet")
     storage = hf_client_env / "hub" / f"models--{REPO.replace('/', '--')}"
-    partial = storage / "blobs" / f"{_sha256(model / SECOND)}.incomplete"
+    partial = storage / "blobs" / f"{sha256_of(model / SECOND)}.incomplete"
     _kill_when_stalled(command, env, partial, cut, stall)
     assert partial.stat().st_size == cut  # what the killed run received is kept
-    resumed = convert(REPO, out, _options(hub, stage=1), progress=False)
+    resumed = convert(REPO, out, hub_options(hub, stage=1), progress=False)
     # The rerun hashed the half it found and asked for the other half only.
-    assert _bodies(hub, SECOND) == [None, f"bytes={cut}-"], hub.download_ranges(REPO, SECOND)
+    assert body_ranges(hub, SECOND) == [None, f"bytes={cut}-"], hub.download_ranges(REPO, SECOND)
     assert hub.bytes_served(REPO, SECOND) <= 2 * HEADER_LIMIT + size
     assert not partial.exists()
     cached = try_to_load_from_cache(REPO, SECOND, revision=repo)
     assert isinstance(cached, str) and Path(cached).read_bytes() == (model / SECOND).read_bytes()
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
-    assert _shards(out, 1) == _shards(full, 1) and _shards(full, 1)
+    assert stage_shards(out, 1) == stage_shards(full, 1) and stage_shards(full, 1)
     recorded = {f.path: f.sha256 for f in resumed.model("target").source.files}
-    assert recorded[SECOND] == _sha256(model / SECOND)
+    assert recorded[SECOND] == sha256_of(model / SECOND)
 
 
 def test_a_killed_budgeted_convert_resumes_its_partial_download(
@@ -238,21 +193,21 @@ def test_a_killed_budgeted_convert_resumes_its_partial_download(
     stall = hub.stall_next_download(REPO, SECOND, cut)
     out = tmp_path / "out"
     command, env = _cli_convert(hub, out, "--quiet", "--source-budget", f"{budget}B")
-    partial = out / SOURCE_DOWNLOAD_DIR / "partial" / f"{_sha256(model / SECOND)}.incomplete"
+    partial = out / SOURCE_DOWNLOAD_DIR / "partial" / f"{sha256_of(model / SECOND)}.incomplete"
     _kill_when_stalled(command, env, partial, cut, stall)
     peaks: list[int] = []
 
     def watch() -> None:
         peaks.append(_folder_bytes(out / SOURCE_DOWNLOAD_DIR))
 
-    options = _options(hub, stage=1, source_budget=budget)
+    options = hub_options(hub, stage=1, source_budget=budget)
     convert(REPO, out, options, progress=False, source_watch=watch)
-    assert _bodies(hub, SECOND) == [None, f"bytes={cut}-"], hub.download_ranges(REPO, SECOND)
+    assert body_ranges(hub, SECOND) == [None, f"bytes={cut}-"], hub.download_ranges(REPO, SECOND)
     assert peaks and max(peaks) <= budget, peaks
     assert not (out / SOURCE_DOWNLOAD_DIR).exists()
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
-    assert _shards(out, 1) == _shards(full, 1) and _shards(full, 1)
+    assert stage_shards(out, 1) == stage_shards(full, 1) and stage_shards(full, 1)
 
 
 def test_progress_shows_both_streams_unless_quiet_or_json(
@@ -281,17 +236,17 @@ def test_offline_reads_the_cache_or_says_what_it_lacks(
 ) -> None:
     from huggingface_hub import constants
 
-    convert(REPO, tmp_path / "stage1", _options(hub, stage=1), progress=False)
+    convert(REPO, tmp_path / "stage1", hub_options(hub, stage=1), progress=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError) as partial:
-        load_and_plan(REPO, _options(hub))
+        load_and_plan(REPO, hub_options(hub))
     assert "HF_HUB_OFFLINE" in str(partial.value) and FIRST in str(partial.value)
     with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
-        load_and_plan("shardprep-test/never-fetched", _options(hub))
+        load_and_plan("shardprep-test/never-fetched", hub_options(hub))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    convert(REPO, tmp_path / "full", _options(hub), progress=False)
+    convert(REPO, tmp_path / "full", hub_options(hub), progress=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    offline, checkpoints = load_and_plan(REPO, _options(hub))
+    offline, checkpoints = load_and_plan(REPO, hub_options(hub))
     assert checkpoints["target"].revision == repo
     assert offline == load_and_plan(str(model), Options(tp=2, pp=2))[0]
 
@@ -304,30 +259,32 @@ def test_a_draft_repo_is_fetched_only_for_the_last_stage(
     api.create_repo(DRAFT)
     api.upload_folder(repo_id=DRAFT, folder_path=draft)
     weights = sorted(p.name for p in draft.glob("*.safetensors"))
-    options = _options(hub, stage=0, draft=DRAFT)
+    options = hub_options(hub, stage=0, draft=DRAFT)
     plan, checkpoints = load_and_plan(REPO, options)
     assert files_for_plan(plan, checkpoints["draft"], ["draft"]) == []
     convert(REPO, tmp_path / "stage0", options, progress=False)
     assert weights and all(hub.bytes_served(DRAFT, f) <= HEADER_LIMIT for f in weights)
     assert hub.bytes_served(REPO, THIRD) <= HEADER_LIMIT
-    assert _fetched(hub, REPO, WEIGHTS) == {FIRST} and _fetched(hub, DRAFT, weights) == set()
-    options = _options(hub, stage=1, draft=DRAFT)
+    assert (
+        files_fetched(hub, REPO, WEIGHTS) == {FIRST} and files_fetched(hub, DRAFT, weights) == set()
+    )
+    options = hub_options(hub, stage=1, draft=DRAFT)
     plan, checkpoints = load_and_plan(REPO, options)
     stage1 = convert(REPO, tmp_path / "stage1", options, progress=False)
     assert all(hub.bytes_served(DRAFT, f) > HEADER_LIMIT for f in weights)
     # Exactly the files the plan reads, each downloaded once.
-    assert _fetched(hub, DRAFT, weights) == set(
+    assert files_fetched(hub, DRAFT, weights) == set(
         files_for_plan(plan, checkpoints["draft"], ["draft"])
     )
-    assert _fetched(hub, REPO, WEIGHTS) == {FIRST, SECOND, THIRD}
-    assert all(len(_bodies(hub, f, DRAFT)) == 1 for f in weights)
+    assert files_fetched(hub, REPO, WEIGHTS) == {FIRST, SECOND, THIRD}
+    assert all(len(body_ranges(hub, f, DRAFT)) == 1 for f in weights)
     local = tmp_path / "local"
     convert(str(model), local, Options(tp=2, pp=2, stage=1, draft=str(draft)), progress=False)
     drafted = sorted((local / "draft" / "shards").iterdir())
     assert drafted and [p.read_bytes() for p in drafted] == [
         (tmp_path / "stage1" / "draft" / "shards" / p.name).read_bytes() for p in drafted
     ]
-    assert _shards(tmp_path / "stage1", 1) == _shards(local, 1)
+    assert stage_shards(tmp_path / "stage1", 1) == stage_shards(local, 1)
     assert stage1.model("draft").source.repo_id == DRAFT
 
 
@@ -354,7 +311,7 @@ def test_a_header_too_large_is_refused_before_it_is_read(
     api.create_repo(REPO)
     api.upload_folder(repo_id=REPO, folder_path=hostile)
     with pytest.raises(CorruptFileError, match="over the .* limit"):
-        load_and_plan(REPO, _options(hub))
+        load_and_plan(REPO, hub_options(hub))
     assert hub.download_ranges(REPO, SECOND) == ["bytes=0-7"]
 
 
@@ -384,7 +341,7 @@ def test_a_source_budget_bounds_the_source_on_disk(
         private = out / SOURCE_DOWNLOAD_DIR
         peaks.append(_folder_bytes(private) if private.is_dir() else 0)
 
-    convert(REPO, out, _options(hub, source_budget=budget), progress=False, source_watch=watch)
+    convert(REPO, out, hub_options(hub, source_budget=budget), progress=False, source_watch=watch)
     assert max(peaks) <= budget and max(peaks) >= max(sizes.values()), peaks
     assert len(peaks) >= 3 * len(WEIGHTS)  # each file: start, finish, delete
     assert not (out / SOURCE_DOWNLOAD_DIR).exists()
@@ -394,7 +351,7 @@ def test_a_source_budget_bounds_the_source_on_disk(
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2), progress=False)
     for stage in (0, 1):
-        assert _shards(out, stage) == _shards(full, stage) and _shards(full, stage)
+        assert stage_shards(out, stage) == stage_shards(full, stage) and stage_shards(full, stage)
     assert (out / "config.json").read_bytes() == (model / "config.json").read_bytes()
 
 
@@ -405,7 +362,7 @@ def test_a_file_over_the_source_budget_is_one_line(
     size = (model / largest).stat().st_size
     out = tmp_path / "out"
     with pytest.raises(ConfigError) as refused:
-        convert(REPO, out, _options(hub, source_budget=size - 1), progress=False)
+        convert(REPO, out, hub_options(hub, source_budget=size - 1), progress=False)
     message = str(refused.value)
     assert "\n" not in message and largest in message and f"({size} bytes)" in message
     assert not (out / MANIFEST_NAME).exists() and not list(out.glob("shards/*"))
@@ -441,7 +398,7 @@ def test_an_expert_parallel_stage_downloads_only_its_files(
 
     repo = "shardprep-test/moe-by-stage"
     moe = make_tiny_model(tmp_path / "moe", "Qwen3MoeForCausalLM", torch_dtype="bfloat16")
-    _split_by_stage(moe, file_of)
+    split_by_stage(moe, file_of)
     api = HfApi(endpoint=hub.endpoint)
     api.create_repo(repo)
     api.upload_folder(repo_id=repo, folder_path=moe)
@@ -449,18 +406,18 @@ def test_an_expert_parallel_stage_downloads_only_its_files(
     wanted = {0: {FIRST, SECOND}, 1: {FIRST, THIRD}}
     for stage in (0, 1):
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / f"cache{stage}"))
-        before = {f: len(_bodies(hub, f, repo)) for f in WEIGHTS}
+        before = {f: len(body_ranges(hub, f, repo)) for f in WEIGHTS}
         options = Options(stage=stage, **ep)  # type: ignore[arg-type]
         plan, checkpoints = load_and_plan(repo, options)
         assert set(files_for_plan(plan, checkpoints["target"], ["target"])) == wanted[stage]
         out = tmp_path / f"stage{stage}"
         convert(repo, out, options, progress=False)
-        fetched = {f: len(_bodies(hub, f, repo)) - before[f] for f in WEIGHTS}
+        fetched = {f: len(body_ranges(hub, f, repo)) - before[f] for f in WEIGHTS}
         assert fetched == {f: int(f in wanted[stage]) for f in WEIGHTS}, fetched
         local = tmp_path / f"local{stage}"
         convert(str(moe), local, dataclasses.replace(options, endpoint=None), progress=False)
-        shards = _shards(out, stage)
-        assert shards == _shards(local, stage) and len(shards) == 3, sorted(shards)
+        shards = stage_shards(out, stage)
+        assert shards == stage_shards(local, stage) and len(shards) == 3, sorted(shards)
 
 
 def test_each_file_is_converted_as_it_arrives_whatever_its_place(
@@ -484,21 +441,23 @@ def test_each_file_is_converted_as_it_arrives_whatever_its_place(
         seen.update(here & {SECOND, THIRD})
 
     budget = sum((model / f).stat().st_size for f in WEIGHTS)
-    options = _options(hub, source_budget=budget)
+    options = hub_options(hub, source_budget=budget)
     convert(REPO, out, options, progress=False, source_watch=watch)
-    assert overtaken and f"{_sha256(model / FIRST)}.incomplete" in overtaken[0], overtaken
-    assert _bodies(hub, FIRST) == [None, f"bytes={size // 2}-"], hub.download_ranges(REPO, FIRST)
+    assert overtaken and f"{sha256_of(model / FIRST)}.incomplete" in overtaken[0], overtaken
+    assert body_ranges(hub, FIRST) == [None, f"bytes={size // 2}-"], hub.download_ranges(
+        REPO, FIRST
+    )
     full = tmp_path / "full"
     convert(str(model), full, Options(tp=2, pp=2), progress=False)
     for stage in (0, 1):
-        assert _shards(out, stage) == _shards(full, stage) and _shards(full, stage)
+        assert stage_shards(out, stage) == stage_shards(full, stage) and stage_shards(full, stage)
 
 
 def test_a_header_read_cut_short_is_asked_again(
     hub: HubServer, repo: str, model: Path, tmp_path: Path
 ) -> None:
     hub.cut_next_download(REPO, SECOND, 4)  # the first range read, of its 8-byte length
-    plan, _ = load_and_plan(REPO, _options(hub))
+    plan, _ = load_and_plan(REPO, hub_options(hub))
     ranges = hub.download_ranges(REPO, SECOND)
     assert ranges[:2] == ["bytes=0-7", "bytes=0-7"] and len(ranges) == 3, ranges
     assert plan == load_and_plan(str(model), Options(tp=2, pp=2))[0]

@@ -2,7 +2,8 @@
 the bytes converted are the bytes checked, whatever the server answers the second time or
 to a range read; no write follows a link planted in the Hugging Face cache; a revision
 that is not a branch, tag or commit name never reaches the cache as a path; and `--quiet`
-stays one line while the client retries. The model and repo are test_hub_source's."""
+stays one line while the client retries. The model and repo are those of
+test_hub_source (tests/support/hub_stages.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hub_stages
 import pytest
-import test_hub_source as by_stage
 from hostile import edit_manifest, split
 from hub_server import HubServer
+from hub_stages import (
+    REPO,
+    SECOND,
+    WEIGHTS,
+    body_ranges,
+    files_fetched,
+    hub_options,
+    sha256_of,
+    stage_shards,
+)
 from huggingface_hub import try_to_load_from_cache
-from test_hub_source import REPO, SECOND, _bodies, _fetched, _options, _sha256, _shards
 
 from shardprep.constants import MANIFEST_NAME
 from shardprep.convert.hub_source import fetch
@@ -27,7 +37,7 @@ from shardprep.convert.run import Options, convert, load_and_plan
 from shardprep.errors import ConfigError, HubError, ManifestError, OutputExistsError
 from shardprep.format.manifest import read_manifest
 
-model, repo = by_stage.model, by_stage.repo  # the fixtures, for these tests too
+model, repo = hub_stages.model, hub_stages.repo  # the fixtures of these tests
 pytestmark = [
     pytest.mark.usefixtures("hf_client_env"),
     pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning"),
@@ -41,7 +51,7 @@ def _storage(hf_client_env: Path) -> Path:
 def _local_stage1(model: Path, tmp_path: Path) -> dict[str, bytes]:
     full = tmp_path / "local"
     convert(str(model), full, Options(tp=2, pp=2, stage=1), progress=False)
-    shards = _shards(full, 1)
+    shards = stage_shards(full, 1)
     assert shards
     return shards
 
@@ -75,23 +85,23 @@ def test_a_second_answer_never_reaches_the_snapshot(
     other = _other_weights(real)
     hub.serve_other_after_download(REPO, SECOND, other)
     local = _local_stage1(model, tmp_path)
-    convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
-    assert _shards(tmp_path / "out", 1) == local
+    convert(REPO, tmp_path / "out", hub_options(hub, stage=1), progress=False)
+    assert stage_shards(tmp_path / "out", 1) == local
     blobs = _storage(hf_client_env) / "blobs"
     link = _storage(hf_client_env) / "snapshots" / repo / SECOND
-    assert os.readlink(link) == f"../../blobs/{_sha256(model / SECOND)}"
+    assert os.readlink(link) == f"../../blobs/{sha256_of(model / SECOND)}"
     assert Path(str(try_to_load_from_cache(REPO, SECOND, revision=repo))).read_bytes() == real
     assert ("HEAD", f"/{REPO}/resolve/{repo}/{SECOND}") not in hub.requests
-    assert _bodies(hub, SECOND) == [None]
+    assert body_ranges(hub, SECOND) == [None]
     # The cache as a client that asked again leaves it: the snapshot names the other body.
     wrong = hashlib.sha256(other).hexdigest()
     (blobs / wrong).write_bytes(other)
     link.unlink()
     link.symlink_to(f"../../blobs/{wrong}")
-    convert(REPO, tmp_path / "again", _options(hub, stage=1), progress=False)
-    assert _shards(tmp_path / "again", 1) == local
-    assert os.readlink(link) == f"../../blobs/{_sha256(model / SECOND)}"
-    assert _bodies(hub, SECOND) == [None]  # the checked blob was there: not fetched again
+    convert(REPO, tmp_path / "again", hub_options(hub, stage=1), progress=False)
+    assert stage_shards(tmp_path / "again", 1) == local
+    assert os.readlink(link) == f"../../blobs/{sha256_of(model / SECOND)}"
+    assert body_ranges(hub, SECOND) == [None]  # the checked blob was there: not fetched again
 
 
 def _swap_names(data: bytes, first: bytes, second: bytes) -> bytes:
@@ -118,11 +128,11 @@ def test_a_header_read_other_than_the_file_is_refused(
     out = tmp_path / "out"
     more = {"source_budget": 2 * len(real)} if budget else {}
     with pytest.raises(HubError) as refused:
-        convert(REPO, out, _options(hub, stage=1, **more), progress=False)
+        convert(REPO, out, hub_options(hub, stage=1, **more), progress=False)
     message = str(refused.value)
     assert "\n" not in message and SECOND in message and "another header" in message, message
     assert not (out / MANIFEST_NAME).exists() and not list(out.glob("shards/*"))
-    assert _bodies(hub, SECOND) == [None]  # downloaded (and checked), then refused
+    assert body_ranges(hub, SECOND) == [None]  # downloaded (and checked), then refused
 
 
 def test_a_link_planted_at_the_partial_download_is_not_followed(
@@ -132,14 +142,14 @@ def test_a_link_planted_at_the_partial_download_is_not_followed(
     victim.write_bytes(b"precious")
     blobs = _storage(hf_client_env) / "blobs"
     blobs.mkdir(parents=True)
-    partial = blobs / f"{_sha256(model / SECOND)}.incomplete"
+    partial = blobs / f"{sha256_of(model / SECOND)}.incomplete"
     partial.symlink_to(victim)
-    convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
+    convert(REPO, tmp_path / "out", hub_options(hub, stage=1), progress=False)
     assert victim.read_bytes() == b"precious"
     assert not partial.exists() and not partial.is_symlink()
-    assert (blobs / _sha256(model / SECOND)).read_bytes() == (model / SECOND).read_bytes()
-    assert _bodies(hub, SECOND) == [None]  # nothing of the link's target counted as kept
-    assert _shards(tmp_path / "out", 1) == _local_stage1(model, tmp_path)
+    assert (blobs / sha256_of(model / SECOND)).read_bytes() == (model / SECOND).read_bytes()
+    assert body_ranges(hub, SECOND) == [None]  # nothing of the link's target counted as kept
+    assert stage_shards(tmp_path / "out", 1) == _local_stage1(model, tmp_path)
 
 
 @pytest.mark.parametrize("revision", ["../../outside", "/etc/x", "a\\b", "main\x1b[2J", "a..b"])
@@ -148,7 +158,7 @@ def test_a_revision_that_is_not_a_ref_name_is_refused(
 ) -> None:
     asked = len(hub.requests)
     with pytest.raises(ConfigError, match="not a branch, tag or commit name") as refused:
-        load_and_plan(REPO, _options(hub, revision=revision))
+        load_and_plan(REPO, hub_options(hub, revision=revision))
     assert "\n" not in str(refused.value) and "\x1b" not in str(refused.value)
     assert len(hub.requests) == asked
 
@@ -219,15 +229,15 @@ def test_partial_downloads_no_file_of_the_commit_resumes_are_deleted(
     client_own.write_bytes(b"y")
     real = (model / SECOND).read_bytes()
     half = len(real) // 2
-    (blobs / f"{_sha256(model / SECOND)}.incomplete").write_bytes(real[:half])
+    (blobs / f"{sha256_of(model / SECOND)}.incomplete").write_bytes(real[:half])
     lock = hf_client_env / "hub" / ".locks" / storage.name / f"{busy}.lock"
     lock.parent.mkdir(parents=True)
     with FileLock(lock):
-        convert(REPO, tmp_path / "out", _options(hub, stage=1), progress=False)
+        convert(REPO, tmp_path / "out", hub_options(hub, stage=1), progress=False)
     assert not (blobs / f"{stale}.incomplete").exists()
     assert (blobs / f"{busy}.incomplete").exists() and client_own.exists()
-    assert _bodies(hub, SECOND) == [f"bytes={half}-"]
-    assert (blobs / _sha256(model / SECOND)).read_bytes() == real
+    assert body_ranges(hub, SECOND) == [f"bytes={half}-"]
+    assert (blobs / sha256_of(model / SECOND)).read_bytes() == real
 
 
 def test_a_foreign_folder_is_refused_before_anything_is_downloaded(
@@ -242,14 +252,14 @@ def test_a_foreign_folder_is_refused_before_anything_is_downloaded(
             (out / file).parent.mkdir(parents=True, exist_ok=True)
             (out / file).write_text("the user's")
         for budget in (None, 10**7):
-            options = _options(hub, source_budget=budget)
+            options = hub_options(hub, source_budget=budget)
             with pytest.raises(OutputExistsError, match="not a shardprep artifact"):
                 convert(REPO, out, options, progress=False)
             assert all((out / file).read_text() == "the user's" for file in files)
             assert sorted(p.name for p in out.iterdir()) == sorted(
                 {file.split("/")[0] for file in files}
             )
-    assert not _fetched(hub, REPO, by_stage.WEIGHTS)
+    assert not files_fetched(hub, REPO, WEIGHTS)
 
 
 def test_a_full_cache_is_named_as_the_cache(
@@ -294,7 +304,7 @@ def test_a_tensor_read_before_its_file_arrived_is_checked_on_arrival(
     other = bytearray(real)
     other[offset] ^= 0xFF
     hub.answer_header_reads_with(REPO, SECOND, bytes(other))  # the header reads stay honest
-    _, checkpoints = load_and_plan(REPO, _options(hub, stage=1))
+    _, checkpoints = load_and_plan(REPO, hub_options(hub, stage=1))
     target = checkpoints["target"]
     assert target.read(SECOND, offset, end - start) == bytes(other[offset : offset + end - start])
     with pytest.raises(HubError) as refused:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import source_model
 from torch import nn
 
 from shardprep.constants import ENV_ALLOW_UNVERIFIED_VLLM
@@ -22,7 +23,6 @@ from shardprep.format.manifest import parse_manifest, read_manifest
 from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
 from shardprep.plan.make import make_plan
-from shardprep.plan.records import SourceModel
 
 contract = pytest.importorskip("shardprep.loader.contract", reason="needs vLLM importable")
 
@@ -145,11 +145,6 @@ def test_online_quantization_is_refused_before_a_file_is_read(artifact: Path) ->
     contract.check_quantization(artifact, manifest, fp8, Toy(), "fp8")
 
 
-def source(config: dict) -> SourceModel:
-    shapes = archs.target_family(config)[1].expected_shapes(config)
-    return SourceModel(config, {name: ("BF16", shape) for name, shape in shapes.items()})
-
-
 SUBSTITUTIONS = [
     {"approximate_experts": True},
     {"compression_config": {"transform_config": {"expert_substitution": {"k": 2}}}},
@@ -162,7 +157,7 @@ def test_expert_substitution_is_refused_by_loader_and_plan(config: dict) -> None
         contract.check_substitution(Path("out"), config)
     model = tiny_config("Qwen3MoeForCausalLM", **config)
     with pytest.raises(PlanError, match="substitute experts") as info:
-        make_plan(source(model), ConversionRequest(tp=1, pp=1))
+        make_plan(source_model(model, dtypes={}), ConversionRequest(tp=1, pp=1))
     assert "remove it from config.json" in str(info.value)
     contract.check_substitution(Path("out"), {"approximate_experts": False})
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from plans import source_model
 from schema import SCHEMA
 
 from shardprep.cli import main
@@ -21,7 +22,6 @@ from shardprep.format.manifest import Manifest, parse_manifest, read_manifest
 from shardprep.format.request import ConversionRequest
 from shardprep.loader.experts import check_experts
 from shardprep.loader.reader import read_rank
-from shardprep.plan import archs
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import Plan, SourceModel
 from shardprep.plan.topology import experts_of_rank
@@ -32,8 +32,7 @@ W13 = "model.layers.{layer}.mlp.experts.routed_experts.w13_weight"
 
 
 def source(config: dict[str, Any]) -> SourceModel:
-    _, family = archs.target_family(config)
-    return SourceModel(config, {n: ("BF16", s) for n, s in family.expected_shapes(config).items()})
+    return source_model(config, dtypes={})
 
 
 def files_of(plan: Plan, tp: int, dp: int | None) -> list[Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from plans import source_model
 
 from shardprep.demo.tiny import TINY_FP8_CT, tiny_config
 from shardprep.format.request import ConversionRequest
@@ -73,9 +74,8 @@ INTERNAL_DRAFTS = {"deepseek": "deepseek_mtp", "deepseek_v32": "deepseek_v32_mtp
 def _source(config: dict[str, Any]) -> SourceModel:
     read = archs.read_config(config)
     _, family = archs.target_family(read)
-    dtypes = quantized.source_dtypes(family, read)
+    tensors = dict(source_model(read, family).tensors)
     shapes = quantized.expected_shapes(family, read)
-    tensors = {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()}
     # what convert adds: the weights vLLM dequantizes while loading (DeepSeek-V3.2's wk)
     stored = {n: dtype for n, (dtype, _) in tensors.items()}
     for name, (weight, _) in family.dequantized_sources(read, stored).items():

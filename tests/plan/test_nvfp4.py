@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from regrouping import assemble
 from safetensors.torch import load_file
-from test_regions import _assemble
 
 from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
@@ -149,7 +149,7 @@ def test_global_scale_stacks_at_every_coarser_tp(
     )
     for pieces, width in ((w13, (2,)), (w2, ())):
         for rank in range(new_tp):
-            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+            got, want, _ = assemble(pieces, sources, tp, new_tp, rank, split)
             held = len(split[1].experts(rank))
             assert got.shape == want.shape == (held, *width)
             assert np.array_equal(got, want)

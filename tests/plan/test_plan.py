@@ -5,23 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from plans import source_model
 
 from shardprep.demo.tiny import tiny_config
 from shardprep.errors import ConfigError, PlanError
 from shardprep.format.headers import numel
 from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
-from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 
 
 def source(config: dict[str, Any], dtype: str = "BF16", drop=(), extra=None) -> SourceModel:
-    _, family = archs.target_family(config)
-    shapes = family.expected_shapes(config)
-    tensors = {n: (dtype, s) for n, s in shapes.items() if n not in drop}
-    tensors.update(extra or {})
-    return SourceModel(config, tensors)
+    return source_model(config, dtype=dtype, dtypes={}, drop=drop, extra=extra)
 
 
 def llama_405b() -> dict[str, Any]:
@@ -91,13 +87,10 @@ def test_tied_embeddings_on_first_and_last_stage_only_once() -> None:
 def test_draft_lives_on_the_last_stage_and_target_embedding_joins_it() -> None:
     config = tiny_config()
     draft_config = {**config, "num_hidden_layers": 1, "draft_vocab_size": 512}
-    draft_family = archs.draft_family("eagle3", "llama")
-    shapes = draft_family.expected_shapes(draft_config, PlanContext(target_config=config))
-    draft = SourceModel(
-        draft_config,
-        {n: ("F32", s) for n, s in shapes.items()}
-        | {"d2t": ("I64", (512,)), "t2d": ("BOOL", (1000,))},
-    )
+    draft = source_model(
+        draft_config, archs.draft_family("eagle3", "llama"), dtype="F32", dtypes={},
+        extra={"d2t": ("I64", (512,)), "t2d": ("BOOL", (1000,))}, target_config=config,
+    )  # fmt: skip
     plan = make_plan(source(config, "F32"), ConversionRequest(tp=2, pp=2), draft)
     draft_files = [f for f in plan.files if f.role == "draft"]
     assert {(f.pp, f.tp) for f in draft_files} == {(1, 0), (1, 1)}

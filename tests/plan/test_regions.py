@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from regrouping import DTYPE, assemble
 
 from shardprep.errors import PlanError
 from shardprep.plan.cuts import Cut, Piece, ScaleOf
 from shardprep.plan.experts import w2_pieces, w13_pieces
-from shardprep.plan.records import TensorPlan
 from shardprep.plan.regions import (
     expert_ranks_for,
     locate,
@@ -22,76 +22,6 @@ from shardprep.plan.regions import (
     worker_stages,
 )
 from shardprep.plan.topology import ExpertSplit, Topology
-
-DTYPE = "F32"
-
-
-def _cut(tensor: TensorPlan, sources: dict[str, np.ndarray]) -> np.ndarray:
-    """A rank tensor's bytes straight from the source, as the converter writes them."""
-    parts = []
-    for block in tensor.blocks:
-        if block.source is None:
-            width = tensor.stacked_shape[1:] if len(tensor.stacked_shape) > 1 else ()
-            parts.append(np.zeros((block.height, *width), np.float32))
-            continue
-        data = sources[block.source]
-        data = (
-            np.repeat(np.repeat(data, block.repeat[0], 0), block.repeat[1], 1)
-            if (block.repeat != (1, 1))
-            else data
-        )
-        data = data.reshape(1) if data.ndim == 0 else data
-        part = data[block.rows[0] : block.rows[1]]
-        if block.matrix is not None:  # each dim-0 row's matrix part, transposed
-            (a0, a1), (b0, b1) = block.matrix
-            part = part[:, a0:a1, b0:b1].transpose(0, 2, 1).reshape(-1, a1 - a0)
-        if block.slab is not None:  # each dim-0 row's matrix part, top-left in zeros
-            (a0, a1), (b0, b1), (height, width) = block.slab
-            matrices = part.reshape(len(part), part.shape[1] if part.ndim > 2 else 1, -1)
-            padded = np.zeros((len(part), height, width), np.float32)
-            padded[:, : a1 - a0, : b1 - b0] = matrices[:, a0:a1, b0:b1]
-            part = padded.reshape(-1, width)
-        if block.cols is not None:
-            part = part[:, block.cols[0] : block.cols[1]]
-        parts.append(part)
-    return np.concatenate(parts).reshape(tensor.shape)
-
-
-def _assemble(
-    pieces: tuple[Piece, ...],
-    sources: dict[str, np.ndarray],
-    tp: int,
-    new_tp: int,
-    rank: int,
-    split: tuple[ExpertSplit, ExpertSplit] | None = None,
-) -> tuple[np.ndarray, np.ndarray, int]:
-    shapes = {name: tuple(a.shape) for name, a in sources.items()}
-    old_split, new_split = split if split else (None, None)
-    artifact = {
-        f"tp{r}": rank_tensor("p", pieces, shapes, DTYPE, tp, r, old_split, r) for r in range(tp)
-    }
-    mine = rank_tensor("p", pieces, shapes, DTYPE, new_tp, rank, new_split, rank)
-    stored = [s for holder, t in artifact.items() for s in stored_blocks(holder, t)]
-    ratio = tp // new_tp
-    prefer = [f"tp{r}" for r in range(rank * ratio, (rank + 1) * ratio)]
-    reads, zeros = locate(mine, stored, prefer)
-    files = {h: _cut(t, sources).reshape(t.stacked_shape) for h, t in artifact.items()}
-    out = np.full(mine.stacked_shape, np.nan, np.float32)
-    flat = out.reshape(out.shape[0] if out.ndim else 1, -1)
-    for start, end in zeros:
-        flat[start:end] = 0
-    read = 0
-    for r in reads:
-        part = files[r.holder].reshape(files[r.holder].shape[0] or 1, -1)[r.rows[0] : r.rows[1]]
-        read += part.size
-        if r.dest_cols is None:
-            flat[r.dest_rows[0] : r.dest_rows[1]] = part
-        else:
-            flat[r.dest_rows[0] : r.dest_rows[1], r.dest_cols[0] : r.dest_cols[1]] = part
-    zero_rows = sum(e - s for s, e in zeros) * (flat.shape[1] if flat.ndim > 1 else 1)
-    assert read + zero_rows == out.size  # every element once: no byte read twice
-    return out.reshape(mine.shape), _cut(mine, sources), read
-
 
 _RNG = np.random.default_rng(21)
 
@@ -108,7 +38,7 @@ def test_a_deltanet_conv1d_cut_into_q_k_and_v_rows_at_every_coarser_tp(
     sources = {"conv": _random(8 + 8 + 16, 1, 4)}
     pieces = (Piece("conv", Cut.QKV_ROWS, heads=8),)
     for rank in range(new_tp):
-        got, want, _ = _assemble(pieces, sources, tp, new_tp, rank)
+        got, want, _ = assemble(pieces, sources, tp, new_tp, rank)
         assert np.array_equal(got, want), rank
 
 
@@ -140,7 +70,7 @@ def test_dense_cuts_at_every_coarser_tp(tp: int, new_tp: int) -> None:
     }
     for name, pieces in cases.items():
         for rank in range(new_tp):
-            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank)
+            got, want, _ = assemble(pieces, sources, tp, new_tp, rank)
             assert np.array_equal(got, want), (name, rank)
 
 
@@ -153,7 +83,7 @@ def test_block_scales_on_odd_edges(tp: int, new_tp: int) -> None:
     sources["t"] = _random(3, 4)
     for pieces in (rows, cols):
         for rank in range(new_tp):
-            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank)
+            got, want, _ = assemble(pieces, sources, tp, new_tp, rank)
             assert np.array_equal(got, want)
 
 
@@ -173,7 +103,7 @@ def test_expert_stacks(tp: int, new_tp: int, expert_parallel: bool) -> None:
     )
     for pieces in (w13, w2):
         for rank in range(new_tp):
-            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+            got, want, _ = assemble(pieces, sources, tp, new_tp, rank, split)
             assert got.shape == want.shape
             assert np.array_equal(got, want)
 
@@ -198,7 +128,7 @@ def test_fused_expert_tensors_transposed_as_gpt_oss_stacks_them(tp: int, new_tp:
     for source, cut in cuts.items():
         pieces = tuple(Piece(source, cut, expert=e) for e in range(experts))
         for rank in range(new_tp):
-            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+            got, want, _ = assemble(pieces, sources, tp, new_tp, rank, split)
             assert got.shape == want.shape
             assert np.array_equal(got, want), (source, rank)
 
@@ -216,7 +146,7 @@ def test_expert_stacks_as_transformers_5_stores_them(tp: int, new_tp: int) -> No
     for source, cut in (("gate_up", Cut.EXPERT_HALVES_ROWS), ("down", Cut.EXPERT_COLS)):
         pieces = tuple(Piece(source, cut, expert=e) for e in range(experts))
         for rank in range(new_tp):
-            got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+            got, want, _ = assemble(pieces, sources, tp, new_tp, rank, split)
             assert got.shape == want.shape
             assert np.array_equal(got, want), (source, rank)
 
@@ -238,10 +168,10 @@ def test_mxfp4_experts_at_a_coarser_tp_unless_padded_for_their_tp(align: int, se
         pieces = tuple(Piece(source, cut, expert=e, scale_of=scale) for e in range(experts))
         if not served:
             with pytest.raises(PlanError, match="not whole blocks"):
-                _assemble(pieces, sources, 4, 2, 0, split)
+                assemble(pieces, sources, 4, 2, 0, split)
             continue
         for rank in range(2):
-            got, want, _ = _assemble(pieces, sources, 4, 2, rank, split)
+            got, want, _ = assemble(pieces, sources, 4, 2, rank, split)
             assert np.array_equal(got, want), (source, rank)
 
 
@@ -249,7 +179,7 @@ def test_a_tp_that_does_not_divide_is_not_whole_blocks() -> None:
     sources = {"q": _random(12, 4)}
     pieces = (Piece("q", Cut.ROWS),)
     with pytest.raises(PlanError, match=r"rows 0-3 of q are not whole blocks"):
-        _assemble(pieces, sources, 2, 3, 0)
+        assemble(pieces, sources, 2, 3, 0)
 
 
 def test_replicated_tensors_are_read_from_the_rank_itself() -> None:
@@ -365,6 +295,6 @@ def test_packed_int4_expert_stacks(tp: int, new_tp: int) -> None:
         for kind in ("p", "s"):
             pieces = tuple(piece for k, piece in stack if k == kind)
             for rank in range(new_tp):
-                got, want, _ = _assemble(pieces, sources, tp, new_tp, rank, split)
+                got, want, _ = assemble(pieces, sources, tp, new_tp, rank, split)
                 assert got.shape == want.shape
                 assert np.array_equal(got, want)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from plans import source_model
 from safetensors.torch import load_file, save_file
 
 from shardprep.convert.run import Options, convert
@@ -14,14 +15,12 @@ from shardprep.demo.tiny import tiny_config
 from shardprep.errors import PlanError
 from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
-from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 
 
 def source(config: dict, **dtypes: str) -> SourceModel:
-    shapes = archs.target_family(config)[1].expected_shapes(config)
-    return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
+    return source_model(config, dtypes=dtypes)
 
 
 @pytest.mark.parametrize("dtype", ["I16", "I32", "U8", "BOOL"])
@@ -56,12 +55,9 @@ def test_an_eagle3_draft_to_target_table_is_held_as_vllm_holds_it(tiny) -> None:
     target_config = tiny_config("LlamaForCausalLM")
     draft = archs.draft_family("eagle3", "llama")
     config = {"draft_vocab_size": 64}
-    shapes = draft.expected_shapes(config, PlanContext(target_config=target_config))
-    tensors = {n: ("BF16", s) for n, s in shapes.items()} | {"d2t": ("I32", shapes["d2t"])}
+    tensors = source_model(config, draft, dtypes={"d2t": "I32"}, target_config=target_config)
     plan = make_plan(
-        source(target_config),
-        ConversionRequest(tp=1, pp=1, draft_method="eagle3"),
-        SourceModel(config, tensors),
+        source(target_config), ConversionRequest(tp=1, pp=1, draft_method="eagle3"), tensors
     )
     d2t = [t for f in plan.files if f.role == "draft" for t in f.tensors if t.name.endswith("d2t")]
     table = next(t for f in plan.files for t in f.tensors if t.name == "draft_id_to_target_id")

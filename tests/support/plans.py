@@ -1,23 +1,46 @@
-"""A tiny model's tensor table without its bytes, and one rank file's tensors of a plan."""
+"""A checkpoint's tensor table without its bytes (the one header builder of the plan
+tests), and one rank file's tensors of a plan."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from shardprep.demo.tiny import tiny_config
 from shardprep.plan import archs
+from shardprep.plan.archs.base import Family, PlanContext
 from shardprep.plan.archs.parts import quantized
 from shardprep.plan.records import Plan, SourceModel, TensorPlan
+
+Tensors = Mapping[str, tuple[str, tuple[int, ...]]]
+
+
+def source_model(
+    config: dict[str, Any],
+    *families: Family,
+    dtype: str = "BF16",
+    dtypes: Mapping[str, str] | None = None,
+    drop: Collection[str] = (),
+    extra: Tensors | None = None,
+    **context: Any,
+) -> SourceModel:
+    """The tensors (dtype and shape) a checkpoint of `config` holds: those of `families`
+    (the config's target family if none), quantized as its `quantization_config` says.
+    Each is `dtype` but those `dtypes` names (None: the dtypes the families and the
+    quantization store); `drop` leaves tensors out, `extra` adds or replaces some, and
+    `context` goes to the families' `expected_shapes` (a draft's `target_config`)."""
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for family in families or (archs.target_family(config)[1],):
+        stored = quantized.source_dtypes(family, config) if dtypes is None else dtypes
+        shapes = quantized.expected_shapes(family, config, PlanContext(**context))
+        tensors |= {n: (stored.get(n, dtype), s) for n, s in shapes.items() if n not in drop}
+    return SourceModel(config, tensors | dict(extra or {}))
 
 
 def tiny_source(architecture: str, **overrides: Any) -> SourceModel:
     """The tensors (dtype and shape) a tiny checkpoint of `architecture` holds, quantized
     as `quantization_config` in `overrides` says."""
-    config = tiny_config(architecture, **overrides)
-    _, family = archs.target_family(config)
-    dtypes = quantized.source_dtypes(family, config)
-    shapes = quantized.expected_shapes(family, config)
-    return SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
+    return source_model(tiny_config(architecture, **overrides))
 
 
 def rank_tensors(plan: Plan, pp: int, tp: int, role: str | None = None) -> dict[str, TensorPlan]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import vllm_env
-from test_vllm_moe import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
+from canary import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
 

@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
+from canary import MTP, TRAP, assert_same_dumps, assert_same_state, rank_dumps
 from safetensors.torch import load_file
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_FP8, make_tiny_model
@@ -42,7 +41,6 @@ STATE_ONLY = {
     "SHARDPREP_SKIP_POSTPROCESS": "1",
     "SHARDPREP_STUB_SPARSE_ATTENTION": "1",
 }
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
 LAYERS = 3  # the MTP layer is model.layers.3
 IDX = "self_attn.indexer."
 
@@ -66,11 +64,9 @@ def test_deepseek_v32_fp8_with_mtp_at_tp2_pp2(tmp_path: Path) -> None:
     draft = read_manifest(artifact).model("draft")
     run = {"dtype": "bfloat16", "speculative_config": MTP, "allow_engine_failure": True}
     dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", env=STATE_ONLY, **run)
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=True))
     shared = set(draft.shared_with_target)  # vLLM gives the draft the target's lm_head later
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        ours = rank_tensors(artifact, role, p, t)
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2, draft=True, shared=shared):
+        (role, p, _), state = rank.key, rank.state
         layer = f"model.layers.{LAYERS}.mtp_block." if role == "draft" else f"model.layers.{2 * p}."
         # Every layer's indexer: wq_b fp8 with its block scales, wk and weights_proj fused
         # in bfloat16, k_norm float32; whole on both tp ranks.
@@ -80,9 +76,8 @@ def test_deepseek_v32_fp8_with_mtp_at_tp2_pp2(tmp_path: Path) -> None:
         assert state[layer + IDX + "wk_weights_proj.weight"].dtype == torch.bfloat16
         assert state[layer + IDX + "k_norm.bias"].dtype == torch.float32
         if role == "draft":
-            assert meta["model_class"] == "DeepSeekMTP"
-            state = {n: v for n, v in state.items() if n not in shared}
-        assert_same_state(state, ours)
+            assert rank.meta["model_class"] == "DeepSeekMTP"
+        assert_same_state(state, rank.ours)
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
         env=STATE_ONLY | TRAP, **run,

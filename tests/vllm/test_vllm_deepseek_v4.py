@@ -9,7 +9,7 @@ state complete), and `sharded-fast`, with every collective refused while each ra
 loads, leaves the same state. vLLM's CPU build has no DSpark nor MTP model for
 DeepSeek-V4 (both classes raise when built), so the checkpoint's DSpark draft is left out
 here (`--no-mtp`); tests/plan/archs/deepseek_v4/test_deepseek_v4_dspark.py and
-scripts/gpu_check_deepseek_v4.py test it.
+tests/gpu/test_gpu_deepseek_v4.py test it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_same_dumps
+from canary import TRAP, assert_same_dumps, assert_same_state, rank_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model
@@ -40,10 +39,9 @@ def test_deepseek_v4_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) -> N
     convert(str(model), artifact, Options(tp=2, pp=2, mtp_draft=False), progress=False)
     run = {"dtype": "bfloat16", "allow_engine_failure": True}
     dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", **run)
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["model_class"] == V4
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2):
+        state, p = rank.state, rank.pp
+        assert rank.meta["model_class"] == V4
         # float32 hyper-connections on every stage; layers 0-1 on stage 0, 2-3 on stage 1
         assert state["model.hc_head_fn"].dtype == torch.float32
         assert ("lm_head.weight" in state) == (p == 1)
@@ -55,7 +53,7 @@ def test_deepseek_v4_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) -> N
         else:  # layer 2 of compress ratio 128: a compressor without overlap, no indexer
             assert tuple(state["model.layers.2.attn.compressor.ape"].shape) == (128, 512)
             assert "model.layers.2.attn.indexer.wq_b.weight" not in state
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+        assert_same_state(state, rank.ours)
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast", env=TRAP, **run
     )

@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_same_dumps
+from canary import STATE_ONLY, TRAP, assert_same_dumps, assert_same_state, rank_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import DEEPSEEK_V4_FP8, make_tiny_model
@@ -36,7 +35,6 @@ pytestmark = [
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
 V4 = "DeepseekV4ForCausalLM"
-STATE_ONLY = {"SHARDPREP_STUB_KERNELS": "1", "SHARDPREP_SKIP_POSTPROCESS": "1"}
 SIZES = {"q_lora_rank": 128, "o_lora_rank": 128, "moe_intermediate_size": 256}
 
 
@@ -51,10 +49,9 @@ def test_deepseek_v4_fp8_fp4_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Pa
     assert manifest.vllm_layout.revisions["fp8_e8m0_mxfp4"] == 1
     run = {"dtype": "bfloat16", "allow_engine_failure": True}
     dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", env=STATE_ONLY, **run)
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["model_class"] == V4
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2):
+        state, p = rank.state, rank.pp
+        assert rank.meta["model_class"] == V4
         a = f"model.layers.{2 * p + 1}.attn."  # layer 1 (ratio 4) and layer 3 (ratio 4)
         fused = state[a + "fused_wqa_wkv.weight"]
         assert (fused.dtype, tuple(fused.shape)) == (torch.float8_e4m3fn, (128 + 512, 256))
@@ -73,7 +70,7 @@ def test_deepseek_v4_fp8_fp4_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Pa
         assert tuple(state[experts + "w2_weight_scale"].shape) == (4, 256, 128 // 32)
         down = state[f + "shared_experts.down_proj.weight_scale_inv"]
         assert (down.dtype, tuple(down.shape)) == (torch.float8_e8m0fnu, (2, 1))
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+        assert_same_state(state, rank.ours)
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
         env=STATE_ONLY | TRAP, **run,

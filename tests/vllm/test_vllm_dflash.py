@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import vllm_env
-from test_vllm_layout import assert_same_state, loaded, rank_tensors
+from canary import TRAP, assert_same_state, loaded, rank_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model, write_mask_embedding
@@ -50,12 +50,11 @@ def test_dflash_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) -> None:
     dumps = vllm_env.dump_state(
         model, 2, 2, tmp_path / "dump", speculative_config=spec, allow_engine_failure=True
     )
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=True))
     shared = set(read_manifest(artifact).model("draft").shared_with_target)
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        assert_same_state(loaded(state, meta, shared), rank_tensors(artifact, role, p, t))
-        if role == "draft":
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2, draft=True):
+        meta = rank.meta
+        assert_same_state(loaded(rank.state, meta, shared), rank.ours)
+        if rank.role == "draft":
             assert {k: meta[k] for k in SIDE_EFFECTS} == SIDE_EFFECTS
             assert (meta["has_own_embed_tokens"], meta["has_own_lm_head"]) == (False, False)
 
@@ -76,15 +75,14 @@ def test_dflash_speculates_through_sharded_fast_at_tp2_with_collectives_refused(
     }
     tokens = vllm_env.generate(
         artifact, 2, 1, "dump-sharded-fast", speculative_config=spec,
-        dump_dir=tmp_path / "dump", env={"SHARDPREP_TRAP_COLLECTIVES": "1"},
+        dump_dir=tmp_path / "dump", env=TRAP,
     )  # fmt: skip
     assert tokens == vllm_env.transformers_greedy(model, vllm_env.DEFAULT_PROMPTS, 8)
     dumps = vllm_env.dump_files(tmp_path / "dump")
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=True))
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=1, draft=True):
+        meta = rank.meta
         assert meta["collective_calls"] == []
-        if role == "draft":
+        if rank.role == "draft":
             assert {k: meta[k] for k in SIDE_EFFECTS} == SIDE_EFFECTS
             shared = {"model.embed_tokens.weight", "lm_head.weight"}
-            assert_same_state(loaded(state, meta, shared), rank_tensors(artifact, role, p, t))
+            assert_same_state(loaded(rank.state, meta, shared), rank.ours)

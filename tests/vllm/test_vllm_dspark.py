@@ -73,8 +73,9 @@ def side_effects(model) -> dict[str, object]:  # type: ignore[no-untyped-def]
 
 def run_worker(args: argparse.Namespace) -> int:
     import torch
+    from artifacts import rank_tensors
+    from canary import assert_same_state
     from shardprep_test_dump.trap import collectives_refused
-    from test_vllm_layout import assert_same_state, rank_tensors
     from vllm.config import set_current_vllm_config
     from vllm.config.load import LoadConfig
     from vllm.distributed import init_distributed_environment, initialize_model_parallel

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
+from canary import TRAP, assert_same_state
 from safetensors.torch import load_file
-from test_vllm_layout import assert_same_state
 
 from shardprep.convert.run import Options, convert
 from shardprep.format.manifest import read_manifest
@@ -84,9 +84,7 @@ def test_expert_parallel_over_tp_and_dp(tiny, tmp_path: Path) -> None:
         held[dp * TP + tp] = state[w13].shape[0]
         assert_same_state(state, worker_files(artifact, tp, dp))
     assert held == {0: 2, 1: 2, 2: 2, 3: 1}
-    fast = dp_dumps(
-        artifact, tmp_path / "fast", "dump-sharded-fast", {"SHARDPREP_TRAP_COLLECTIVES": "1"}
-    )
+    fast = dp_dumps(artifact, tmp_path / "fast", "dump-sharded-fast", TRAP)
     for key, path in fast.items():
         (state, meta), (expected, _) = vllm_env.read_dump(path), vllm_env.read_dump(default[key])
         assert meta["trap_armed"] and meta["collectives_trapped"] > 30, meta

@@ -33,9 +33,18 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
+from artifacts import rank_tensors
+from canary import (
+    MTP,
+    STATE_ONLY,
+    STUB,
+    TRAP,
+    assert_same_dumps,
+    assert_same_state,
+    from_checkpoint,
+    rank_dumps,
+)
 from safetensors.torch import load_file, save_file
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, make_tiny_model
@@ -47,11 +56,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
-STUB = {"SHARDPREP_STUB_KERNELS": "1"}
 # Whole 128-blocks per rank at tp2 (q 256, k and v 128 rows, o_proj 256 columns).
 QWEN3 = {"hidden_size": 256, "head_dim": 128, "intermediate_size": 512, "num_hidden_layers": 2}
-STATE_ONLY = STUB | {"SHARDPREP_SKIP_POSTPROCESS": "1"}
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
 HIDDEN = 256
 
 
@@ -71,41 +77,31 @@ def test_deepseek_v3_fp8_with_mtp_at_tp2_pp2(tmp_path: Path) -> None:
     draft = read_manifest(artifact).model("draft")
     run = {"dtype": "bfloat16", "speculative_config": MTP, "allow_engine_failure": True}
     dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", env=STATE_ONLY, **run)
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=True))
-    for (role, p, t), path in dumps.items():
-        state, _ = vllm_env.read_dump(path)
-        ours = rank_tensors(artifact, role, p, t)
-        if p == 1:
+    shared = set(draft.shared_with_target)  # vLLM gives the draft the target's lm_head later
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2, draft=True, shared=shared):
+        role, ours = rank.role, rank.ours
+        if rank.pp == 1:
             w13 = "model.layers.2.mlp.experts.routed_experts.w13_weight_scale_inv"
             if role == "draft":
                 w13 = w13.replace("layers.2.", "layers.3.mtp_block.")
             # [experts, 2 x 64 / 64, hidden / 64]: scales on the refined 64 x 64 grid
             assert tuple(ours[w13].shape) == (8, 2, HIDDEN // 64), w13
-        if role == "draft":
-            state = {n: v for n, v in state.items() if n not in draft.shared_with_target}
-        assert_same_state(state, ours)
+        assert_same_state(rank.state, ours)
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
         env=STATE_ONLY | TRAP, **run,
     )  # fmt: skip
-    shared = set(draft.shared_with_target)  # vLLM gives the draft the target's lm_head later
     assert_same_dumps(fast, dumps, leave_out={key: shared for key in fast if key[0] == "draft"})
-
-
-def loaded(state: dict) -> dict:
-    """The parameters vLLM loads from a checkpoint (not the KV-cache scales it leaves)."""
-    return {name: value for name, value in state.items() if not never_loaded(name)}
 
 
 def assert_rank_files_equal(artifact: Path, dumps: vllm_env.DumpFiles) -> None:
     """Every rank file equals vLLM's state, but for the KV-cache scales vLLM creates and
     leaves unloaded (those a checkpoint ships are in the rank files and compared)."""
-    for key, path in sorted(dumps.items()):
-        state, _ = vllm_env.read_dump(path)
+    for rank in rank_dumps(dumps, artifact):
+        state, ours = rank.state, rank.ours
         assert any(never_loaded(name) for name in state)
-        ours = rank_tensors(artifact, *key)
         kept = {name: value for name, value in state.items() if name in ours}
-        assert_same_state(loaded(state) | kept, ours)
+        assert_same_state(from_checkpoint(state) | kept, ours)
 
 
 def test_qwen3_fp8_generates_the_default_loaders_tokens_at_tp2_pp2(tmp_path: Path) -> None:

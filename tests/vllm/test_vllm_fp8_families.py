@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 import vllm_env
+from artifacts import rank_tensors
+from canary import MTP, STATE_ONLY, assert_same_state, from_checkpoint, rank_dumps, without
 from safetensors.torch import load_file, save_file
-from test_vllm_fp8 import STATE_ONLY, loaded
-from test_vllm_layout import assert_same_state, rank_tensors
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, make_tiny_model
@@ -38,7 +38,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
 # Whole 128-blocks per rank at tp2: q 256, k and v 128 rows, o_proj 256 columns.
 WIDE = {"hidden_size": 256, "head_dim": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 PER_TENSOR = {"quant_method": "fp8", "activation_scheme": "static"}
@@ -57,10 +56,9 @@ def assert_every_rank_file_equal(artifact: Path, dumps: vllm_env.DumpFiles) -> N
     leaves unloaded, and a draft's parameters that vLLM replaces with the target's."""
     manifest = read_manifest(artifact)
     shared = {m.role: set(m.shared_with_target) for m in manifest.models}
-    for key, path in sorted(dumps.items()):
-        state, _ = vllm_env.read_dump(path)
-        state = {n: v for n, v in loaded(state).items() if n not in shared.get(key[0], ())}
-        assert_same_state(state, rank_tensors(artifact, *key))
+    for rank in rank_dumps(dumps, artifact):
+        state = without(from_checkpoint(rank.state), shared.get(rank.role, ()))
+        assert_same_state(state, rank.ours)
 
 
 def dumped(model: Path, tp: int, pp: int, dump: Path, draft: bool) -> vllm_env.DumpFiles:

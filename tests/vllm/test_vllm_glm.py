@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from test_vllm_layout import assert_same_state, rank_tensors
+from canary import MTP, TRAP, assert_same_state, rank_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model
@@ -32,7 +32,6 @@ pytestmark = [
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
 GLM = "Glm4MoeForCausalLM"
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
 LAYERS = 3  # the MTP layer is model.layers.3
 HEAD = f"model.layers.{LAYERS}.shared_head.head.weight"
 
@@ -41,10 +40,6 @@ def glm_model(root: Path) -> Path:
     return make_tiny_model(
         root / "model", GLM, num_hidden_layers=LAYERS, num_nextn_predict_layers=1
     )
-
-
-def without(state: dict, names: set[str]) -> dict:
-    return {name: value for name, value in state.items() if name not in names}
 
 
 def test_glm_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(tmp_path: Path) -> None:
@@ -57,19 +52,16 @@ def test_glm_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(tmp_path:
         model, 2, 2, tmp_path / "dump", dtype="bfloat16", speculative_config=MTP,
         allow_engine_failure=True,
     )  # fmt: skip
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=True))
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        ours = rank_tensors(artifact, role, p, t)
-        if role == "draft":
-            assert meta["model_class"] == "Glm4MoeMTP"
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2, draft=True, shared={HEAD}):
+        state, ours = rank.state, rank.ours
+        if rank.role == "draft":
+            assert rank.meta["model_class"] == "Glm4MoeMTP"
             assert "model.embed_tokens.weight" in ours
             block = f"model.layers.{LAYERS}.mtp_block."
             assert ours[block + "mlp.gate.weight"].dtype == torch.float32
-            state = without(state, {HEAD})
         else:
             assert not [n for n in ours if n.startswith(f"model.layers.{LAYERS}.")]
-            if p == 0:  # layer 0 dense, layer 1 with experts: router float32, qkv bias
+            if rank.pp == 0:  # layer 0 dense, layer 1 with experts: router float32, qkv bias
                 router = state["model.layers.1.mlp.gate.weight"]
                 bias = state["model.layers.1.mlp.gate.e_score_correction_bias"]
                 qkv_bias = state["model.layers.0.self_attn.qkv_proj.bias"]
@@ -89,15 +81,12 @@ def test_glm_mtp_speculates_through_sharded_fast_at_tp2_with_collectives_refused
     assert shared == {"model.embed_tokens.weight", HEAD}
     tokens = vllm_env.generate(
         artifact, 2, 1, "dump-sharded-fast", speculative_config=MTP, dtype="float32",
-        dump_dir=tmp_path / "fast", env={"SHARDPREP_TRAP_COLLECTIVES": "1"},
+        dump_dir=tmp_path / "fast", env=TRAP,
     )  # fmt: skip
     fast = vllm_env.dump_files(tmp_path / "fast")
-    assert sorted(fast) == sorted(vllm_env.expected_dumps(2, 1, with_draft=True))
-    for (role, p, t), path in fast.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["trap_armed"] and meta["collective_calls"] == []
-        if role == "draft":
-            state = without(state, shared)  # left unfilled: vLLM shares the target's next
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+    # a draft's shared parameters are left unfilled: vLLM shares the target's next
+    for rank in rank_dumps(fast, artifact, tp=2, pp=1, draft=True, shared=shared):
+        assert rank.meta["trap_armed"] and rank.meta["collective_calls"] == []
+        assert_same_state(rank.state, rank.ours)
     assert [len(seq) for seq in tokens] == [8, 8]
     assert tokens == vllm_env.transformers_greedy(model, vllm_env.DEFAULT_PROMPTS, 8)

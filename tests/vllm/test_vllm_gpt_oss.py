@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
+from canary import TRAP, assert_same_state, rank_dumps
 from safetensors.torch import load_file
-from test_vllm_layout import assert_same_state, rank_tensors
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model
@@ -59,7 +59,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     )
     fast_tokens = vllm_env.generate(
         artifact, TP, PP, "dump-sharded-fast", dtype="bfloat16", dump_dir=root / "fast",
-        env={"SHARDPREP_TRAP_COLLECTIVES": "1"},
+        env=TRAP,
     )  # fmt: skip
     return Runs(
         model,
@@ -72,11 +72,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
 
 def test_gpt_oss_rank_files_equal_vllm_default_loader_state(runs: Runs) -> None:
-    assert sorted(runs.default) == sorted(vllm_env.expected_dumps(TP, PP, with_draft=False))
     source = load_file(runs.model / "model.safetensors")
-    for (role, p, t), path in runs.default.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["model_class"] == "GptOssForCausalLM"
+    for rank in rank_dumps(runs.default, runs.artifact, tp=TP, pp=PP):
+        (_, p, t), state = rank.key, rank.state
+        assert rank.meta["model_class"] == "GptOssForCausalLM"
         layer = 2 * p  # layers 0-1 on stage 0, 2-3 on stage 1
         prefix = f"model.layers.{layer}."
         hub = f"{prefix}mlp.experts."
@@ -87,15 +86,13 @@ def test_gpt_oss_rank_files_equal_vllm_default_loader_state(runs: Runs) -> None:
         sinks = source[f"{prefix}self_attn.sinks"][2 * t : 2 * t + 2]
         assert torch.equal(state[f"{prefix}attn.sinks"], sinks)
         assert {"model.embedding.weight", "model.norm.weight", "lm_head.weight"} <= set(state)
-        assert_same_state(state, rank_tensors(runs.artifact, role, p, t))
+        assert_same_state(state, rank.ours)
 
 
 def test_gpt_oss_sharded_fast_loads_every_rank_without_a_collective(runs: Runs) -> None:
-    assert sorted(runs.fast) == sorted(vllm_env.expected_dumps(TP, PP, with_draft=False))
-    for (role, p, t), path in runs.fast.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["trap_armed"] and meta["collective_calls"] == []
-        assert_same_state(state, rank_tensors(runs.artifact, role, p, t))
+    for rank in rank_dumps(runs.fast, runs.artifact, tp=TP, pp=PP):
+        assert rank.meta["trap_armed"] and rank.meta["collective_calls"] == []
+        assert_same_state(rank.state, rank.ours)
 
 
 def test_gpt_oss_sharded_fast_gives_the_default_loaders_tokens(runs: Runs) -> None:

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import vllm_env
+from canary import TRAP, assert_same_state, rank_dumps
 from hub_server import HubServer
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model
@@ -91,9 +90,6 @@ def test_vllm_serves_a_hub_repo_at_another_topology(hub: HubServer, tmp_path: Pa
 
     reference = tmp_path / "tp2-pp1"
     convert(str(model), reference, Options(tp=2, pp=1, dtype="float32"), progress=False)
-    found = vllm_env.dump_files(dumps)
-    assert found.keys() == vllm_env.expected_dumps(2, 1, with_draft=False)
-    for key, path in found.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["trap_armed"] and meta["collective_calls"] == [], meta
-        assert_same_state(rank_tensors(reference, *key), state)
+    for rank in rank_dumps(vllm_env.dump_files(dumps), reference, tp=2, pp=1):
+        assert rank.meta["trap_armed"] and rank.meta["collective_calls"] == [], rank.meta
+        assert_same_state(rank.ours, rank.state)

@@ -22,21 +22,25 @@ from pathlib import Path
 
 import pytest
 import vllm_env
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_same_dumps
+from canary import (
+    MTP,
+    STATE_ONLY,
+    TRAP,
+    assert_same_dumps,
+    assert_same_state,
+    from_checkpoint,
+    rank_dumps,
+)
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_INT4, make_tiny_model
 from shardprep.format.manifest import read_manifest
-from shardprep.plan.quant import never_loaded
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
-STATE_ONLY = {"SHARDPREP_STUB_KERNELS": "1", "SHARDPREP_SKIP_POSTPROCESS": "1"}
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
 W13 = "model.layers.2.mlp.experts.routed_experts.w13_weight_"
 
 
@@ -57,21 +61,16 @@ def test_deepseek_v3_int4_experts_with_mtp_at_tp2_pp2(tmp_path: Path) -> None:
     assert draft is not None and draft.quantization == "compressed-tensors"
     run = {"dtype": "bfloat16", "speculative_config": MTP, "allow_engine_failure": True}
     dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", env=STATE_ONLY, **run)
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=True))
-    for (role, p, t), path in dumps.items():
-        state, _ = vllm_env.read_dump(path)
-        state = {n: v for n, v in state.items() if not never_loaded(n)}
-        ours = rank_tensors(artifact, role, p, t)
-        if (role, p) == ("target", 1):
+    shared = set(draft.shared_with_target)  # vLLM gives the draft the target's lm_head later
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2, draft=True, shared=shared):
+        ours = rank.ours
+        if (rank.role, rank.pp) == ("target", 1):
             assert tuple(ours[W13 + "packed"].shape) == (8, 2 * 64, 256 // 8)
             assert tuple(ours[W13 + "scale"].shape) == (8, 2 * 64, 256 // 32)
             assert ours[W13 + "shape"].tolist() == [[128.0, 256.0]] * 8
-        if role == "draft":
-            state = {n: v for n, v in state.items() if n not in draft.shared_with_target}
-        assert_same_state(state, ours)
+        assert_same_state(from_checkpoint(rank.state), ours)
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
         env=STATE_ONLY | TRAP, **run,
     )  # fmt: skip
-    shared = set(draft.shared_with_target)  # vLLM gives the draft the target's lm_head later
     assert_same_dumps(fast, dumps, leave_out={key: shared for key in fast if key[0] == "draft"})

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from test_vllm_moe import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
+from canary import TRAP, assert_same_dumps, assert_same_state, rank_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model
@@ -45,10 +45,9 @@ def test_kimi_k25_rank_files_and_tokens_equal_vllm_at_tp2_pp2(tmp_path: Path) ->
     run = {"max_tokens": 6, "engine": ENGINE}
     default = vllm_env.generate(model, 2, 2, "dump-default", dump_dir=tmp_path / "default", **run)
     dumps = vllm_env.dump_files(tmp_path / "default")
-    assert sorted(dumps) == [("target", p, t) for p in range(2) for t in range(2)]
-    for (_, p, _), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["model_class"] == KIMI
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2):
+        state, p = rank.state, rank.pp
+        assert rank.meta["model_class"] == KIMI
         # The tower (hidden 64, 4 heads) split by tp on every stage; the projector whole.
         assert tuple(state[BLOCK + "wqkv.weight"].shape) == (3 * 64 // 2, 64)
         assert tuple(state[BLOCK + "wo.weight"].shape) == (64, 64 // 2)
@@ -59,7 +58,7 @@ def test_kimi_k25_rank_files_and_tokens_equal_vllm_at_tp2_pp2(tmp_path: Path) ->
         text = "language_model.model.embed_tokens.weight"
         assert (text in state) == (p == 0)
         assert ("language_model.lm_head.weight" in state) == (p == 1)
-    assert_rank_files_equal_dumps(artifact, dumps)
+        assert_same_state(state, rank.ours)
     fast = vllm_env.generate(
         artifact, 2, 2, "dump-sharded-fast", dump_dir=tmp_path / "fast", env=TRAP, **run
     )

@@ -41,8 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
+from canary import STATE_ONLY, TRAP, assert_same_dumps, assert_same_state, rank_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import KIMI_K3_MXFP4, make_tiny_model
@@ -60,7 +59,6 @@ ENGINE = {
     "enable_prefix_caching": False,
 }
 ENV = {"VLLM_KIMI_K3_GEMM_AR": "0"}
-STATE_ONLY = {"SHARDPREP_STUB_KERNELS": "1", "SHARDPREP_SKIP_POSTPROCESS": "1"}
 LAYERS = "language_model.model.layers."
 VISION = ("vision_tower.", "mm_projector.")
 
@@ -71,10 +69,9 @@ def test_kimi_k3_rank_files_equal_vllm_at_tp2_pp2(tmp_path: Path) -> None:
     convert(str(model), artifact, Options(tp=2, pp=2), progress=False)
     run = {"dtype": "bfloat16", "allow_engine_failure": True, "engine": ENGINE}
     dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", env=ENV, **run)
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
-    for (_, p, _), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["model_class"] == KIMI
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2):
+        state, p = rank.state, rank.pp
+        assert rank.meta["model_class"] == KIMI
         kda = f"{LAYERS}{2 * p}.self_attn."  # layer 0 (stage 0) and 2 (stage 1) are KDA
         # q, k, v, g: 4 x 32 rows of the rank, f_a 16, b 2, then 14 zero rows (to 160).
         fused = state[kda + "in_proj_qkvgfab.weight"]
@@ -91,7 +88,7 @@ def test_kimi_k3_rank_files_equal_vllm_at_tp2_pp2(tmp_path: Path) -> None:
         assert tuple(state["vision_tower.encoder.blocks.1.wqkv.weight"].shape) == (144, 64)
         assert ("language_model.model.embed_tokens.weight" in state) == (p == 0)
         assert ("language_model.lm_head.weight" in state) == (p == 1)
-    assert_rank_files_equal_dumps(artifact, dumps)
+        assert_same_state(state, rank.ours)
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
         env=ENV | TRAP, **run,
@@ -110,10 +107,9 @@ def test_kimi_k3_mxfp4_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) ->
     run = {"dtype": "bfloat16", "allow_engine_failure": True, "engine": ENGINE}
     env = ENV | STATE_ONLY
     dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", env=env, **run)
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
-    for (role, p, t), path in dumps.items():
-        state, _ = vllm_env.read_dump(path)
-        moe = f"{LAYERS}{2 * p + 1}.block_sparse_moe."
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2):
+        state = rank.state
+        moe = f"{LAYERS}{2 * rank.pp + 1}.block_sparse_moe."
         experts = moe + "experts.routed_experts."
         # gate then up: 128 rows each on the rank, over the latent width 256 (128 bytes).
         assert state[experts + "w13_weight"].dtype == torch.uint8
@@ -121,7 +117,7 @@ def test_kimi_k3_mxfp4_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) ->
         assert tuple(state[experts + "w2_weight_scale"].shape) == (8, 256, 128 // 32)
         down = state[moe + "routed_expert_down_proj.weight"]
         assert (down.dtype, tuple(down.shape)) == (torch.bfloat16, (256, 64))
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+        assert_same_state(state, rank.ours)
     # Text only: vLLM leaves the tower and projector unbuilt, and sharded-fast skips them.
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast", env=env | TRAP,

@@ -118,7 +118,8 @@ def run_worker(args: argparse.Namespace) -> int:
     # vLLM's CPU worker imports this first: it stands in CPU placeholders for CUDA
     # streams and events (the Kimi-K3 model makes a stream when it is built).
     import vllm.v1.worker.cpu_worker  # noqa: F401
-    from test_vllm_layout import assert_same_state, rank_tensors
+    from artifacts import rank_tensors
+    from canary import assert_same_state
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
         destroy_model_parallel,
@@ -179,7 +180,8 @@ def mtp_phase(root: Path, rank: int) -> dict[str, object]:
 
 
 def mtp_draft(root: Path, name: str, rank: int) -> list[str]:
-    from test_vllm_layout import assert_same_state, rank_tensors
+    from artifacts import rank_tensors
+    from canary import assert_same_state, without
     from vllm.config import set_current_vllm_config
     from vllm.distributed import destroy_model_parallel, initialize_model_parallel
     from vllm.models.kimi_k3.nvidia.mtp import KimiK3MTP
@@ -207,10 +209,6 @@ def mtp_draft(root: Path, name: str, rank: int) -> list[str]:
             assert_same_state(without(state(default), {MTP_HEAD}), last)
     destroy_model_parallel()
     return sorted(ours)
-
-
-def without(tensors: dict, names: set[str]) -> dict:
-    return {name: value for name, value in tensors.items() if name not in names}
 
 
 def torch_equal(a, b) -> bool:  # type: ignore[no-untyped-def]
@@ -287,8 +285,7 @@ def main() -> int:
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
-    here = Path(__file__).resolve().parent
-    sys.path[:0] = [str(here), str(here.parent / "support")]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
     return run_worker(parser.parse_args())
 
 

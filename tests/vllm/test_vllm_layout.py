@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import vllm_env
-from artifacts import rank_tensors
+from canary import FLAGS, assert_same_state, loaded, rank_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
@@ -33,15 +32,6 @@ CASES = {
 }  # fmt: skip
 
 
-def assert_same_state(vllm_state: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> None:
-    assert sorted(ours) == sorted(vllm_state)
-    for name, expected in vllm_state.items():
-        got = ours[name]
-        assert (got.dtype, tuple(got.shape)) == (expected.dtype, tuple(expected.shape)), name
-        raw = expected.contiguous().reshape(-1).view(torch.uint8)  # 0-d scales too
-        assert torch.equal(got.reshape(-1).view(torch.uint8), raw), name
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rank_files_equal_vllm_default_loader_state(case: str, tmp_path: Path) -> None:
     arch, tp, pp, overrides, env = CASES[case]
@@ -53,10 +43,8 @@ def test_rank_files_equal_vllm_default_loader_state(case: str, tmp_path: Path) -
     dumps = vllm_env.dump_state(
         model, tp, pp, tmp_path / "dump", env=env, allow_engine_failure=True
     )
-    assert sorted(dumps) == [("target", p, t) for p in range(pp) for t in range(tp)]
-    for (role, p, t), path in dumps.items():
-        vllm_state, _ = vllm_env.read_dump(path)
-        assert_same_state(vllm_state, rank_tensors(artifact, role, p, t))
+    for rank in rank_dumps(dumps, artifact, tp=tp, pp=pp):
+        assert_same_state(rank.state, rank.ours)
 
 
 DRAFT_CASES = {
@@ -85,9 +73,8 @@ def test_draft_rank_files_equal_vllm_draft_state(case: str, tmp_path: Path) -> N
     )
     shared = set(read_manifest(artifact).model("draft").shared_with_target)
     assert {key for key in dumps if key[0] == "draft"} == {("draft", pp - 1, t) for t in range(tp)}
-    for (role, p, t), path in dumps.items():
-        vllm_state, meta = vllm_env.read_dump(path)
-        assert_same_state(loaded(vllm_state, meta, shared), rank_tensors(artifact, role, p, t))
+    for rank in rank_dumps(dumps, artifact):
+        assert_same_state(loaded(rank.state, rank.meta, shared), rank.ours)
     if method != "eagle3":
         return
     # The same engine loading the artifact through sharded-fast, target and draft (on the
@@ -98,23 +85,7 @@ def test_draft_rank_files_equal_vllm_draft_state(case: str, tmp_path: Path) -> N
         allow_engine_failure=True, load_format="dump-sharded-fast",
     )  # fmt: skip
     assert fast.keys() == dumps.keys()
-    for key, path in fast.items():
-        (fast_state, fast_meta), (default_state, meta) = map(vllm_env.read_dump, (path, dumps[key]))
-        assert [fast_meta[f] for f in _FLAGS] == [meta[f] for f in _FLAGS]
-        assert_same_state(loaded(default_state, meta, shared), loaded(fast_state, meta, shared))
-
-
-def loaded(state: dict[str, torch.Tensor], meta: dict, shared: set[str]) -> dict[str, torch.Tensor]:
-    """The parameters a load filled: a draft parameter its checkpoint lacks is left
-    unloaded by vLLM, which then shares the target's, and shardprep writes none for it."""
-    if meta["role"] != "draft":
-        return state
-    unloaded = {n for n in shared if n in state and not meta[_OWN_FLAG[n]]}
-    return {n: v for n, v in state.items() if n not in unloaded}
-
-
-_FLAGS = ("has_own_embed_tokens", "has_own_lm_head")
-_OWN_FLAG = {
-    "model.embed_tokens.weight": "has_own_embed_tokens",
-    "lm_head.weight": "has_own_lm_head",
-}
+    for rank in rank_dumps(fast):
+        default_state, meta = vllm_env.read_dump(dumps[rank.key])
+        assert [rank.meta[f] for f in FLAGS] == [meta[f] for f in FLAGS]
+        assert_same_state(loaded(default_state, meta, shared), loaded(rank.state, meta, shared))

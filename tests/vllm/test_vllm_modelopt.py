@@ -24,10 +24,16 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
+from canary import (
+    STATE_ONLY,
+    TRAP,
+    assert_generates_like_the_default_loader,
+    assert_same_dumps,
+    assert_same_state,
+    from_checkpoint,
+    rank_dumps,
+)
 from safetensors.torch import load_file
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_same_dumps
-from test_vllm_nvfp4 import STATE_ONLY, assert_generates_like_the_default_loader, loaded
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_MODELOPT_NVFP4, make_tiny_model
@@ -72,11 +78,9 @@ def test_qwen3_moe_modelopt_nvfp4_equals_vllm_state_at_tp2_pp2(tmp_path: Path) -
     convert(str(model), artifact, Options(tp=2, pp=2), progress=False)
     run = {"dtype": "bfloat16", "allow_engine_failure": True}
     dumps = vllm_env.dump_state(model, 2, 2, tmp_path / "default", env=STATE_ONLY, **run)
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
     source = load_file(model / "model.safetensors")
-    for (role, p, t), path in sorted(dumps.items()):
-        state, _ = vllm_env.read_dump(path)
-        state = loaded(state)
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2):
+        state, p = from_checkpoint(rank.state), rank.pp
         stack = f"model.layers.{p}.mlp.experts.routed_experts."
         assert tuple(state[stack + "w13_weight"].shape) == (8, 2 * 32, 128 // 2)
         assert state[stack + "w13_weight"].dtype == torch.uint8
@@ -86,7 +90,7 @@ def test_qwen3_moe_modelopt_nvfp4_equals_vllm_state_at_tp2_pp2(tmp_path: Path) -
             torch.stack([source[expert + f"{j}_proj.input_scale"] for j in ("gate", "up")]),
         )
         assert state[f"model.layers.{p}.mlp.gate.weight"].dtype == torch.bfloat16  # excluded
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+        assert_same_state(state, rank.ours)
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
         env=STATE_ONLY | TRAP, **run,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import vllm_env
-from test_vllm_layout import assert_same_state, rank_tensors
+from canary import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
 
@@ -24,39 +24,12 @@ pytestmark = [
 # Five layers, 0 and 3 dense: at pp2 (3 + 2 layers) each stage mixes dense and sparse.
 QWEN3_MOE = ("Qwen3MoeForCausalLM", {"num_hidden_layers": 5, "mlp_only_layers": [0, 3]})
 MIXTRAL = ("MixtralForCausalLM", {})
-TRAP = {"SHARDPREP_TRAP_COLLECTIVES": "1"}
 EP = {"enable_expert_parallel": True}
 
 
 def convert_to(model: Path, out: Path, tp: int, pp: int, **options: object) -> Path:
     convert(str(model), out, Options(tp=tp, pp=pp, dtype="float32", **options), progress=False)
     return out
-
-
-def assert_rank_files_equal_dumps(artifact: Path, dumps: vllm_env.DumpFiles) -> None:
-    for (role, pp, tp), path in sorted(dumps.items()):
-        state, _ = vllm_env.read_dump(path)
-        assert_same_state(state, rank_tensors(artifact, role, pp, tp))
-
-
-def assert_same_dumps(
-    ours: vllm_env.DumpFiles,
-    default: vllm_env.DumpFiles,
-    leave_out: dict[tuple[str, int, int], set[str]] | None = None,
-) -> None:
-    """What sharded-fast left equals what the default loader left (but the parameters
-    `leave_out` names for a rank); its load ran with every collective trapped (the trap
-    was armed and caught no call)."""
-    assert ours.keys() == default.keys()
-    for key, path in ours.items():
-        (state, meta), (expected, _) = vllm_env.read_dump(path), vllm_env.read_dump(default[key])
-        assert meta["trap_armed"] and meta["collectives_trapped"] > 30, meta
-        assert meta["collective_calls"] == []
-        skip = (leave_out or {}).get(key, set())
-        assert_same_state(
-            {n: t for n, t in expected.items() if n not in skip},
-            {n: t for n, t in state.items() if n not in skip},
-        )
 
 
 @pytest.mark.parametrize(

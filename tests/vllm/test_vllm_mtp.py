@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from test_vllm_layout import assert_same_state, rank_tensors
+from canary import FLOAT32_MTP, MTP, TRAP, assert_same_state, rank_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model
@@ -32,22 +32,9 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
 LAYERS = 3  # the MTP layer is model.layers.3
-# Tokens are compared in float32: in bfloat16 vLLM's CPU build does not give the same
-# greedy tokens from one run to the next (batching moves near-ties). float32 MLA needs the
-# CPU_MLA attention backend, for the draft too: its backend is a setting of its own, and
-# left unset vLLM picks AMX_MLA for it on a CPU with AMX tiles, whose weight packing takes
-# 16-bit weights only ("expect weight to be bfloat16, float16, ..."). The reference
-# speculates too: a step that verifies a draft token runs MLA over two query positions,
-# not one, and on a random tiny model that moves near-ties even in float32 (seen: the
-# second of eight tokens differed from plain greedy decoding), so only the same
-# speculative run with vLLM's own loader is a bitwise reference.
-FLOAT32_MTP = {
-    "dtype": "float32",
-    "engine": {"attention_config": {"backend": "CPU_MLA"}},
-    "speculative_config": MTP | {"attention_backend": "CPU_MLA"},
-}
+# Tokens are compared in float32, with the CPU_MLA backend, against the same speculative
+# run with vLLM's own loader (FLOAT32_MTP, tests/support/canary.py, says why).
 
 
 def mtp_model(root: Path) -> Path:
@@ -57,10 +44,6 @@ def mtp_model(root: Path) -> Path:
         num_hidden_layers=LAYERS,
         num_nextn_predict_layers=1,
     )
-
-
-def without(state: dict, names: set[str]) -> dict:
-    return {name: value for name, value in state.items() if name not in names}
 
 
 def test_mtp_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) -> None:
@@ -74,18 +57,16 @@ def test_mtp_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) -> None:
         model, 2, 2, tmp_path / "dump", dtype="bfloat16", speculative_config=MTP,
         allow_engine_failure=True,
     )  # fmt: skip
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=True))
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        ours = rank_tensors(artifact, role, p, t)
-        if role == "draft":
-            assert meta["model_class"] == "DeepSeekMTP"
+    shared = set(draft.shared_with_target)
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2, draft=True, shared=shared):
+        state, ours = rank.state, rank.ours
+        if rank.role == "draft":
+            assert rank.meta["model_class"] == "DeepSeekMTP"
             assert "model.embed_tokens.weight" in ours
             assert any(".mtp_block.mlp.experts.routed_experts.w13_weight" in n for n in ours)
-            state = without(state, set(draft.shared_with_target))
         else:
             assert not [n for n in ours if n.startswith(f"model.layers.{LAYERS}.")]
-            if p == 0:  # V3's MLA with q_lora_rank; the routing bias stays float32
+            if rank.pp == 0:  # V3's MLA with q_lora_rank; the routing bias stays float32
                 fused = state["model.layers.0.self_attn.fused_qkv_a_proj.weight"]
                 bias = state["model.layers.1.mlp.gate.e_score_correction_bias"]
                 assert (bias.dtype, fused.dtype) == (torch.float32, torch.bfloat16)
@@ -101,18 +82,15 @@ def test_mtp_speculates_through_sharded_fast_at_tp2_with_collectives_refused(
     reference = vllm_env.generate(model, 2, 1, "auto", **FLOAT32_MTP)
     tokens = vllm_env.generate(
         artifact, 2, 1, "dump-sharded-fast", **FLOAT32_MTP,
-        dump_dir=tmp_path / "dump", env={"SHARDPREP_TRAP_COLLECTIVES": "1"},
+        dump_dir=tmp_path / "dump", env=TRAP,
     )  # fmt: skip
     dumps = vllm_env.dump_files(tmp_path / "dump")
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=True))
     shared = set(read_manifest(artifact).model("draft").shared_with_target)
     assert shared == {"model.embed_tokens.weight", f"model.layers.{LAYERS}.shared_head.head.weight"}
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["trap_armed"] and meta["collective_calls"] == []
-        if role == "draft":
-            state = without(state, shared)  # left unfilled: vLLM shares the target's next
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+    # a draft's shared parameters are left unfilled: vLLM shares the target's next
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=1, draft=True, shared=shared):
+        assert rank.meta["trap_armed"] and rank.meta["collective_calls"] == []
+        assert_same_state(rank.state, rank.ours)
     assert [len(seq) for seq in tokens] == [len(seq) for seq in reference] == [8, 8]
     assert tokens == reference
 
@@ -121,16 +99,12 @@ def test_mtp_speculates_through_sharded_fast_at_tp2_with_collectives_refused(
     convert(str(model), finer, Options(tp=2, pp=2, dtype="float32"), progress=False)
     regrouped = vllm_env.generate(
         finer, 2, 1, "dump-sharded-fast", **FLOAT32_MTP,
-        dump_dir=tmp_path / "regrouped", env={"SHARDPREP_TRAP_COLLECTIVES": "1"},
+        dump_dir=tmp_path / "regrouped", env=TRAP,
     )  # fmt: skip
     assert regrouped == reference
     dumps = vllm_env.dump_files(tmp_path / "regrouped")
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=True))
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["trap_armed"] and meta["collective_calls"] == []
-        ours = rank_tensors(artifact, role, p, t)
-        if role == "draft":
-            assert meta["model_class"] == "DeepSeekMTP"
-            state = without(state, shared)
-        assert_same_state(state, ours)
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=1, draft=True, shared=shared):
+        assert rank.meta["trap_armed"] and rank.meta["collective_calls"] == []
+        if rank.role == "draft":
+            assert rank.meta["model_class"] == "DeepSeekMTP"
+        assert_same_state(rank.state, rank.ours)

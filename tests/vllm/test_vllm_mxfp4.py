@@ -32,21 +32,25 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
+from canary import (
+    STATE_ONLY,
+    TRAP,
+    assert_same_dumps,
+    assert_same_state,
+    from_checkpoint,
+    rank_dumps,
+)
 from safetensors.torch import load_file
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_MXFP4, TINY_MXFP4_PACK, TINY_NVFP4_PACK, make_tiny_model
 from shardprep.format.manifest import read_manifest
-from shardprep.plan.quant import never_loaded
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
-STATE_ONLY = {"SHARDPREP_STUB_KERNELS": "1", "SHARDPREP_SKIP_POSTPROCESS": "1"}
 EXPERTS = "mlp.experts.routed_experts."
 
 
@@ -63,11 +67,10 @@ def test_gpt_oss_mxfp4_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) ->
         model, 2, 2, tmp_path / "default", env=STATE_ONLY, dtype="bfloat16",
         allow_engine_failure=True,
     )  # fmt: skip
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=False))
     source = load_file(model / "model.safetensors")
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["model_class"] == "GptOssForCausalLM"
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2):
+        (_, p, t), state = rank.key, rank.state
+        assert rank.meta["model_class"] == "GptOssForCausalLM"
         prefix = f"model.layers.{2 * p}."
         blocks = source[f"{prefix}mlp.experts.gate_up_proj_blocks"].view(4, 192, 64)
         w13 = state[f"{prefix}{EXPERTS}w13_weight"]
@@ -75,7 +78,7 @@ def test_gpt_oss_mxfp4_rank_files_equal_vllm_state_at_tp2_pp2(tmp_path: Path) ->
         rows = (0, 128) if t == 0 else (128, 192)  # rank 1: one 32-block, then zeros
         assert torch.equal(w13[:, : rows[1] - rows[0]], blocks[:, rows[0] : rows[1]])
         assert not w13[:, rows[1] - rows[0] :].any()
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+        assert_same_state(state, rank.ours)
     fast = vllm_env.dump_state(
         artifact, 2, 2, tmp_path / "fast", load_format="dump-sharded-fast",
         env=STATE_ONLY | TRAP, dtype="bfloat16", allow_engine_failure=True,
@@ -97,14 +100,12 @@ def test_deepseek_v3_mxfp4_pack_quantized_experts_equal_vllm_state_at_tp2(
         model, 2, 1, tmp_path / "default", env=STATE_ONLY, dtype="bfloat16",
         allow_engine_failure=True,
     )  # fmt: skip
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=False))
     stack = "model.layers.1.mlp.experts.routed_experts."
-    for (role, p, t), path in dumps.items():
-        state, _ = vllm_env.read_dump(path)
-        state = {n: v for n, v in state.items() if not never_loaded(n)}
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=1):
+        state = from_checkpoint(rank.state)
         assert tuple(state[stack + "w13_weight_packed"].shape) == (8, 2 * 64, 256 // 2)
         assert tuple(state[stack + "w2_weight_scale"].shape) == (8, 256, 64 // 32)
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+        assert_same_state(state, rank.ours)
 
 
 def test_deepseek_v3_nvfp4_pack_quantized_experts_equal_vllm_state_at_tp2(
@@ -121,12 +122,10 @@ def test_deepseek_v3_nvfp4_pack_quantized_experts_equal_vllm_state_at_tp2(
         model, 2, 1, tmp_path / "default", env=STATE_ONLY, dtype="bfloat16",
         allow_engine_failure=True,
     )  # fmt: skip
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=False))
     source = load_file(model / "model.safetensors")
     stack = "model.layers.1.mlp.experts.routed_experts."
-    for (role, p, t), path in dumps.items():
-        state, _ = vllm_env.read_dump(path)
-        state = {n: v for n, v in state.items() if not never_loaded(n)}
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=1):
+        state = from_checkpoint(rank.state)
         assert tuple(state[stack + "w13_weight_packed"].shape) == (8, 2 * 48, 256 // 2)
         assert state[stack + "w2_weight_scale"].dtype == torch.float8_e4m3fn
         assert tuple(state[stack + "w2_weight_scale"].shape) == (8, 256, 48 // 16)
@@ -136,4 +135,4 @@ def test_deepseek_v3_nvfp4_pack_quantized_experts_equal_vllm_state_at_tp2(
             torch.cat([source[expert + f"{p}_proj.weight_global_scale"] for p in ("gate", "up")]),
         )
         assert tuple(state[stack + "w2_input_global_scale"].shape) == (8,)
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+        assert_same_state(state, rank.ours)

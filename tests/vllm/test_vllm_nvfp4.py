@@ -25,50 +25,26 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
+from canary import (
+    STATE_ONLY,
+    TRAP,
+    assert_generates_like_the_default_loader,
+    assert_same_dumps,
+    assert_same_state,
+    from_checkpoint,
+    rank_dumps,
+)
 from safetensors.torch import load_file
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import TINY_NVFP4, TINY_NVFP4A16, make_tiny_model
 from shardprep.format.manifest import read_manifest
-from shardprep.plan.quant import never_loaded
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
-STUB = {"SHARDPREP_STUB_KERNELS": "1"}
-STATE_ONLY = STUB | {"SHARDPREP_SKIP_POSTPROCESS": "1"}
-
-
-def loaded(state: dict) -> dict:
-    """The parameters vLLM loads (not the KV-cache scales it creates and leaves)."""
-    return {name: value for name, value in state.items() if not never_loaded(name)}
-
-
-def assert_generates_like_the_default_loader(
-    model: Path, artifact: Path, tmp_path: Path, tp: int, pp: int
-) -> dict[tuple[str, int, int], dict]:
-    """Both loaders' greedy tokens and states; every rank file equals the default's
-    state. Returns that state per rank."""
-    run = {"dtype": "bfloat16", "max_tokens": 6, "env": STUB}
-    default = vllm_env.generate(model, tp, pp, "dump-default", dump_dir=tmp_path / "d", **run)
-    dumps = vllm_env.dump_files(tmp_path / "d")
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(tp, pp, with_draft=False))
-    states = {}
-    for key, path in sorted(dumps.items()):
-        state, _ = vllm_env.read_dump(path)
-        states[key] = loaded(state)
-        assert_same_state(states[key], rank_tensors(artifact, *key))
-    run["env"] = STUB | TRAP
-    fast = vllm_env.generate(artifact, tp, pp, "dump-sharded-fast", dump_dir=tmp_path / "f", **run)
-    assert all(len(tokens) == 6 for tokens in default)
-    assert len({tuple(tokens) for tokens in default}) > 1 or len(set(default[0])) > 1
-    assert fast == default
-    assert_same_dumps(vllm_env.dump_files(tmp_path / "f"), dumps)
-    return states
 
 
 def test_qwen3_nvfp4_linear_layers_generate_the_default_loaders_tokens_at_tp2_pp2(
@@ -103,16 +79,14 @@ def test_qwen3_moe_nvfp4_attention_and_experts_equal_vllm_state_at_tp2(tmp_path:
     convert(str(model), artifact, Options(tp=2, pp=1), progress=False)
     run = {"dtype": "bfloat16", "allow_engine_failure": True}
     dumps = vllm_env.dump_state(model, 2, 1, tmp_path / "default", env=STATE_ONLY, **run)
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=False))
     stack = "model.layers.1.mlp.experts.routed_experts."
-    for key, path in sorted(dumps.items()):
-        state, _ = vllm_env.read_dump(path)
-        state = loaded(state)
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=1):
+        state = from_checkpoint(rank.state)
         assert tuple(state[stack + "w13_weight_packed"].shape) == (8, 2 * 48, 128 // 2)
         assert tuple(state[stack + "w2_weight_scale"].shape) == (8, 128, 48 // 16)
         assert state["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # ignored
         assert tuple(state["model.layers.1.self_attn.qkv_proj.weight_global_scale"].shape) == (3,)
-        assert_same_state(state, rank_tensors(artifact, *key))
+        assert_same_state(state, rank.ours)
     fast = vllm_env.dump_state(
         artifact, 2, 1, tmp_path / "fast", load_format="dump-sharded-fast",
         env=STATE_ONLY | TRAP, **run,

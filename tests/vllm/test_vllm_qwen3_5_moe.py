@@ -30,8 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP
+from canary import MTP, TRAP, assert_same_state, rank_dumps
 from tiny_processor import add_qwen_vl_processor
 
 from shardprep.convert.run import Options, convert
@@ -44,7 +43,6 @@ pytestmark = [
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
 QWEN35 = "Qwen3_5MoeForConditionalGeneration"
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
 LAYERS = "language_model.model.layers."
 TOWER = "visual."
 # The processor needs the tokenizer; vLLM's DeltaNet on the CPU runs in bfloat16, and its
@@ -66,14 +64,6 @@ def engine(mm: dict) -> dict:
     return mm | {"enable_prefix_caching": False}
 
 
-def loaded(path: Path, role: str, shared: set[str]) -> tuple[dict, dict]:
-    """A rank's dump, without the draft parameters vLLM swaps for the target's."""
-    state, meta = vllm_env.read_dump(path)
-    if role == "draft":
-        state = {name: value for name, value in state.items() if name not in shared}
-    return state, meta
-
-
 def test_qwen3_5_moe_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
     tmp_path: Path,
 ) -> None:
@@ -81,14 +71,12 @@ def test_qwen3_5_moe_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
     artifact = tmp_path / "artifact"
     convert(str(model), artifact, Options(tp=2, pp=2), progress=False)
     shared = set(read_manifest(artifact).model("draft").shared_with_target)
-    expected = sorted(vllm_env.expected_dumps(2, 2, with_draft=True))
     dumps = vllm_env.dump_state(
         model, 2, 2, tmp_path / "default", engine=engine(WITH_IMAGES),
         env=vllm_env.with_torchvision(), allow_engine_failure=True, **RUN,
     )  # fmt: skip
-    assert sorted(dumps) == expected
-    for (role, p, t), path in dumps.items():
-        state, meta = loaded(path, role, shared)
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2, draft=True, shared=shared):
+        (role, p, _), state, meta = rank.key, rank.state, rank.meta
         if role == "draft":
             assert meta["model_class"] == "Qwen3_5MoeMTP"
         else:
@@ -100,7 +88,7 @@ def test_qwen3_5_moe_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
             assert state[linear + "A_log"].dtype == torch.float32
             assert tuple(state[full + "qkv_proj.weight"].shape) == ((2 * 4 + 2 * 2) * 32 // 2, 128)
             assert tuple(state[TOWER + "blocks.1.attn.qkv.weight"].shape) == (3 * 64 // 2, 64)
-        assert_same_state(state, rank_tensors(artifact, role, p, t))
+        assert_same_state(state, rank.ours)
     # The same artifact at tp1 x pp2, text only: each rank regroups its tensors from the
     # tp2 files, and skips the tower; what it holds is what a tp1 x pp2 conversion holds.
     tp1 = tmp_path / "tp1"
@@ -110,13 +98,11 @@ def test_qwen3_5_moe_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
         engine=engine(TEXT_ONLY), env=vllm_env.with_torchvision(TRAP),
         allow_engine_failure=True, **RUN,
     )  # fmt: skip
-    assert sorted(fast) == sorted(vllm_env.expected_dumps(1, 2, with_draft=True))
-    for (role, p, t), path in fast.items():
-        state, meta = loaded(path, role, shared)
-        assert meta["trap_armed"] and meta["collective_calls"] == []
+    for rank in rank_dumps(fast, tp1, tp=1, pp=2, draft=True, shared=shared):
+        state, ours = rank.state, rank.ours
+        assert rank.meta["trap_armed"] and rank.meta["collective_calls"] == []
         assert not [name for name in state if name.startswith(TOWER)]
-        ours = rank_tensors(tp1, role, p, t)
-        assert any(name.startswith(TOWER) for name in ours) == (role == "target")
+        assert any(name.startswith(TOWER) for name in ours) == (rank.role == "target")
         assert_same_state(state, {n: v for n, v in ours.items() if not n.startswith(TOWER)})
 
 
@@ -135,12 +121,11 @@ def test_qwen3_5_moe_mtp_speculates_through_sharded_fast_at_tp2_with_collectives
             engine=engine(WITH_IMAGES), env=vllm_env.with_torchvision(env), **RUN,
         )  # fmt: skip
         dumps = vllm_env.dump_files(dump_dir)
-        assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=True))
-        for (role, p, t), path in dumps.items():
-            state, meta = loaded(path, role, shared)
+        for rank in rank_dumps(dumps, artifact, tp=2, pp=1, draft=True, shared=shared):
+            state, meta = rank.state, rank.meta
             if loader == "dump-sharded-fast":
                 assert meta["trap_armed"] and meta["collective_calls"] == []
-            assert any(name.startswith(TOWER) for name in state) == (role == "target")
-            assert_same_state(state, rank_tensors(artifact, role, p, t))
+            assert any(name.startswith(TOWER) for name in state) == (rank.role == "target")
+            assert_same_state(state, rank.ours)
     assert [len(seq) for seq in runs["dump-default"]] == [8, 8]
     assert runs["dump-sharded-fast"] == runs["dump-default"]

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from test_vllm_layout import assert_same_state, rank_tensors
+from canary import MTP, TRAP, assert_same_state, rank_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import make_tiny_model
@@ -35,10 +35,8 @@ pytestmark = [
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
 NEXT = "Qwen3NextForCausalLM"
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
 HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
-TRAP = {"SHARDPREP_TRAP_COLLECTIVES": "1"}
 # vLLM's CPU DeltaNet kernel runs in bfloat16 only, and its prefix caching of DeltaNet
 # state runs a Triton kernel when a draft speculates: both settings let it generate.
 SPECULATING = {"dtype": "bfloat16", "engine": {"enable_prefix_caching": False}}
@@ -47,10 +45,6 @@ SPECULATING = {"dtype": "bfloat16", "engine": {"enable_prefix_caching": False}}
 def next_model(root: Path) -> Path:
     """Four layers: linear, full, linear, full (two per stage at pp2), one MTP layer."""
     return make_tiny_model(root / "model", NEXT)
-
-
-def without(state: dict, names: set[str]) -> dict:
-    return {name: value for name, value in state.items() if name not in names}
 
 
 def test_qwen3_next_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
@@ -65,14 +59,11 @@ def test_qwen3_next_rank_files_equal_vllm_state_at_tp2_pp2_with_the_mtp_draft(
         model, 2, 2, tmp_path / "dump", dtype="bfloat16", speculative_config=MTP,
         allow_engine_failure=True,
     )  # fmt: skip
-    assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 2, with_draft=True))
-    for (role, p, t), path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        ours = rank_tensors(artifact, role, p, t)
-        if role == "draft":
-            assert meta["model_class"] == "Qwen3NextMTP"
+    for rank in rank_dumps(dumps, artifact, tp=2, pp=2, draft=True, shared={HEAD}):
+        state, ours, p = rank.state, rank.ours, rank.pp
+        if rank.role == "draft":
+            assert rank.meta["model_class"] == "Qwen3NextMTP"
             assert EMBED in ours and "model.fc.weight" in ours
-            state = without(state, {HEAD})
         else:
             assert not [n for n in ours if n.startswith("mtp.")]
             assert {EMBED, HEAD} <= set(ours)  # on every stage
@@ -102,13 +93,10 @@ def test_qwen3_next_mtp_speculates_through_sharded_fast_at_tp2_with_collectives_
             speculative_config=MTP, dump_dir=dump_dir, env=env, **SPECULATING,
         )  # fmt: skip
         dumps = vllm_env.dump_files(dump_dir)
-        assert sorted(dumps) == sorted(vllm_env.expected_dumps(2, 1, with_draft=True))
-        for (role, p, t), path in dumps.items():
-            state, meta = vllm_env.read_dump(path)
+        # a draft's shared parameters are left out: vLLM shares the target's next
+        for rank in rank_dumps(dumps, artifact, tp=2, pp=1, draft=True, shared=shared):
             if loader == "dump-sharded-fast":
-                assert meta["trap_armed"] and meta["collective_calls"] == []
-            if role == "draft":
-                state = without(state, shared)  # vLLM shares the target's next
-            assert_same_state(state, rank_tensors(artifact, role, p, t))
+                assert rank.meta["trap_armed"] and rank.meta["collective_calls"] == []
+            assert_same_state(rank.state, rank.ours)
     assert [len(seq) for seq in runs["dump-default"]] == [8, 8]
     assert runs["dump-sharded-fast"] == runs["dump-default"]

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_env
-from test_vllm_layout import _FLAGS, assert_same_state, loaded, rank_tensors
-from test_vllm_moe import TRAP
-from test_vllm_mtp import FLOAT32_MTP, without
+from artifacts import rank_tensors
+from canary import FLAGS, FLOAT32_MTP, TRAP, assert_same_state, loaded, rank_dumps, without
 
 from shardprep.convert.run import Options, convert
 from shardprep.format.manifest import read_manifest
@@ -106,14 +105,14 @@ def _assert_same(
 ) -> None:
     """Every rank of the sharded-fast run, loaded with every collective trapped, holds
     the expected state (a default loader's dump, or rank files with no flags)."""
-    assert fast.keys() == expected.keys() == vllm_env.expected_dumps(tp, pp, with_draft=True)
-    for key, path in fast.items():
-        (state, meta), (want, want_meta) = vllm_env.read_dump(path), expected[key]
+    assert fast.keys() == expected.keys()
+    for rank in rank_dumps(fast, tp=tp, pp=pp, draft=True):
+        meta, (want, want_meta) = rank.meta, expected[rank.key]
         assert meta["trap_armed"] and meta["collective_calls"] == [], meta
         if want_meta is not None:
-            assert [meta[f] for f in _FLAGS] == [want_meta[f] for f in _FLAGS], key
+            assert [meta[f] for f in FLAGS] == [want_meta[f] for f in FLAGS], rank.key
             want = loaded(want, want_meta, shared)
-        assert_same_state(want, loaded(state, meta, shared))
+        assert_same_state(want, loaded(rank.state, meta, shared))
 
 
 def test_dense_at_tp1_pp4(tiny, tmp_path: Path) -> None:
@@ -131,12 +130,9 @@ def test_dense_at_tp1_pp4(tiny, tmp_path: Path) -> None:
     assert tokens == vllm_env.transformers_greedy(model, vllm_env.DEFAULT_PROMPTS, 8)
     reference = _convert(model, tmp_path / "tp1-pp4", 1, 4, partition="2,2,1,1")
     assert read_manifest(reference).topology.partition == (2, 2, 1, 1)
-    dumps = vllm_env.dump_files(tmp_path / "fast")
-    assert dumps.keys() == vllm_env.expected_dumps(1, 4, with_draft=False)
-    for key, path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["trap_armed"] and meta["collective_calls"] == [], meta
-        assert_same_state(rank_tensors(reference, *key), state)
+    for rank in rank_dumps(vllm_env.dump_files(tmp_path / "fast"), reference, tp=1, pp=4):
+        assert rank.meta["trap_armed"] and rank.meta["collective_calls"] == [], rank.meta
+        assert_same_state(rank.ours, rank.state)
 
 
 # Qwen3-MoE with five layers, layer 3 dense: the tp2 x pp2 artifact splits them 3 + 2, so
@@ -170,13 +166,11 @@ def test_moe_at_coarser_topologies(
     )
     assert fast == vllm_env.transformers_greedy(model, vllm_env.DEFAULT_PROMPTS, 8)
     reference = _convert(model, tmp_path / "reference", tp, pp, partition=partition)
-    dumps = vllm_env.dump_files(tmp_path / "fast")
-    assert dumps.keys() == vllm_env.expected_dumps(tp, pp, with_draft=False)
-    for key, path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
+    for rank in rank_dumps(vllm_env.dump_files(tmp_path / "fast"), reference, tp=tp, pp=pp):
+        meta = rank.meta
         assert meta["trap_armed"] and meta["collectives_trapped"] > 30, meta
         assert meta["collective_calls"] == [], meta
-        assert_same_state(rank_tensors(reference, *key), state)
+        assert_same_state(rank.ours, rank.state)
 
 
 # DeepSeek-V3 (MLA with q_lora_rank, layer 0 dense, routed and shared experts) with its
@@ -222,14 +216,14 @@ def test_deepseek_mtp_at_tp1_pp1(tiny, tmp_path: Path) -> None:
         vllm_env.dump_files(tmp_path / "fast"),
         vllm_env.dump_files(tmp_path / "default"),
     )
-    assert dumps.keys() == reference.keys() == vllm_env.expected_dumps(1, 1, with_draft=True)
-    for key, path in dumps.items():
-        (state, meta), (want, _) = vllm_env.read_dump(path), vllm_env.read_dump(reference[key])
+    assert dumps.keys() == reference.keys()
+    for rank in rank_dumps(dumps, tp=1, pp=1, draft=True, shared=shared):
+        want, meta = vllm_env.read_dump(reference[rank.key])[0], rank.meta
         assert meta["trap_armed"] and meta["collective_calls"] == [], meta
-        if key[0] == "draft":
+        if rank.role == "draft":
             assert meta["model_class"] == "DeepSeekMTP"
-            state, want = without(state, shared), without(want, shared)
-        assert_same_state(want, state)
+            want = without(want, shared)
+        assert_same_state(want, rank.state)
 
 
 # At pp > 1 with a draft the CPU engine loads every rank, then fails before serving: the
@@ -255,14 +249,13 @@ def test_deepseek_mtp_at_tp1_and_more_stages(
         artifact, 1, pp, tmp_path / "fast", load_format="dump-sharded-fast", env=TRAP | split,
         allow_engine_failure=True, **FLOAT32_MTP,
     )  # fmt: skip
-    assert dumps.keys() == vllm_env.expected_dumps(1, pp, with_draft=True)
-    for key, path in dumps.items():
-        state, meta = vllm_env.read_dump(path)
+    for rank in rank_dumps(dumps, reference, tp=1, pp=pp, draft=True):
+        state, meta = rank.state, rank.meta
         assert meta["trap_armed"] and meta["collective_calls"] == [], meta
-        if key[0] == "draft":
+        if rank.role == "draft":
             assert meta["model_class"] == "DeepSeekMTP"
             assert (
                 "model.embed_tokens.weight" in state and "model.embed_tokens.weight" not in shared
             )
             state = without(state, shared)
-        assert_same_state(rank_tensors(reference, *key), state)
+        assert_same_state(rank.ours, state)

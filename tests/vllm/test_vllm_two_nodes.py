@@ -31,9 +31,8 @@ from pathlib import Path
 
 import pytest
 import vllm_env
+from canary import TRAP, assert_same_dumps, assert_same_state, rank_dumps, without
 from hub_server import HubServer
-from test_vllm_layout import assert_same_state, rank_tensors
-from test_vllm_moe import TRAP, assert_same_dumps
 from vllm_nodes import CLI_MAIN, Node, engine_flags, load_two_nodes, node_command, serve_two_nodes
 
 from shardprep.convert.run import Options, convert
@@ -202,13 +201,11 @@ def test_a_draft_of_its_own_from_the_folder_each_node_fetched(tmp_path: Path) ->
     assert sorted(vllm_env.dump_files(nodes[0].dumps)) == [("target", 0, 0)]
     assert sorted(vllm_env.dump_files(nodes[1].dumps)) == [("draft", 1, 0), ("target", 1, 0)]
     shared = set(manifest.model("draft").shared_with_target)
-    for (role, p, t), path in dumped(nodes).items():
-        state, meta = vllm_env.read_dump(path)
-        assert meta["trap_armed"] and meta["collective_calls"] == [], meta
-        ours = rank_tensors(artifact, role, p, t)
+    for rank in rank_dumps(dumped(nodes), artifact):
+        assert rank.meta["trap_armed"] and rank.meta["collective_calls"] == [], rank.meta
         # What the files leave out of those vLLM then takes from the target stays unfilled.
-        left_out = shared - set(ours) if role == "draft" else set()
-        assert_same_state({n: v for n, v in state.items() if n not in left_out}, ours)
+        left_out = shared - set(rank.ours) if rank.role == "draft" else set()
+        assert_same_state(without(rank.state, left_out), rank.ours)
 
 
 def readme_nodes() -> list[list[str]]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from plans import source_model
 from safetensors.torch import load_file
 
 from shardprep.cli import main
@@ -18,7 +19,6 @@ from shardprep.demo.tiny import make_tiny_draft, tiny_config, write_mask_embeddi
 from shardprep.errors import ConfigError, PlanError
 from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
-from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 
@@ -46,17 +46,12 @@ OPTIONAL = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "mask_embeddi
 
 
 def draft_source(method: str, config: dict[str, Any], drop=OPTIONAL, **extra) -> SourceModel:
-    shapes = archs.draft_family(method, "llama").expected_shapes(
-        config, PlanContext(target_config=TARGET)
-    )
-    tensors = {n: ("BF16", s) for n, s in shapes.items() if n not in drop}
-    tensors.update(extra)
-    return SourceModel(config, tensors)
+    family = archs.draft_family(method, "llama")
+    return source_model(config, family, dtypes={}, drop=drop, extra=extra, target_config=TARGET)
 
 
 def target_source() -> SourceModel:
-    _, family = archs.target_family(TARGET)
-    return SourceModel(TARGET, {n: ("BF16", s) for n, s in family.expected_shapes(TARGET).items()})
+    return source_model(TARGET, dtypes={})
 
 
 def draft_tensors(plan, tp_rank: int) -> dict[str, Any]:
@@ -163,10 +158,7 @@ def test_a_draft_whose_kind_cannot_be_told_is_one_line() -> None:
 
 def test_a_draft_that_does_not_fit_its_target_is_one_line() -> None:
     narrow = {**TARGET, "hidden_size": 96, "head_dim": 24}
-    _, family = archs.target_family(narrow)
-    target = SourceModel(
-        narrow, {n: ("BF16", s) for n, s in family.expected_shapes(narrow).items()}
-    )
+    target = source_model(narrow, dtypes={})
     beyond = {**DFLASH, "dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 6]}}
     with pytest.raises(PlanError) as info:
         make_plan(target, ConversionRequest(tp=1, pp=1), draft_source("dflash", beyond))

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from plans import source_model
 
 from shardprep.demo.tiny import tiny_config
 from shardprep.errors import PlanError
 from shardprep.format.request import ConversionRequest
-from shardprep.plan import archs
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import Plan, SourceModel
 
@@ -18,9 +18,7 @@ MIXTRAL = "MixtralForCausalLM"
 
 
 def source(config: dict[str, Any], drop: tuple[str, ...] = ()) -> SourceModel:
-    _, family = archs.target_family(config)
-    shapes = family.expected_shapes(config)
-    return SourceModel(config, {n: ("BF16", s) for n, s in shapes.items() if n not in drop})
+    return source_model(config, dtypes={}, drop=drop)
 
 
 def tensors_of(plan: Plan, pp: int, tp: int) -> dict[str, Any]:

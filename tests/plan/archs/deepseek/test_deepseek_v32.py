@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from plans import source_model
 from safetensors.torch import load_file
 
 from shardprep.cli import main
@@ -68,12 +69,7 @@ def source(**overrides: Any) -> SourceModel:
     families = [archs.target_family(config)[1]]
     if config.get("num_nextn_predict_layers"):
         families.append(archs.draft_family("mtp", families[0].name))
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for family in families:
-        dtypes = quantized.source_dtypes(family, config)
-        shapes = quantized.expected_shapes(family, config)
-        tensors |= {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()}
-    return SourceModel(config, tensors)
+    return source_model(config, *families)
 
 
 def rank(plan: Plan, role: str, pp: int, tp: int) -> dict[str, TensorPlan]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from plans import source_model
 from safetensors.torch import load_file
 
 from shardprep.cli import main
@@ -32,15 +33,11 @@ DATA = Path(__file__).resolve().parents[3] / "data" / "deepseek-v4-flash"
 V4 = "DeepseekV4ForCausalLM"
 
 
-def tensors_of(config: dict[str, Any], *, draft: bool = False) -> dict[str, tuple[str, tuple]]:
-    families = [archs.target_family(config)[1]]
-    if draft:
-        families.append(archs.draft_family("dspark", "deepseek_v4"))
-    found = {}
-    for family in families:
-        dtypes = family.source_dtypes(config)
-        found |= {n: (dtypes.get(n, "BF16"), s) for n, s in family.expected_shapes(config).items()}
-    return found
+def tensors_of(config: dict[str, Any]) -> dict[str, tuple[str, tuple]]:
+    """The target family's own table, the checkpoint's quantization not applied."""
+    family = archs.target_family(config)[1]
+    dtypes = family.source_dtypes(config)
+    return {n: (dtypes.get(n, "BF16"), s) for n, s in family.expected_shapes(config).items()}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +49,8 @@ def published_config() -> dict[str, Any]:
 def bf16(published_config: dict[str, Any]) -> SourceModel:
     """The published sizes in bfloat16 (no quantization_config), with the DSpark stages."""
     config = {k: v for k, v in published_config.items() if k != "quantization_config"}
-    return SourceModel(config, tensors_of(config, draft=True))
+    target = archs.target_family(config)[1]
+    return source_model(config, target, archs.draft_family("dspark", "deepseek_v4"))
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +61,7 @@ def published_plan(bf16: SourceModel) -> Plan:
 
 
 def source(**overrides: Any) -> SourceModel:
-    config = tiny_config(V4, **overrides)
-    return SourceModel(config, tensors_of(config))
+    return source_model(tiny_config(V4, **overrides))
 
 
 def rank(plan: Plan, pp: int, tp: int, role: str = "target") -> dict[str, TensorPlan]:

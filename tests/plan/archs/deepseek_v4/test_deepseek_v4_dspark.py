@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from plans import source_model
 from safetensors.torch import load_file
 
 from shardprep.convert.run import Options, convert
@@ -49,18 +50,9 @@ STACKED = [
 ]
 
 
-def tensors_of(config: dict[str, Any], families: list) -> dict[str, tuple[str, tuple[int, ...]]]:
-    found = {}
-    for family in families:
-        dtypes = family.source_dtypes(config)
-        shapes = family.expected_shapes(config)
-        found |= {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()}
-    return found
-
-
 def v4_source(config: dict[str, Any]) -> SourceModel:
     families = [archs.target_family(config)[1], archs.draft_family("dspark", "deepseek_v4")]
-    return SourceModel(config, tensors_of(config, families))
+    return source_model(config, *families)
 
 
 def rank(plan: Plan, role: str, pp: int, tp: int) -> dict[str, TensorPlan]:
