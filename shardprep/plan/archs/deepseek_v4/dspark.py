@@ -24,7 +24,7 @@ method `dspark`, with the target's config. Its `load_weights` keeps only `mtp.*`
 
 vLLM's CPU build has no DSpark model for DeepSeek-V4 (its class raises when built), so
 these rules are tested on bytes (`tests/plan/archs/deepseek_v4/test_deepseek_v4_dspark.py`)
-and against a GPU vLLM by `scripts/gpu_check_deepseek_v4.py`.
+and against a GPU vLLM by `tests/gpu/test_gpu_deepseek_v4.py` (`pytest tests/gpu -m gpu`).
 """
 
 from __future__ import annotations

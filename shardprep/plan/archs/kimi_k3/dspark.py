@@ -30,7 +30,8 @@ the head) after `_duplicate_context_kv_weights`, which feeds each layer's
 `_build_fused_context_kv_metadata` runs in `process_weights_after_loading`, after the
 state the rank files hold. vLLM's CPU build constructs the draft (its kernels are chosen
 at run time), so `tests/vllm/test_vllm_kimi_k3_dspark.py` compares the rank files with
-vLLM's own state there; `scripts/gpu_check_kimi_k3.py --draft` does it on a GPU.
+vLLM's own state there; the `-dspark` cases of `tests/gpu/test_gpu_kimi_k3.py` do it on
+a GPU (`pytest tests/gpu -m gpu`).
 """
 
 from __future__ import annotations
