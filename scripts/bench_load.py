@@ -321,6 +321,11 @@ def start_vllm(contender: Contender, tp: int, pp: int, cache: str, ready: bool) 
     return {
         "ranks": {f"pp{r['pp_rank']}-tp{r['tp_rank']}": r["seconds"] for r in ranks},
         "slowest": max(r["seconds"] for r in ranks),
+        "cpu": {  # CPU seconds of each worker process meanwhile (older plugins: absent)
+            f"pp{r['pp_rank']}-tp{r['tp_rank']}": r["cpu_seconds"]
+            for r in ranks
+            if "cpu_seconds" in r
+        },
         "rss_gb": {
             f"pp{r['pp_rank']}-tp{r['tp_rank']}": (r["rss_after"] - r["rss_before"]) / 1e9
             for r in ranks
@@ -418,6 +423,25 @@ def print_vllm(results: dict) -> None:
               f"{ratio:>10}  {each_round(good, base)}")  # fmt: skip
 
 
+def print_cpu(results: dict) -> None:
+    """Per cell, each round's CPU seconds of its busiest rank during `load_weights`, and
+    its ratio to the default loader's of the same round: the work each loader does, which
+    other jobs on a shared machine disturb less than they disturb wall time."""
+    cells: dict[tuple, list[dict]] = {}
+    for run in results["runs"]:
+        if "error" not in run and run.get("cpu"):
+            key = (run["cache"], run["tp"], run["pp"], run["label"])
+            cells.setdefault(key, []).append(run | {"slowest": max(run["cpu"].values())})
+    if not cells:
+        return
+    print("\nCPU seconds of the busiest rank in load_weights (all threads of its process)")
+    print(f"{'cache':<6} {'layout':<9} {'loader':<22} each round (vs default)")
+    for (cache, tp, pp, label), runs in cells.items():
+        layout = f"tp{tp}" if pp == 1 else f"tp{tp}xpp{pp}"
+        base = cells.get((cache, tp, pp, "default"), [])
+        print(f"{cache:<6} {layout:<9} {label:<22} {each_round(runs, base)}")
+
+
 def each_round(runs: list[dict], base: list[dict]) -> str:
     """Each round's slowest rank, with its ratio to the default loader's of that round."""
     default = {r["round"]: r["slowest"] for r in base}
@@ -451,7 +475,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.table:
         text = Path(args.table).read_text()
-        print_vllm(json.loads(text[text.index("\n{") :]))  # after the runs' progress lines
+        results = json.loads(text[text.index("\n{") :])  # after the runs' progress lines
+        print_vllm(results)
+        print_cpu(results)
         return
     if args.vllm:
         results = vllm_load_times(args)
@@ -459,6 +485,7 @@ def main() -> None:
             print(json.dumps(results, indent=1))
         else:
             print_vllm(results)
+            print_cpu(results)
         return
     rows = reader_table(args)
     if args.json:
