@@ -4,6 +4,7 @@ rank's weight-load phase in a real vLLM.
     python scripts/bench_load.py --size 3GB [--ranks 0:0,1:7] [--dir DIR] [--json]
     python scripts/bench_load.py --vllm [--repeat 3] [--cache cold,warm] \
         [--topologies tp2,tp2xpp2] [--formats default,sharded-fast] [--before CHECKOUT]
+    python scripts/bench_load.py --vllm --table RESULTS  # the table of a --json output
 
 Part one converts a synthetic Llama-shaped bf16 checkpoint at tp8 x pp2 and, for each
 chosen rank, from a cold page cache, in a child process that reads its own I/O counters:
@@ -21,6 +22,7 @@ files read once and held in the page cache (locked by a helper process) until th
 engine stops. The engine is stopped once every rank has reported (`--ready`: run to
 the first token and report the time to ready too). Printed: each run's ranks, then per
 cell the best round's ranks and its slowest rank against the default loader's slowest,
+each round's slowest rank against the default loader's of the same round (the spread),
 and the git revision of the code measured. It holds the harness lock (one vLLM at a
 time) for the whole run.
 """
@@ -319,6 +321,11 @@ def start_vllm(contender: Contender, tp: int, pp: int, cache: str, ready: bool) 
     return {
         "ranks": {f"pp{r['pp_rank']}-tp{r['tp_rank']}": r["seconds"] for r in ranks},
         "slowest": max(r["seconds"] for r in ranks),
+        "cpu": {  # CPU seconds of each worker process meanwhile (older plugins: absent)
+            f"pp{r['pp_rank']}-tp{r['tp_rank']}": r["cpu_seconds"]
+            for r in ranks
+            if "cpu_seconds" in r
+        },
         "rss_gb": {
             f"pp{r['pp_rank']}-tp{r['tp_rank']}": (r["rss_after"] - r["rss_before"]) / 1e9
             for r in ranks
@@ -391,12 +398,14 @@ def print_run(run: dict) -> None:
 
 def print_vllm(results: dict) -> None:
     """The best round of each cell (least slowest rank), every rank of it, and the ratio
-    of the slowest ranks against the default loader's."""
+    of the slowest ranks against the default loader's; then each round's slowest rank,
+    and its ratio to the default loader's slowest rank of the same round (the engines of
+    one round ran one after the other, so the load of a shared machine weighs on both)."""
     revisions = ", ".join(f"{k} {v}" for k, v in results["revisions"].items())
     print(f"\nvLLM (CPU), bf16 Llama of {results['source_bytes'] / 1e9:.2f} GB; {revisions}")
     print("load_weights of every rank, one wrapper for every loader; best of the rounds")
     print(f"{'cache':<6} {'layout':<9} {'loader':<22} {'per rank (s)':<44} "
-          f"{'slowest':>7} {'vs default':>10}  slowest, each round")  # fmt: skip
+          f"{'slowest':>7} {'vs default':>10}  slowest, each round (vs default)")  # fmt: skip
     cells: dict[tuple, list[dict]] = {}
     for run in results["runs"]:
         cells.setdefault((run["cache"], run["tp"], run["pp"], run["label"]), []).append(run)
@@ -410,9 +419,37 @@ def print_vllm(results: dict) -> None:
         base = [r for r in cells.get((cache, tp, pp, "default"), []) if "error" not in r]
         ratio = f"{best['slowest'] / min(r['slowest'] for r in base):.2f}x" if base else "-"
         ranks = " ".join(f"{k} {v:.2f}" for k, v in sorted(best["ranks"].items()))
-        each = " ".join(f"{r['slowest']:.2f}" for r in good)
         print(f"{cache:<6} {layout:<9} {label:<22} {ranks:<44} {best['slowest']:>7.2f} "
-              f"{ratio:>10}  {each}")  # fmt: skip
+              f"{ratio:>10}  {each_round(good, base)}")  # fmt: skip
+
+
+def print_cpu(results: dict) -> None:
+    """Per cell, each round's CPU seconds of its busiest rank during `load_weights`, and
+    its ratio to the default loader's of the same round: the work each loader does, which
+    other jobs on a shared machine disturb less than they disturb wall time."""
+    cells: dict[tuple, list[dict]] = {}
+    for run in results["runs"]:
+        if "error" not in run and run.get("cpu"):
+            key = (run["cache"], run["tp"], run["pp"], run["label"])
+            cells.setdefault(key, []).append(run | {"slowest": max(run["cpu"].values())})
+    if not cells:
+        return
+    print("\nCPU seconds of the busiest rank in load_weights (all threads of its process)")
+    print(f"{'cache':<6} {'layout':<9} {'loader':<22} each round (vs default)")
+    for (cache, tp, pp, label), runs in cells.items():
+        layout = f"tp{tp}" if pp == 1 else f"tp{tp}xpp{pp}"
+        base = cells.get((cache, tp, pp, "default"), [])
+        print(f"{cache:<6} {layout:<9} {label:<22} {each_round(runs, base)}")
+
+
+def each_round(runs: list[dict], base: list[dict]) -> str:
+    """Each round's slowest rank, with its ratio to the default loader's of that round."""
+    default = {r["round"]: r["slowest"] for r in base}
+    return " ".join(
+        f"{r['slowest']:.2f}"
+        + (f" ({r['slowest'] / default[r['round']]:.2f}x)" if r["round"] in default else "")
+        for r in runs
+    )
 
 
 def main() -> None:
@@ -434,13 +471,21 @@ def main() -> None:
     parser.add_argument("--ready", action="store_true", help="--vllm: run to the first token")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--table", help="--vllm: print the table of an earlier --json output")
     args = parser.parse_args()
+    if args.table:
+        text = Path(args.table).read_text()
+        results = json.loads(text[text.index("\n{") :])  # after the runs' progress lines
+        print_vllm(results)
+        print_cpu(results)
+        return
     if args.vllm:
         results = vllm_load_times(args)
         if args.json:
             print(json.dumps(results, indent=1))
         else:
             print_vllm(results)
+            print_cpu(results)
         return
     rows = reader_table(args)
     if args.json:

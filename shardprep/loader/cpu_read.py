@@ -1,10 +1,11 @@
 """The CPU read path of a checked rank file, each tensor copied into its destination.
 
-A file the page cache holds whole is read with one `pread` per tensor straight into its
-destination. Otherwise a few threads read it front to back, `O_DIRECT` where the file
-system allows, into a few reused staging buffers while the caller's thread copies each
-tensor out of them: the disk works on the next chunks while this one is copied, and a
-cold read costs one copy and no page-cache work.
+While the page cache holds a file's bytes, each tensor is read with one `pread` straight
+into its destination. From the first byte it does not hold on, a few threads read the
+file front to back, `O_DIRECT` where the file system allows, into a few reused staging
+buffers while the caller's thread copies each tensor out of them: the disk works on the
+next chunks while this one is copied, and a cold read costs one copy and no page-cache
+work.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def read_into(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Read each tensor of one checked file, in file order, into its destination.
 
-    A file the page cache holds whole is read with one `pread` per tensor straight into
-    its destination. Otherwise:
+    While the page cache holds the file's bytes, each tensor is read with one `pread`
+    straight into its destination (`_Reads`). From the first byte it does not hold on:
 
     The file is read front to back in `CHUNK_BYTES` pieces by a thread of its own into a
     few staging buffers that are reused (so their pages are faulted in once), while this
@@ -50,27 +51,90 @@ def read_into(
 
     dtypes = torch_dtypes(torch)
     items = sorted(header.tensors.items(), key=lambda item: item[1].offset)
-    start = min((info.offset for _, info in items if info.nbytes), default=None)
-    if start is None:  # nothing to read: empty tensors only
-        for name, info in items:
-            dest = into(name, info)
-            yield (
-                name,
-                dest if dest is not None else torch.empty(info.shape, dtype=dtypes[info.dtype]),
-            )
-        return
-    end = max(info.offset + info.nbytes for _, info in items)
-    if _all_cached(path, start, end):
-        yield from _read_cached(path, items, into)
-        return
-    with _Chunks(path, start, end) as chunks:
+    end = max((info.offset + info.nbytes for _, info in items), default=0)
+    with _Reads(path, end) as reads:
         for name, info in items:
             dest = into(name, info)
             if dest is None:
                 dest = torch.empty(info.shape, dtype=dtypes[info.dtype])
             if info.nbytes:
-                chunks.copy_to(dest.reshape(-1).view(torch.uint8), info.offset)
+                reads.copy_to(dest.reshape(-1).view(torch.uint8), info.offset)
             yield name, dest
+
+
+class _Reads:
+    """The bytes of one file up to `end`, asked for in file order.
+
+    Whether the page cache holds the file is asked once, at the first byte asked for
+    (`_starts_cached`: one page, with `mincore`, which reads nothing). If it does, each
+    destination is faulted in (`_PREFAULT`) and read with `pread` straight from the page
+    cache, with `RWF_NOWAIT`: a read that would wait for the disk stops short instead.
+    From the first byte not in the page cache on, the rest of the file goes through
+    `_Chunks`. Where `RWF_NOWAIT` is not available, the whole rest of the file is asked
+    with `mincore` (`_all_cached`) and read with plain `pread`s if the cache holds it all."""
+
+    def __init__(self, path: Path, end: int) -> None:
+        self.path, self.end = path, end
+        self.fd = os.open(path, os.O_RDONLY)
+        self.cached: bool | None = None  # None until the first byte is asked for
+        self.nowait = getattr(os, "RWF_NOWAIT", 0)
+        self.chunks: _Chunks | None = None
+
+    def __enter__(self) -> _Reads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.chunks is not None:
+            self.chunks.close()
+        os.close(self.fd)
+
+    def copy_to(self, dest: torch.Tensor, offset: int) -> None:
+        """Copy the file's bytes [offset, offset + len(dest)) into `dest` (1-D uint8);
+        offsets must not go back."""
+        if self.cached is None:
+            self.cached = _starts_cached(self.path, self.fd, offset)
+            if self.cached and not self.nowait:
+                self.cached = _all_cached(self.path, offset, self.end)
+        done = self._from_cache(dest, offset) if self.chunks is None and self.cached else 0
+        if done < dest.numel():
+            if self.chunks is None:
+                self.chunks = _Chunks(self.path, offset + done, self.end)
+            self.chunks.copy_to(dest[done:], offset + done)
+
+    def _from_cache(self, dest: torch.Tensor, offset: int) -> int:
+        """Read what the page cache holds of [offset, offset + len(dest)) into `dest`,
+        up to the first byte it does not hold; how many bytes were read."""
+        view = memoryview(dest.numpy()).cast("B")
+        _PREFAULT(dest.data_ptr(), len(view))
+        done = 0
+        while done < len(view):
+            try:
+                n = os.preadv(self.fd, [view[done:]], offset + done, self.nowait)
+            except BlockingIOError:  # the next page is not in the page cache
+                return done
+            except OSError as exc:
+                if not self.nowait or exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                self.nowait = 0  # refused by this file system: ask the page cache once
+                if not _all_cached(self.path, offset + done, self.end):
+                    return done
+                continue
+            if n == 0:
+                raise CorruptFileError(
+                    f"{self.path} ended early at byte {offset + done:,}", path=str(self.path)
+                )
+            done += n
+        return done
+
+
+def _starts_cached(path: Path, fd: int, offset: int) -> bool:
+    """Whether the page cache holds the file's page at `offset` (a cold file: no)."""
+    residency = _Residency.of(fd, os.fstat(fd).st_size)
+    try:
+        return _resident_prefix(residency, offset, 1) == 1
+    finally:
+        if residency is not None:
+            residency.close()
 
 
 def _all_cached(path: Path, start: int, end: int) -> bool:
@@ -83,37 +147,6 @@ def _all_cached(path: Path, start: int, end: int) -> bool:
             return _resident_prefix(residency, start, end - start) == end - start
         finally:
             residency.close()
-    finally:
-        os.close(fd)
-
-
-def _read_cached(
-    path: Path,
-    items: list[tuple[str, TensorInfo]],
-    into: Callable[[str, TensorInfo], torch.Tensor | None],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """A file the page cache holds whole: one `pread` per tensor straight into its
-    destination (one copy, by the kernel; staging would add a second)."""
-    import torch
-
-    dtypes = torch_dtypes(torch)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for name, info in items:
-            dest = into(name, info)
-            if dest is None:
-                dest = torch.empty(info.shape, dtype=dtypes[info.dtype])
-            view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            _PREFAULT(dest.data_ptr(), len(view))
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], info.offset + done)
-                if n == 0:
-                    raise CorruptFileError(
-                        f"{path} ended early at byte {info.offset + done:,}", path=str(path)
-                    )
-                done += n
-            yield name, dest
     finally:
         os.close(fd)
 

@@ -46,6 +46,8 @@ def no_stack_pads(name: str, stored: tuple[int, ...], built: tuple[int, ...]) ->
 def stack_pads(method: str | None) -> StackPads:
     """The backend padding of the expert stacks of a model vLLM quantizes with `method`
     (`shardprep.plan.quant.backend_pad`); none for a method without it."""
+    if not method:  # unquantized: nothing to import
+        return no_stack_pads
     from shardprep.plan.quant import backend_pad  # pure data, only where it pads
 
     if not backend_pad.pads_by_backend(method):
@@ -63,10 +65,12 @@ def stack_pads(method: str | None) -> StackPads:
 class Destinations:
     """Where the reader may put a tensor directly: the parameter (or buffer) of that
     name, when it is contiguous, of the exact shape and dtype, and not handed out yet.
-    Anything else gets None, and `fill_parameters` reports it."""
+    Anything else gets None, and `fill_parameters` reports it. The model's parameters are
+    listed once, here, for both (`fill_parameters(..., into=...)`)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.tensors, self.canonical = _parameters(model)
+        self.tensors, self.canonical, self.required = _parameters(model)
+        self.dtypes = torch_dtypes(torch)
         self.claimed: set[str] = set()
 
     def __call__(self, name: str, info: TensorInfo) -> torch.Tensor | None:
@@ -74,7 +78,7 @@ class Destinations:
         if target is None or self.canonical[name] in self.claimed:
             return None
         data = target.data
-        if tuple(data.shape) != info.shape or data.dtype != torch_dtypes(torch).get(info.dtype):
+        if tuple(data.shape) != info.shape or data.dtype != self.dtypes.get(info.dtype):
             return None
         if not data.is_contiguous() or data.device.type != "cpu":
             return None
@@ -114,6 +118,7 @@ def fill_parameters(
     layout: str = "",
     padded: Callable[[str], bool] = lambda name: False,
     stacks: StackPads = no_stack_pads,
+    into: Destinations | None = None,
 ) -> list[str]:
     """Copy each tensor into the parameter of the same name (tied aliases count as the
     parameter they alias); every parameter must be filled exactly once with the exact
@@ -122,9 +127,12 @@ def fill_parameters(
     lacks are skipped. A parameter for which `padded(name)` holds may be longer along dim
     0 than its tensor (`fits_padded`): the tensor fills its front. An expert stack the
     MoE backend padded (`stacks`) gets the tensor where the backend's weight loader puts
-    it, zeros elsewhere. Returns the names filled; raises one error listing every problem."""
-    params, canonical = _parameters(model)
-    required = {name for name, _ in model.named_parameters()}
+    it, zeros elsewhere. `into`, the `Destinations` the reader was given, saves listing the
+    model's parameters again. Returns the names filled; raises one error listing every
+    problem."""
+    params, canonical, required = (
+        (into.tensors, into.canonical, into.required) if into is not None else _parameters(model)
+    )
     unbuilt = unbuilt_prefixes(model)
     problems, filled, seen, skipped = Problems(), {}, set(), 0
     for name, tensor in tensors:
@@ -215,16 +223,20 @@ def _fill_spans(target: torch.Tensor, tensor: torch.Tensor, spans: tuple[Placeme
         into.copy_(tensor[tuple(slice(*s) for s in source)])
 
 
-def _parameters(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _parameters(
+    model: nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, str], set[str]]:
     """Every parameter name (tied aliases included), and the first name of each; then the
-    buffers, likewise (they may be filled, they are not required)."""
+    buffers, likewise (they may be filled, they are not required); and the parameters'
+    first names (those `named_parameters()` gives), the ones that must be filled."""
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     first: dict[int, str] = {}
     canonical = {name: first.setdefault(id(p), name) for name, p in tensors.items()}
+    required = set(first.values())
     for name, buffer in model.named_buffers(remove_duplicate=False):
         tensors[name] = buffer
         canonical[name] = first.setdefault(id(buffer), name)
-    return tensors, canonical
+    return tensors, canonical, required
 
 
 def _aliases(canonical: dict[str, str]) -> dict[str, set[str]]:

@@ -147,9 +147,10 @@ class ShardedFastLoader(BaseModelLoader):
         if role == "target":
             check_layers(artifact, manifest, place, built, vllm_partition)
         check_moe(artifact, manifest, entry, model, place)
+        into = Destinations(model)
         tensors = read_rank(
             artifact, role, place.pp_rank, place.tp_rank, manifest=manifest,
-            device=_device_of(model), verify=self.options.verify, into=Destinations(model),
+            device=_device_of(model), verify=self.options.verify, into=into,
             dp_rank=place.dp_rank, gds=GdsRequest(self.options.gds, place.processes),
         )  # fmt: skip
         where = f"{artifact} ({role}, rank pp{place.pp_rank} tp{place.tp_rank})"
@@ -162,7 +163,7 @@ class ShardedFastLoader(BaseModelLoader):
             model, tensors, ignorable=_ignorable(entry, place),
             may_lack=_may_lack(manifest, entry, model), where=where,
             layout=manifest.vllm_layout.id, padded=padded_at_load(manifest, entry),
-            stacks=stack_pads(entry.quantization),
+            stacks=stack_pads(entry.quantization), into=into,
         )  # fmt: skip
         if family is not None:
             family.after_fill(model, set(filled))

@@ -308,7 +308,7 @@ def test_chunked_reads_of_any_size_read_the_same_bytes(
     if not cached:
         monkeypatch.setattr(cpu_read, "_resident_prefix", lambda residency, offset, length: 0)
     else:  # the page cache holds the files: still through the chunks, not whole-file reads
-        monkeypatch.setattr(cpu_read, "_all_cached", lambda path, start, end: False)
+        monkeypatch.setattr(cpu_read, "_starts_cached", lambda path, fd, offset: False)
     manifest = read_manifest(artifact)
     for role, pp, tp in RANKS:
         want = expected_tensors(artifact, manifest, role, pp, tp)

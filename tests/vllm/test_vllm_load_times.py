@@ -47,3 +47,4 @@ def test_every_rank_of_both_loaders_reports_its_load_time(tiny, tmp_path: Path) 
         assert sorted((line["pp_rank"], line["tp_rank"]) for line in lines) == sorted(ranks)
         assert len({line["pid"] for line in lines}) == TP * PP, "one line per worker"
         assert all(0 < line["seconds"] < 600 for line in lines), lines
+        assert all(0 < line["cpu_seconds"] < 600 for line in lines), lines

@@ -5,7 +5,9 @@ vLLM's ``DefaultModelLoader`` (``auto``/``safetensors``), of ``ShardedStateLoade
 (``sharded_state``) and of shardprep's ``ShardedFastLoader`` (``sharded-fast``) in the
 process that calls it (vLLM calls the plugin in every worker). Each call appends one
 JSON line to that file: the loader, the load format, the role, the pp and tp rank, the
-seconds the call took and the resident memory before and after it. vLLM's own
+seconds the call took, the CPU seconds the process spent meanwhile (every thread: a
+figure that other jobs on a shared machine disturb less) and the resident memory before
+and after it. vLLM's own
 "Loading weights took" lines cannot serve here: they are logged by the first rank only,
 and they time a different span than shardprep's.
 
@@ -65,21 +67,29 @@ def timed(original: Callable[..., None], label: str, path: str) -> Callable[...,
             return original(self, model, model_config)
         token = _inside.set(True)
         rss_before = resident_bytes()
+        cpu_started = time.process_time()
         started = time.perf_counter()
         try:
             return original(self, model, model_config)
         finally:
             seconds = time.perf_counter() - started
+            cpu_seconds = time.process_time() - cpu_started
             _inside.reset(token)
-            record(path, label, self, model_config, seconds, rss_before)
+            record(path, label, self, model_config, (seconds, cpu_seconds), rss_before)
 
     setattr(load_weights, WRAPPED, True)
     return load_weights
 
 
 def record(
-    path: str, label: str, loader: Any, model_config: Any, seconds: float, rss_before: int
+    path: str,
+    label: str,
+    loader: Any,
+    model_config: Any,
+    seconds: tuple[float, float],
+    rss_before: int,
 ) -> None:
+    """One line: `seconds` is (wall, CPU of the whole process, every thread) of the call."""
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
     line = {
@@ -88,7 +98,8 @@ def record(
         "role": role_of(model_config),
         "pp_rank": get_pp_group().rank_in_group,
         "tp_rank": get_tensor_model_parallel_rank(),
-        "seconds": seconds,
+        "seconds": seconds[0],
+        "cpu_seconds": seconds[1],
         "rss_before": rss_before,
         "rss_after": resident_bytes(),
         "pid": os.getpid(),
