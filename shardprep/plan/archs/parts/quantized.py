@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from shardprep.format.records import Topology
@@ -70,7 +71,7 @@ def _sources(
     family: Family, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
 ) -> dict[str, tuple[tuple, str]]:
     shapes: dict[str, tuple[tuple, str]] = {
-        name: (shape, "") for name, shape in family.expected_shapes(config, ctx).items()
+        name: (shape, "") for name, shape in _family_shapes(family, config, ctx).items()
     }
     scheme = _scheme(family, config)
     if scheme is not None:
@@ -82,13 +83,25 @@ def _sources(
     return shapes
 
 
+_LAST: list[Any] = []  # the last (family, config, ctx, shapes) asked
+
+
+def _family_shapes(family: Family, config: Config, ctx: PlanContext) -> Mapping[str, tuple]:
+    """`family.expected_shapes`, which a plan's checks, layout and refusals each ask of the
+    same config (half a million tensors at flagship scale): the last answer is kept while
+    the same objects ask again. It holds them, so their ids cannot be reused meanwhile."""
+    if not (_LAST and _LAST[0] is family and _LAST[1] is config and _LAST[2] is ctx):
+        _LAST[:] = [family, config, ctx, MappingProxyType(family.expected_shapes(config, ctx))]
+    return _LAST[3]
+
+
 def _logical(
     family: Family, config: Config, shapes: Shapes, ctx: PlanContext = DEFAULT_CONTEXT
 ) -> dict:
     """The checkpoint's shapes and those of the unquantized weights config.json implies
     (a scheme that stores a weight under other names leaves it out of the checkpoint, one
     that packs it in place stores it under its name in another shape)."""
-    expected = family.expected_shapes(config, ctx)
+    expected = _family_shapes(family, config, ctx)
     packed = {n: expected[n] for n, s in shapes.items() if n in expected and expected[n] != s}
     return {**expected, **shapes, **packed}
 
@@ -153,16 +166,19 @@ def quantized_layers(
     weights = quantized(family, config, sizes)
     found: dict[str, Quantized] = {}
     for param in layout.params:
+        # A layer's stacks hold a piece per expert: the first tells the layer, and a layer
+        # already found is not looked at further.
+        stored = next((p for p in param.pieces if scheme.logical(p.source) in weights), None)
+        if stored is None:
+            continue
+        layer = LAYER_INDEX.sub(".*.", weights[scheme.logical(stored.source)])
+        if layer in found:
+            continue
         pieces = [
             _weight_piece(p, scheme.logical(p.source))
             for p in param.pieces
             if scheme.logical(p.source) in weights
         ]
-        if not pieces:
-            continue
-        layer = LAYER_INDEX.sub(".*.", weights[pieces[0].source])
-        if layer in found:
-            continue
         first = tuple(sizes[pieces[0].source])
         if len(first) == 3:  # fused experts, the Hub's [E, H, 2I] and [E, I, H]
             up = pieces[0].cut in (Cut.EXPERT_COLS_T, Cut.MX_W13)
