@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from shardprep.constants import (
     COPIED_FILE_PATTERNS,
@@ -29,8 +29,9 @@ LOCAL_DIR_DOWNLOAD_METADATA = (".cache", "huggingface", "download")
 MAX_METADATA_BYTES = 4096
 
 
-@dataclass(frozen=True)
-class SourceTensor:
+class SourceTensor(NamedTuple):
+    """One tensor of a checkpoint (a named tuple: a flagship has half a million)."""
+
     name: str
     file: str  # relative to the checkpoint folder
     info: TensorInfo
@@ -138,14 +139,14 @@ def collect_tensors(root: Path | str, headers: list[tuple[str, Header]]) -> dict
     """Every tensor of the files' headers, by name; a name in two files is refused."""
     tensors: dict[str, SourceTensor] = {}
     for file, header in headers:
-        for name, info in header.tensors.items():
-            if name in tensors:
-                raise CorruptFileError(
-                    f"tensor {name} appears in both {tensors[name].file} and {file} of {root}; "
-                    "remove the duplicate file",
-                    path=f"{root}/{file}",
-                )
-            tensors[name] = SourceTensor(name, file, info)
+        if not tensors.keys().isdisjoint(header.tensors):
+            name = next(name for name in header.tensors if name in tensors)
+            raise CorruptFileError(
+                f"tensor {name} appears in both {tensors[name].file} and {file} of {root}; "
+                "remove the duplicate file",
+                path=f"{root}/{file}",
+            )
+        tensors.update((n, SourceTensor(n, file, info)) for n, info in header.tensors.items())
     return tensors
 
 
