@@ -16,10 +16,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from shardprep.format.dtypes import FLOAT_DTYPES, INTEGER_DTYPES
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import Config, Family, Layout, Param, Shapes
 from shardprep.plan.cuts import Cut, Piece
-from shardprep.plan.quant import Scheme, kv_cache, scheme_of
+from shardprep.plan.quant import Example, Scheme, kv_cache, scheme_of
 from shardprep.plan.quant.layer import Quantized
 
 LAYER_INDEX = re.compile(r"\.\d+\.")
@@ -68,6 +69,24 @@ def _sources(family: Family, config: Config, **context: Any) -> dict[str, tuple[
                 del shapes[weight]
                 shapes |= scheme.stored(weight, plain[weight])
     return shapes
+
+
+def examples(family: Family, config: Config) -> dict[str, Example]:
+    """What a tiny model (demo/) holds in each tensor the scheme stores: those of the
+    quantized weights, and of the weights the family itself stores in the scheme's format
+    (DeepSeek-V3.2's indexer `wk`, which vLLM dequantizes while loading)."""
+    scheme = _scheme(family, config)
+    if scheme is None:
+        return {}
+    plain = family.expected_shapes(config)
+    own = family.source_dtypes(config)
+    weights = [w for w in quantized(family, config, plain) if w in plain]
+    for name, dtype in own.items():
+        if name in plain and dtype not in (*FLOAT_DTYPES, *INTEGER_DTYPES):
+            stored = scheme.stored(name, plain[name])
+            if all(own.get(n) == d for n, (_, d) in stored.items()):
+                weights.append(name)
+    return {n: e for w in weights for n, e in scheme.examples(w, plain[w]).items()}
 
 
 def _logical(family: Family, config: Config, shapes: Shapes, **context: Any) -> dict:
@@ -185,10 +204,9 @@ def quantization_problems(
     if unplaced:
         more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
         if unplaced[0].kind == "experts":
-            why = getattr(scheme, "experts_unplaced", "")
             return [
                 f"{scheme.method} {scheme.describe} of routed experts is not supported yet "
-                f"({unplaced[0].name}{more}): {why}"
+                f"({unplaced[0].name}{more}): {scheme.experts_unplaced}"
             ]
         return [
             f"{scheme.method} {scheme.describe} of linear layers is not supported yet: the "
