@@ -117,7 +117,7 @@ def layout(
     params: list[Param] = [
         Param(name, (piece,), stages, kv_cache.SCALE_DTYPE)
         for name, piece, stages in kv_cache.kv_cache_params(
-            (name for name in shapes if scheme.method == "fp8" and family.kv_cache_scales),
+            (name for name in shapes if scheme.kv_cache_scales and family.kv_cache_scales),
             ((param.name, param.stages) for param in base.params),
         )
     ]

@@ -59,6 +59,9 @@ class Scheme:
     # How the parameters vLLM builds of a quantized weight end, besides the weight's own
     # name (`w13_weight_scale_inv`, `weight_packed`): what report.py groups by.
     param_suffixes: ClassVar[tuple[str, ...]] = ()
+    # Whether vLLM's config of the scheme puts the KV-cache scales a checkpoint ships at
+    # `self_attn.attn` (`Fp8Config`'s weight mapper; plan/quant/kv_cache.py).
+    kv_cache_scales: ClassVar[bool] = False
     # Why quantized routed experts are refused, where `places` refuses them.
     experts_unplaced: ClassVar[str] = ""
     problem: str  # why vLLM cannot load this quantization ("" when it can)

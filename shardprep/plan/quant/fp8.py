@@ -27,6 +27,7 @@ class BlockQuant(Scheme):
     method: ClassVar[str] = "fp8"  # vLLM's quantization method
     # `x.weight_scale_inv`; with the KV-cache scales a checkpoint ships, `attn.k_scale`...
     param_suffixes: ClassVar[tuple[str, ...]] = ("_scale_inv", "_scale")
+    kv_cache_scales: ClassVar[bool] = True
 
     block: tuple[int, int]  # (block_n: output rows, block_k: input columns)
     problem: str = ""  # why vLLM cannot load this quantization, if it cannot

@@ -44,6 +44,7 @@ def scale_of(weight: str) -> str:
 class Fp8Mxfp4Quant(BlockQuant):
     name: ClassVar[str] = "fp8_e8m0_mxfp4"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "deepseek_v4_fp8"  # vLLM's quantization method, as it overrides it
+    kv_cache_scales: ClassVar[bool] = False  # `DeepseekV4FP8Config` maps none
 
     # A pattern of the routed experts' weights, which are MXFP4 (`re.search`); every other
     # quantized weight is an fp8 linear layer.

@@ -34,6 +34,7 @@ class TensorQuant(Scheme):
     method: ClassVar[str] = "fp8"  # vLLM's quantization method
     # `x.weight_scale`, `x.input_scale`; the KV-cache scales a checkpoint ships
     param_suffixes: ClassVar[tuple[str, ...]] = ("_scale", "input_scale")
+    kv_cache_scales: ClassVar[bool] = True
 
     static: bool = False  # activation_scheme static: an input scale per weight
     problem: str = ""  # why vLLM cannot load this quantization, if it cannot
