@@ -20,7 +20,17 @@ from shardprep.errors import ConfigError
 from shardprep.plan.quant.base import Example, Scheme
 from shardprep.plan.quant.mxfp4 import Mxfp4Quant
 
-__all__ = ["Example", "Mxfp4Quant", "Scheme", "all_schemes", "scheme_names", "scheme_of"]
+__all__ = [
+    "Example",
+    "Mxfp4Quant",
+    "Scheme",
+    "all_schemes",
+    "never_loaded",
+    "param_suffixes",
+    "register_scheme",
+    "scheme_names",
+    "scheme_of",
+]
 
 ANY_FORMAT = "*"
 FALLBACK = ("fp8", ANY_FORMAT)  # another quant_method: fp8's reader refuses it by name
@@ -51,6 +61,7 @@ def register_scheme(method: str, format: str, module: str, reader: str) -> None:
     if _TABLE.get(key, entry) != entry:
         raise ConfigError(f"quantization {key} is registered twice: as {_TABLE[key]} and {entry}")
     _TABLE[key] = entry
+    all_schemes.cache_clear()
 
 
 @cache
