@@ -36,7 +36,7 @@ TINY_MXFP4_PACK = {
 }  # fmt: skip
 # Kimi-K3's quantization_config as published (in text_config): MXFP4 routed experts, no
 # activation quantization. vLLM loads it through its MXFP4 interface, which quantizes the
-# routed experts only (plan/archs/kimi_k3_quant.py).
+# routed experts only (plan/archs/kimi_k3/quant.py).
 KIMI_K3_MXFP4 = {
     "config_groups": {"group_0": {
         "format": "mxfp4-pack-quantized", "input_activations": None,

@@ -21,7 +21,7 @@ from shardprep.demo.tiny import (
 )
 from shardprep.errors import ConfigError
 from shardprep.format.dtypes import safetensors_name
-from shardprep.plan.archs.deepseek_v4_quant import ROUTED
+from shardprep.plan.archs.deepseek_v4.quant import ROUTED
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.quant import all_schemes, register_scheme, scheme_of
 from shardprep.plan.quant.base import EXAMPLE_KINDS, PLAIN, Scheme
