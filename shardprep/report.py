@@ -8,11 +8,10 @@ from typing import Any
 
 from shardprep.format import manifest as mf
 from shardprep.format.headers import encode_header
+from shardprep.plan.quant import param_suffixes
 from shardprep.plan.records import ExpertPlan, FilePlan, ModelPlan, Plan
 
 LAYER_INDEX = re.compile(r"\.\d+\.")
-# The parameters a quantization scheme adds beside a quantized weight.
-QUANT_PARAM = re.compile(r"(_scale|_scale_inv|_scale_2|_packed|_shape|input_scale)$")
 
 
 @dataclass(frozen=True)
@@ -197,6 +196,7 @@ def quantized_groups(plan: Plan, model: ModelPlan) -> dict[str, dict[str, str]]:
     """Each quantized parameter group of a model (layers alike but for their index once):
     {module: {parameter: "dtype [shape on tp rank 0 of its first stage]"}}."""
     groups: dict[str, dict[str, str]] = {}
+    quant_params = param_suffixes()  # what a scheme builds beside a quantized weight
     for file in plan.files:
         if file.role != model.role or file.tp != 0:
             continue
@@ -207,7 +207,7 @@ def quantized_groups(plan: Plan, model: ModelPlan) -> dict[str, dict[str, str]]:
     return {
         module: dict(sorted(params.items()))
         for module, params in sorted(groups.items())
-        if any(QUANT_PARAM.search(name) for name in params)
+        if any(name.endswith(quant_params) for name in params)
     }
 
 

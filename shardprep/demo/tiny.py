@@ -30,6 +30,7 @@ from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.plan import archs
 from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.archs.parts import quantized
+from shardprep.plan.quant import Example
 
 
 def make_tiny_model(
@@ -51,17 +52,17 @@ def make_tiny_model(
         families.append(archs.draft_family(internal, family.name))
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
-    plain: dict[str, tuple[int, ...]] = {}  # the weights' own shapes, before any quantization
+    examples: dict[str, Example] = {}  # what each tensor a scheme stores holds
     for part in families:
         shapes |= quantized.expected_shapes(part, read)
         dtypes |= quantized.source_dtypes(part, read)
-        plain |= part.expected_shapes(read)
+        examples |= quantized.examples(part, read)
     tensors = _random_tensors(shapes, config["torch_dtype"], seed)
     for part in families[1:]:  # a draft's copies of target tensors are copies, as published
         for copy, original in part.shared_copies(read).items():
             tensors[copy] = tensors[original].clone()
     if dtypes:
-        tensors.update(quantized_tensors(tensors, dtypes, plain, seed))
+        tensors.update(quantized_tensors(tensors, dtypes, examples, seed))
     generator = torch.Generator().manual_seed(seed + 2)
     for part in families:  # index tables hold valid indices (a hash router's experts)
         for name, (low, high) in sorted(part.index_ranges(config).items()):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.cuts import Cut, Piece, ScaleOf
+from shardprep.plan.quant.base import ACTIVATION, BYTES, EXPONENTS, NVFP4, Example
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal
 from shardprep.plan.quant.int4 import PackQuant
 from shardprep.plan.quant.layer import Quantized, QuantParams
@@ -59,6 +60,7 @@ class Mxfp4PackQuant(PackQuant):
     method: ClassVar[str] = "compressed-tensors"  # vLLM's quantization method
     kind: ClassVar[str] = "MXFP4"
     scale_dtype: ClassVar[str] = BYTE  # e8m0 exponents
+    param_suffixes: ClassVar[tuple[str, ...]] = ("_packed", "_scale")
 
     @property
     def describe(self) -> str:
@@ -70,6 +72,10 @@ class Mxfp4PackQuant(PackQuant):
             weight + "_packed": ((rows, cols // PER_BYTE), BYTE),
             weight + "_scale": ((rows, cols // self.group), self.scale_dtype),
         }
+
+    def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
+        """Random e2m1 pairs and e8m0 exponents."""
+        return {weight + "_packed": Example(BYTES), weight + "_scale": Example(EXPONENTS)}
 
     def params(
         self,
@@ -163,6 +169,17 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
     def stored(self, weight: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple, str]]:
         stem = weight.removesuffix("weight")
         return super().stored(weight, shape) | {stem + s: ((1,), F32) for s in self.global_scales}
+
+    def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
+        """A random weight encoded in NVFP4, written with its global scale; W4A4, an
+        activation's global scale."""
+        stem, (rows, cols) = weight.removesuffix("weight"), shape
+        held = (rows, cols // PER_BYTE * PER_BYTE)  # the values the packed bytes hold
+        encoded = Example(NVFP4, held, (weight + "_packed", weight + "_scale"))
+        found = {stem + GLOBAL_SCALES[0]: encoded}
+        if not self.a16:
+            found[stem + GLOBAL_SCALES[1]] = Example(ACTIVATION)
+        return found
 
     # Why NVFP4A16 routed experts are refused.
     experts_unplaced: ClassVar[str] = (

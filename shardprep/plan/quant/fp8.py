@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.cuts import Cut, Piece, ScaleOf
+from shardprep.plan.quant.base import FP8_VALUES, SCALE, Example, Scheme
 from shardprep.plan.quant.fp8_tensor import TensorQuant, tensor_quant
 from shardprep.plan.quant.ignore import not_converted
-from shardprep.plan.quant.layer import Quantized, QuantParams, StoredAsIs
+from shardprep.plan.quant.layer import Quantized, QuantParams
 from shardprep.plan.topology import kv_heads_of_rank
 
 Config = Mapping[str, Any]
@@ -21,9 +22,12 @@ SCALE_DTYPE = "F32"
 
 
 @dataclass(frozen=True)
-class BlockQuant(StoredAsIs):
+class BlockQuant(Scheme):
     name: ClassVar[str] = "fp8_block"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "fp8"  # vLLM's quantization method
+    # `x.weight_scale_inv`; with the KV-cache scales a checkpoint ships, `attn.k_scale`...
+    param_suffixes: ClassVar[tuple[str, ...]] = ("_scale_inv", "_scale")
+    kv_cache_scales: ClassVar[bool] = True
 
     block: tuple[int, int]  # (block_n: output rows, block_k: input columns)
     problem: str = ""  # why vLLM cannot load this quantization, if it cannot
@@ -37,6 +41,9 @@ class BlockQuant(StoredAsIs):
     def stored(self, weight: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple, str]]:
         """The checkpoint tensors of one quantized weight: {name: (shape, dtype)}."""
         return {weight: (shape, FP8), scale_name(weight): (self.scale_shape(shape), SCALE_DTYPE)}
+
+    def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
+        return {weight: Example(FP8_VALUES), scale_name(weight): Example(SCALE)}
 
     def skips(self, *layers: str) -> bool:
         """Whether vLLM leaves a layer unquantized; `layers`: its names (vLLM's fused
@@ -58,10 +65,6 @@ class BlockQuant(StoredAsIs):
         """The fp8 weight parameter `name` and its block scales, as (name, pieces, dtype)."""
         scales = tuple(_scale_piece(p, shapes, self, moe_ways) for p in pieces)
         return [(name, pieces, FP8), (scale_name(name), scales, SCALE_DTYPE)], {}
-
-    def alongside(self, pieces: tuple[Piece, ...], shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Parameters of the model's that are not quantized keep their cut."""
-        return None
 
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """vLLM's block checks of one layer at `tp`, in its words."""
@@ -90,8 +93,12 @@ def block_quant(config: Config) -> BlockQuant | TensorQuant | None:
     """The fp8 quantization config.json declares (blocks, or per tensor without
     `weight_block_size`), or None for an unquantized model."""
     quant = config.get("quantization_config")
-    if not quant:
-        return None
+    return fp8_quant(quant) if quant else None
+
+
+def fp8_quant(quant: Config) -> BlockQuant | TensorQuant:
+    """The scheme of an fp8 `quantization_config`; one it cannot lay out (or of another
+    `quant_method`) comes back with its `problem` set."""
     method = quant.get("quant_method")
     block = quant.get("weight_block_size")
     if method != "fp8":

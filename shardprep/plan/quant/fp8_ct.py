@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.cuts import Cut, Piece, ScaleOf
+from shardprep.plan.quant.base import FP8_VALUES, PLAIN, Example, Scheme
 from shardprep.plan.quant.fp8 import BlockQuant, block_size, moe_block_rules
 from shardprep.plan.quant.fp8_tensor import input_scale
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
-from shardprep.plan.quant.layer import Quantized, QuantParams, StoredAsIs
+from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
 FP8 = "F8_E4M3"
@@ -40,9 +41,10 @@ SUPPORTED = (
 
 
 @dataclass(frozen=True)
-class FloatQuant(StoredAsIs):
+class FloatQuant(Scheme):
     name: ClassVar[str] = "fp8_ct"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "compressed-tensors"  # vLLM's quantization method
+    param_suffixes: ClassVar[tuple[str, ...]] = ("_scale", "input_scale")
 
     strategy: str  # the weights' strategy: "tensor", "channel" or "block"
     block: tuple[int, int] = (1, 1)  # (block_n, block_k) of the block strategy
@@ -70,6 +72,12 @@ class FloatQuant(StoredAsIs):
         if self.static:
             tensors[input_scale(weight)] = ((1,), "")
         return tensors
+
+    def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
+        """The fp8 weight; its scales are in the model's dtype."""
+        return {name: Example(PLAIN) for name in self.stored(weight, shape)} | {
+            weight: Example(FP8_VALUES)
+        }
 
     def skips(self, layer: str, *parts: str) -> bool:
         """Whether vLLM leaves a layer unquantized (`should_ignore_layer`)."""
@@ -116,10 +124,6 @@ class FloatQuant(StoredAsIs):
             return Piece(source, cut, piece.heads, piece.expert)
         of = ScaleOf(tuple(shapes[piece.source]), piece.cut, self.block, None, piece.heads)  # type: ignore[arg-type]
         return Piece(source, Cut.BLOCK_SCALE, expert=piece.expert, scale_of=of)
-
-    def alongside(self, pieces: tuple[Piece, ...], shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Parameters of the model's that are not quantized keep their cut."""
-        return None
 
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """vLLM's refusals of one layer at `tp`, in its words."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from shardprep.plan.cuts import Piece
+from shardprep.plan.quant.base import EXPONENTS, FP8_VALUES, MXFP4, Example
 from shardprep.plan.quant.fp4 import GROUP, PER_BYTE, Mxfp4PackMoeQuant
 from shardprep.plan.quant.fp8 import FP8, BlockQuant
 from shardprep.plan.quant.layer import Quantized, QuantParams
@@ -43,6 +44,7 @@ def scale_of(weight: str) -> str:
 class Fp8Mxfp4Quant(BlockQuant):
     name: ClassVar[str] = "fp8_e8m0_mxfp4"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "deepseek_v4_fp8"  # vLLM's quantization method, as it overrides it
+    kv_cache_scales: ClassVar[bool] = False  # `DeepseekV4FP8Config` maps none
 
     # A pattern of the routed experts' weights, which are MXFP4 (`re.search`); every other
     # quantized weight is an fp8 linear layer.
@@ -67,6 +69,15 @@ class Fp8Mxfp4Quant(BlockQuant):
                 scale_of(weight): ((rows, cols // GROUP), E8M0),
             }
         return {weight: (shape, FP8), scale_of(weight): (self.scale_shape(shape), E8M0)}
+
+    def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
+        """A random expert weight encoded in MXFP4; fp8 values and e8m0 block scales."""
+        if self.is_expert(weight):
+            rows, cols = shape  # the values the packed bytes hold
+            return {
+                weight: Example(MXFP4, (rows, cols // PER_BYTE * PER_BYTE), (scale_of(weight),))
+            }
+        return {weight: Example(FP8_VALUES), scale_of(weight): Example(EXPONENTS)}
 
     def params(
         self,

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.cuts import Cut, Piece
+from shardprep.plan.quant.base import FP8_VALUES, SCALE, Example, Scheme
 from shardprep.plan.quant.ignore import not_converted
-from shardprep.plan.quant.layer import Quantized, QuantParams, StoredAsIs
+from shardprep.plan.quant.layer import QuantParams
 
 Config = Mapping[str, Any]
 FP8 = "F8_E4M3"
@@ -28,9 +29,12 @@ ACTIVATION_SCHEMES = ("static", "dynamic")
 
 
 @dataclass(frozen=True)
-class TensorQuant(StoredAsIs):
+class TensorQuant(Scheme):
     name: ClassVar[str] = "fp8_tensor"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "fp8"  # vLLM's quantization method
+    # `x.weight_scale`, `x.input_scale`; the KV-cache scales a checkpoint ships
+    param_suffixes: ClassVar[tuple[str, ...]] = ("_scale", "input_scale")
+    kv_cache_scales: ClassVar[bool] = True
 
     static: bool = False  # activation_scheme static: an input scale per weight
     problem: str = ""  # why vLLM cannot load this quantization, if it cannot
@@ -48,6 +52,11 @@ class TensorQuant(StoredAsIs):
         if self.static:
             tensors[input_scale(weight)] = ((), SCALE_DTYPE)
         return tensors
+
+    def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
+        return {name: Example(SCALE) for name in self.stored(weight, shape)} | {
+            weight: Example(FP8_VALUES)
+        }
 
     def skips(self, *layers: str) -> bool:
         """Whether vLLM leaves a layer unquantized; `layers`: its names (vLLM's fused
@@ -84,14 +93,6 @@ class TensorQuant(StoredAsIs):
         inputs_param = tuple(_scalar(input_scale(p.source), p) for p in inputs)
         params.append((input_scale(name), inputs_param, SCALE_DTYPE))
         return params, unplaced
-
-    def alongside(self, pieces: tuple[Piece, ...], shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Parameters of the model's that are not quantized keep their cut."""
-        return None
-
-    def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
-        """Per-tensor scales cut nothing: vLLM refuses no tp for them."""
-        return []
 
 
 def input_scale(weight: str) -> str:

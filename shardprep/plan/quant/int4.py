@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shardprep.plan.cuts import MODEL_DTYPE, Cut, Piece, ScaleOf
+from shardprep.plan.quant.base import INT32, PLAIN, SHAPE, Example, Scheme
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
 from shardprep.plan.quant.layer import Quantized, QuantParams
 
@@ -34,9 +35,10 @@ SUPPORTED = (
 
 
 @dataclass(frozen=True)
-class PackQuant:
+class PackQuant(Scheme):
     name: ClassVar[str] = "int4_pack"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "compressed-tensors"  # vLLM's quantization method
+    param_suffixes: ClassVar[tuple[str, ...]] = SUFFIXES
 
     group: int  # the group size along K: one scale per group of input columns
     problem: str = ""  # why vLLM cannot load this quantization, if it cannot
@@ -55,6 +57,14 @@ class PackQuant:
             weight + "_packed": ((rows, -(-cols // PER_INT32)), PACKED_DTYPE),
             weight + "_scale": ((rows, -(-cols // self.group)), ""),
             weight + "_shape": ((2,), PACKED_DTYPE),
+        }
+
+    def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
+        """Random packed values, scales in the model's dtype, the weight's true [N, K]."""
+        return {
+            weight + "_packed": Example(INT32),
+            weight + "_scale": Example(PLAIN),
+            weight + "_shape": Example(SHAPE, tuple(shape)),
         }
 
     def logical(self, source: str) -> str:
@@ -114,10 +124,6 @@ class PackQuant:
             (name + "_scale", packed("_scale", self.group), None),
             (name + "_shape", shape, shape_dtype),
         ], unplaced
-
-    def alongside(self, pieces: tuple[Piece, ...], shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Parameters of the model's that are not quantized keep their cut."""
-        return None
 
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """vLLM's `CompressedTensorsWNA16MoEMethod.create_weights` refusals, in its words."""

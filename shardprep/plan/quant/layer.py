@@ -19,15 +19,3 @@ class Quantized:
     kind: str  # "column", "row", "replicated" or "experts"
     input: int  # input columns (K); for experts, the hidden size
     outputs: tuple[tuple[int, int], ...]  # (rows, KV heads or 0) of each part; experts: (I, 0)
-
-
-class StoredAsIs:
-    """A scheme whose quantized weight keeps the weight's name in the checkpoint (its
-    scales stand beside it) and all of whose quantized layers shardprep lays out."""
-
-    def logical(self, source: str) -> str:
-        """The weight a stored tensor holds: the quantized weight under its own name."""
-        return source
-
-    def places(self, kind: str) -> bool:
-        return True

@@ -26,7 +26,8 @@ from fnmatch import fnmatch
 from typing import Any, ClassVar
 
 from shardprep.plan.cuts import Cut, Piece, ScaleOf
-from shardprep.plan.quant.layer import Quantized, QuantParams, StoredAsIs
+from shardprep.plan.quant.base import NVFP4_MODELOPT, Example, Scheme
+from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
 BYTE = "U8"
@@ -42,9 +43,10 @@ SUPPORTED = (
 
 
 @dataclass(frozen=True)
-class ModeloptNvfp4(StoredAsIs):
+class ModeloptNvfp4(Scheme):
     name: ClassVar[str] = "modelopt_fp4"  # the scheme, which keys its layout revision
     method: ClassVar[str] = "modelopt_fp4"  # vLLM's quantization method
+    param_suffixes: ClassVar[tuple[str, ...]] = ("_scale", "_scale_2", "input_scale")
     kind: ClassVar[str] = "NVFP4"
 
     problem: str = ""  # why vLLM cannot load this quantization, if it cannot
@@ -63,6 +65,13 @@ class ModeloptNvfp4(StoredAsIs):
             weight: ((rows, cols // PER_BYTE), BYTE),
             stem + "weight_scale": ((rows, cols // self.group), E4M3),
         } | {stem + scalar: ((), F32) for scalar in SCALARS}
+
+    def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
+        """A random weight encoded in NVFP4, written with its global scale."""
+        stem, (rows, cols) = weight.removesuffix("weight"), shape
+        held = (rows, cols // PER_BYTE * PER_BYTE)  # the values the packed bytes hold
+        others = (weight, stem + "weight_scale", stem + "input_scale")
+        return {stem + "weight_scale_2": Example(NVFP4_MODELOPT, held, others)}
 
     def skips(self, layer: str, *parts: str) -> bool:
         """Whether vLLM leaves a layer unquantized (`is_layer_excluded`)."""
@@ -102,10 +111,6 @@ class ModeloptNvfp4(StoredAsIs):
             )
             params.append((stem + scalar, of, F32))
         return params, {}
-
-    def alongside(self, pieces: tuple[Piece, ...], shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Parameters of the model's that are not quantized keep their cut."""
-        return None
 
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """vLLM's `KNvfp4Static.create_weights` refusal of a linear layer, in its words;

@@ -22,6 +22,7 @@ only; the manifest records which (the experts' `mxfp4_padding`: `at_load` or the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -29,6 +30,7 @@ from typing import Any, ClassVar
 from shardprep.errors import ConfigError
 from shardprep.format.cut_names import MXFP4_PADDING_AT_LOAD
 from shardprep.plan.cuts import MX_BLOCK, Cut, Piece, ScaleOf
+from shardprep.plan.quant.base import MXFP4, Example, Scheme
 from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Config = Mapping[str, Any]
@@ -84,10 +86,11 @@ def choices() -> str:
 
 
 @dataclass(frozen=True)
-class Mxfp4Quant:
+class Mxfp4Quant(Scheme):
     name: ClassVar[str] = "mxfp4"  # the scheme, which keys its layout revision
     # vLLM's quantization method (`GptOssMxfp4Config`, from the checkpoint's "mxfp4")
     method: ClassVar[str] = "gpt_oss_mxfp4"
+    param_suffixes: ClassVar[tuple[str, ...]] = ("_scale",)  # `w13_weight_scale`
 
     pad: Mxfp4Pad | None = None  # a backend's padding baked in (--mxfp4-pad); None: unpadded
     problem: str = ""
@@ -98,6 +101,10 @@ class Mxfp4Quant:
         if self.pad is None:
             return "mxfp4 experts, padded at load for the running backend"
         return f"mxfp4 experts padded to {self.pad.text}"
+
+    def for_request(self, mxfp4_pad: str | None) -> Mxfp4Quant:
+        """With the backend's padding `--mxfp4-pad` baked in (None: unpadded)."""
+        return dataclasses.replace(self, pad=Mxfp4Pad.parse(mxfp4_pad))
 
     @property
     def padding(self) -> str:
@@ -112,6 +119,12 @@ class Mxfp4Quant:
             weight + "_blocks": ((experts, n, k // MX_BLOCK, MX_BLOCK // PER_BYTE), BYTE),
             weight + "_scales": ((experts, n, k // MX_BLOCK), BYTE),
         }
+
+    def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
+        """A random weight [E, N, K] encoded in MXFP4 (the whole blocks of K)."""
+        experts, k, n = shape
+        encoded = Example(MXFP4, (experts, n, k // MX_BLOCK * MX_BLOCK), (weight + "_scales",))
+        return {weight + "_blocks": encoded}
 
     def logical(self, source: str) -> str:
         return source.removesuffix("_blocks").removesuffix("_scales")
@@ -185,6 +198,6 @@ class Mxfp4Quant:
 
 def mxfp4_quant(quant: Config) -> Mxfp4Quant:
     """The MXFP4 scheme of gpt-oss's `quantization_config`, unpadded (a baked padding comes
-    later, from the conversion request)."""
+    later, from the conversion request: `for_request`)."""
     ignored = quant.get("modules_to_not_convert") or []
     return Mxfp4Quant(ignored=tuple(ignored) if isinstance(ignored, list) else ())

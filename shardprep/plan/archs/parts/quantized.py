@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from shardprep.format.dtypes import FLOAT_DTYPES, INTEGER_DTYPES
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import (
     DEFAULT_CONTEXT,
@@ -28,7 +29,7 @@ from shardprep.plan.archs.base import (
     Shapes,
 )
 from shardprep.plan.cuts import Cut, Piece
-from shardprep.plan.quant import Scheme, kv_cache, scheme_of
+from shardprep.plan.quant import Example, Scheme, kv_cache, scheme_of
 from shardprep.plan.quant.layer import Quantized
 
 LAYER_INDEX = re.compile(r"\.\d+\.")
@@ -95,6 +96,24 @@ def _family_shapes(family: Family, config: Config, ctx: PlanContext) -> Mapping[
     return _LAST[3]
 
 
+def examples(family: Family, config: Config) -> dict[str, Example]:
+    """What a tiny model (demo/) holds in each tensor the scheme stores: those of the
+    quantized weights, and of the weights the family itself stores in the scheme's format
+    (DeepSeek-V3.2's indexer `wk`, which vLLM dequantizes while loading)."""
+    scheme = _scheme(family, config)
+    if scheme is None:
+        return {}
+    plain = family.expected_shapes(config)
+    own = family.source_dtypes(config)
+    weights = [w for w in quantized(family, config, plain) if w in plain]
+    for name, dtype in own.items():
+        if name in plain and dtype not in (*FLOAT_DTYPES, *INTEGER_DTYPES):
+            stored = scheme.stored(name, plain[name])
+            if all(own.get(n) == d for n, (_, d) in stored.items()):
+                weights.append(name)
+    return {n: e for w in weights for n, e in scheme.examples(w, plain[w]).items()}
+
+
 def _logical(
     family: Family, config: Config, shapes: Shapes, ctx: PlanContext = DEFAULT_CONTEXT
 ) -> dict:
@@ -129,7 +148,7 @@ def layout(
     params: list[Param] = [
         Param(name, (piece,), stages, kv_cache.SCALE_DTYPE)
         for name, piece, stages in kv_cache.kv_cache_params(
-            (name for name in shapes if scheme.method == "fp8" and family.kv_cache_scales),
+            (name for name in shapes if scheme.kv_cache_scales and family.kv_cache_scales),
             ((param.name, param.stages) for param in base.params),
         )
     ]
@@ -228,10 +247,9 @@ def quantization_problems(
     if unplaced:
         more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
         if unplaced[0].kind == "experts":
-            why = getattr(scheme, "experts_unplaced", "")
             return [
                 f"{scheme.method} {scheme.describe} of routed experts is not supported yet "
-                f"({unplaced[0].name}{more}): {why}"
+                f"({unplaced[0].name}{more}): {scheme.experts_unplaced}"
             ]
         return [
             f"{scheme.method} {scheme.describe} of linear layers is not supported yet: the "
