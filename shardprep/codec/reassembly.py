@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
+from typing import Literal
 
 import numpy as np
 
@@ -35,8 +36,8 @@ _COMPILING = "Compiling the codec's decoder with numba (once per installation, a
 
 logger = logging.getLogger("shardprep.codec")
 
-_compiled: ModuleType | bool | None = None  # None: not tried yet; False: numpy only
-_frames: FrameDecoder | bool | None = None  # the same, for `frame_decoder`
+_compiled: ModuleType | Literal[False] | None = None  # None: not tried yet; False: numpy only
+_frames: FrameDecoder | Literal[False] | None = None  # the same, for `frame_decoder`
 
 
 def compiled() -> ModuleType | None:

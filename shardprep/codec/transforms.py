@@ -110,10 +110,11 @@ _local = threading.local()
 
 def pack(plane: Plane, lz: bool) -> tuple[int, int, Plane]:
     """(method, raw length, stored bytes): zstd where it pays, else the plane itself."""
-    size = memoryview(plane).nbytes
+    view = memoryview(plane)
+    size = view.nbytes
     if size == 0:
         return RAW, 0, b""
-    packed = _zstd_compressor(lz).compress(plane)
+    packed = _zstd_compressor(lz).compress(view)
     if len(packed) <= size * _PAYS:
         return ZSTD, size, packed
     return RAW, size, plane

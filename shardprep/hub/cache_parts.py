@@ -89,11 +89,11 @@ def split_parts(
     layers, env = sum(topo.partition), pp_partition_from_env()
     flag = f"--pp {pp}" if pp is not None else f"--tp {tp}"
     try:
-        if partition is None and pp is None:
-            partition = tuple(topo.partition)
-        elif partition is None:
+        if partition is None:
             partition = (
-                parse_partition(env, layers, pp, ENV_PP_PARTITION)
+                tuple(topo.partition)
+                if pp is None
+                else parse_partition(env, layers, pp, ENV_PP_PARTITION)
                 if env
                 else default_partition(layers, pp)
             )
@@ -109,7 +109,7 @@ def split_parts(
         stages = stages_for(topo, partition, stage)
         if rank is None:
             return [Part(p) for p in stages]
-        ranks = tp_ranks_for(topo.tp, tp, rank)
+        ranks: Sequence[int] = tp_ranks_for(topo.tp, tp, rank)
     except PlanError as exc:
         raise ConfigError(f"{repo_id} at {flag}: {exc}") from None
     if any(m.experts is not None for m in manifest.models):

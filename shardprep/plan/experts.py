@@ -58,8 +58,8 @@ def expert_stack_blocks(
     geometry: tuple[Block, ...] = ()
     height = 0
     for piece in pieces:
-        blocks = per_expert.get(piece.expert)  # type: ignore[arg-type]
-        if blocks is None:
+        expert = piece.expert
+        if expert is None or expert not in per_expert:
             continue
         shape = shapes[piece.source]
         this = (piece.cut, piece.heads, piece.scale_of, shape)
@@ -67,8 +67,8 @@ def expert_stack_blocks(
             kind, geometry = this, piece_geometry(piece, shape, ways, index)
             height = sum(b.height for b in geometry)
             trailing.update(block_shape(b, shape)[1:] for b in geometry)
-        blocks += placed_blocks(piece, shape, geometry)
-        heights[piece.expert] += height  # type: ignore[index]
+        per_expert[expert] += placed_blocks(piece, shape, geometry)
+        heights[expert] += height
     absent = [expert for expert, blocks in per_expert.items() if not blocks]
     if absent:
         raise PlanError(f"expert {absent[0]} has no tensor in this stack; the checkpoint lacks it")
@@ -79,10 +79,10 @@ def expert_stack_blocks(
             f"the experts {names[0]} .. {names[-1]} do not all have the same shape; "
             "every expert of a layer must"
         )
-    blocks = tuple(block for expert in held for block in per_expert[expert])
+    stacked = tuple(block for expert in held for block in per_expert[expert])
     if all(piece.cut is Cut.PER_TENSOR for piece in pieces):  # [E], or [E, parts]
         per = rows.pop()
-        return blocks, (len(held), per) if per > 1 else (len(held),)
+        return stacked, (len(held), per) if per > 1 else (len(held),)
     if all(piece.cut in EXPERT_VECTORS for piece in pieces):
-        return blocks, (len(held) * rows.pop(), *trailing.pop())
-    return blocks, (len(held), rows.pop(), *trailing.pop())
+        return stacked, (len(held) * rows.pop(), *trailing.pop())
+    return stacked, (len(held), rows.pop(), *trailing.pop())

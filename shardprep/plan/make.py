@@ -279,7 +279,7 @@ def tensor_plan(
             raise PlanError(f"{param.name}: {exc}") from None
     first_shape = source.tensors[param.pieces[0].source][1]
     if param.pieces[0].cut is Cut.PER_TENSOR:  # one value per piece, scalar or [1]
-        shape: tuple[int, ...] = (len(blocks),)
+        shape = (len(blocks),)
     elif param.pieces[0].cut is Cut.SCALAR:
         shape = ()
     elif first_shape:

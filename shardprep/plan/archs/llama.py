@@ -233,7 +233,7 @@ class LlamaFamily(Family):
                 skipped["lm_head.weight"] = "tied to model.embed_tokens.weight"
         else:
             params.append(Param("lm_head.weight", (Piece("lm_head.weight", Cut.VOCAB),), (last,)))
-        optional = frozenset()
+        optional: frozenset[tuple[str, int]] = frozenset()
         if draft_embed and not dims.tied:
             optional = frozenset({("model.embed_tokens.weight", last)})
         return Layout(tuple(params), skipped, spec_decode_only=optional)

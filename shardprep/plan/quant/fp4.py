@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.cuts import Cut, Piece, ScaleOf
+from shardprep.plan.cuts import Cut, Piece, ScaleOf, matrix
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal
 from shardprep.plan.quant.int4 import PackQuant
 from shardprep.plan.quant.layer import Quantized, QuantParams
@@ -87,7 +87,9 @@ class Mxfp4PackQuant(PackQuant):
                     p.source + suffix,
                     Cut.PACKED,
                     expert=p.expert,
-                    scale_of=ScaleOf(tuple(shapes[p.source]), p.cut, (1, per), None, p.heads),  # type: ignore[arg-type]
+                    scale_of=ScaleOf(
+                        matrix(shapes[p.source], p.source), p.cut, (1, per), None, p.heads
+                    ),
                 )
                 for p in pieces
             )
@@ -191,12 +193,11 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
             fused = len(pieces) > len({p.expert for p in pieces})
             cut = Cut.REPLICATE if fused else Cut.EXPERT_SCALAR
         stem = name.removesuffix("weight")
-        for scale in self.global_scales:
-            of = tuple(
-                Piece(p.source.removesuffix("weight") + scale, cut, expert=p.expert) for p in pieces
-            )
-            parts.append((stem + scale, of, F32))
-        return parts, unplaced
+        scales = [
+            (stem + scale, tuple(_global_scale(p, scale, cut) for p in pieces), F32)
+            for scale in self.global_scales
+        ]
+        return [*parts, *scales], unplaced
 
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """The experts' sizes in whole groups, and a linear layer's input columns a rank
@@ -259,3 +260,8 @@ def _refusal(quant: Config, size: int = GROUP) -> str:
     if quant.get("kv_cache_scheme"):
         return "a kv_cache_scheme"
     return ignore_list_refusal(quant)
+
+
+def _global_scale(piece: Piece, scale: str, cut: Cut) -> Piece:
+    """The global scale `scale` (a suffix) beside the weight of `piece`."""
+    return Piece(piece.source.removesuffix("weight") + scale, cut, expert=piece.expert)
