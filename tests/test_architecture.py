@@ -178,6 +178,24 @@ def test_a_circle_through_importlib_would_be_seen() -> None:
     assert "shardprep.codec.compiled" in GRAPH["shardprep.codec.reassembly"]
 
 
+# Packages whose __init__.py only names what their modules hold: a reader opens them to
+# find the public API, not to read an implementation.
+THIN_FACES = ("codec", "cli")
+
+
+def test_the_thin_faces_define_nothing() -> None:
+    for folder in THIN_FACES:
+        body = ast.parse((PACKAGE / folder / "__init__.py").read_text()).body
+        defined = [
+            ast.unparse(node).split("\n")[0]
+            for node in body
+            if not isinstance(node, (ast.Import, ast.ImportFrom))
+            and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+            and not (isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__")
+        ]
+        assert not defined, (folder, defined)
+
+
 def test_format_knows_no_family() -> None:
     """The contract names no tensor and imports nothing above the ground floor."""
     for module, targets in GRAPH.items():
