@@ -90,13 +90,7 @@ def split_parts(
     flag = f"--pp {pp}" if pp is not None else f"--tp {tp}"
     try:
         if partition is None:
-            partition = (
-                tuple(topo.partition)
-                if pp is None
-                else parse_partition(env, layers, pp, ENV_PP_PARTITION)
-                if env
-                else default_partition(layers, pp)
-            )
+            partition = tuple(topo.partition) if pp is None else _split(layers, pp, env)
         partition = tuple(partition)
         if (tp, partition) == (topo.tp, tuple(topo.partition)):
             return requested_parts(manifest, repo_id, stage, rank, False)
@@ -117,6 +111,13 @@ def split_parts(
             return [Part(p) for p in stages]
         ranks = sorted({*ranks, *expert_ranks})
     return [Part(p, r) for p in stages for r in ranks]
+
+
+def _split(layers: int, pp: int, env: str | None) -> tuple[int, ...]:
+    """The layers per stage at `pp` stages: VLLM_PP_LAYER_PARTITION's, else vLLM's split."""
+    if env:
+        return parse_partition(env, layers, pp, ENV_PP_PARTITION)
+    return default_partition(layers, pp)
 
 
 def worker_parts(

@@ -99,7 +99,7 @@ class ScaleOf:
 def matrix(shape: Sequence[int], source: str) -> tuple[int, int]:
     """(rows, cols) of the weight `source`, whose scales a `ScaleOf` describes: 2-D."""
     if len(shape) != 2:
-        raise PlanError(f"{source} has shape {list(shape)} where a quantized 2-D weight is due")
+        raise PlanError(f"{source} has shape {list(shape)}: a quantized weight must be 2-D")
     return shape[0], shape[1]
 
 
