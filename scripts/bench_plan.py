@@ -86,7 +86,7 @@ def deepseek_v3_config() -> dict:
 def deepseek_v3_tensors(config: dict) -> tuple[dict, dict]:
     """DeepSeek-V3's tensors (name -> shape) and the dtypes that are not bfloat16."""
     from shardprep.plan import archs
-    from shardprep.plan.archs import quantized
+    from shardprep.plan.archs.parts import quantized
 
     family = archs.target_family(config)[1]
     dtypes = quantized.source_dtypes(family, config)  # the fp8 weights and their scales
@@ -176,7 +176,7 @@ def deepseek_v4_tensors(bf16: bool = False) -> tuple[dict, dict, dict]:
     and MXFP4 experts (int8 pairs, e8m0 scales); `bf16`: in bfloat16, its DSpark draft's
     included."""
     from shardprep.plan import archs
-    from shardprep.plan.archs import quantized
+    from shardprep.plan.archs.parts import quantized
 
     data = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek-v4-flash"
     published = json.loads((data / "config.json").read_text())
@@ -211,7 +211,7 @@ def kimi_k3_tensors(mxfp4: bool = False) -> tuple[dict, dict, dict]:
     MXFP4) and the tensors it implies (the family's own table: no tensor table of the
     published checkpoint is stored)."""
     from shardprep.plan import archs
-    from shardprep.plan.archs import quantized
+    from shardprep.plan.archs.parts import quantized
 
     data = Path(__file__).resolve().parents[1] / "tests" / "data" / "kimi-k3"
     config = json.loads((data / "config.json").read_text())

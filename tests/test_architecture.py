@@ -207,6 +207,77 @@ def test_format_knows_no_family() -> None:
         assert not named, (path, named)
 
 
+ARCHS = "shardprep.plan.archs"
+SHARED = ("base", "parts")  # what every family may import of plan/archs
+
+
+def archs_unit(module: str) -> str | None:
+    """The room of plan/archs a module is in: a family's module or folder (`kimi_k3`),
+    `base` or `parts`; None outside plan/archs and for the registry itself."""
+    if not module.startswith(ARCHS + "."):
+        return None
+    return module.removeprefix(ARCHS + ".").split(".")[0]
+
+
+def draft_targets() -> dict[str, set[str]]:
+    """The family rooms each draft's room may import: its targets' (the registry's
+    (method, target) keys), a draft for any target none."""
+    from shardprep.plan import archs
+
+    def room(module: str) -> str:
+        return str(archs_unit(f"{ARCHS}{module}"))
+
+    names = {archs._instance(*entry).name: room(entry[0]) for entry in archs._TARGETS.values()}
+    allowed: dict[str, set[str]] = {}
+    for (_, target), (module, _) in archs._DRAFTS.items():
+        if target in names:
+            allowed.setdefault(room(module), set()).add(names[target])
+    return allowed
+
+
+def family_violations(graph: dict[str, set[str]], drafts: dict[str, set[str]]) -> list[str]:
+    """Imports inside plan/archs that break its rooms: a family imports `base`, `parts/` and
+    its own room (a draft also its target's), a part only `base` and `parts/`, `base`
+    nothing of plan/archs; none imports the registry."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        unit = archs_unit(module)
+        if unit is None:
+            continue
+        allowed = {"base"} if unit == "base" else {*SHARED, unit, *drafts.get(unit, ())}
+        if unit == "parts":
+            allowed = set(SHARED)
+        for target in sorted(targets):
+            if target == ARCHS or (
+                target.startswith(ARCHS + ".") and archs_unit(target) not in allowed
+            ):
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_a_family_imports_no_other_family() -> None:
+    assert not family_violations(GRAPH, draft_targets()), family_violations(GRAPH, draft_targets())
+
+
+def test_a_family_importing_another_would_be_seen() -> None:
+    """The guard above on made-up imports: each of these breaks a room of plan/archs."""
+    graph = {
+        f"{ARCHS}.kimi_k3.family": {f"{ARCHS}.deepseek.v3"},
+        f"{ARCHS}.parts.mla": {f"{ARCHS}.llama"},
+        f"{ARCHS}.base": {f"{ARCHS}.parts.mla"},
+        f"{ARCHS}.llama": {ARCHS},
+        f"{ARCHS}.kimi_k3.mtp": {f"{ARCHS}.kimi_k3.family", f"{ARCHS}.parts.mla"},  # allowed
+        f"{ARCHS}.mtp_of_llama": {f"{ARCHS}.llama"},  # allowed: a draft of a llama target
+    }
+    drafts = {"mtp_of_llama": {"llama"}}
+    assert family_violations(graph, drafts) == [
+        f"{ARCHS}.base -> {ARCHS}.parts.mla",
+        f"{ARCHS}.kimi_k3.family -> {ARCHS}.deepseek.v3",
+        f"{ARCHS}.llama -> {ARCHS}",
+        f"{ARCHS}.parts.mla -> {ARCHS}.llama",
+    ]
+
+
 WEIGHT_READERS = ("safe_open", "read_header", "torch.load", "np.fromfile", "mmap", "open(")
 
 

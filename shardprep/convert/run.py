@@ -118,22 +118,13 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
     for checkpoint in checkpoints.values():  # a local folder's were checked as it was opened
         for name in copied_files(checkpoint):
             require_recordable(name, checkpoint.repo_id or checkpoint.root)
+    partition = options.partition or pp_partition_from_env()
     plan = make_plan(
         source_model(target),
-        tp=options.tp,
-        pp=options.pp,
-        draft=source_model(checkpoints["draft"]) if "draft" in checkpoints else None,
-        draft_method=method,
-        partition=options.partition or pp_partition_from_env(),
-        stage=options.stage,
-        max_part_bytes=options.max_part_bytes,
-        dtype=options.dtype,
+        dataclasses.replace(options, draft_method=method, partition=partition),
+        source_model(checkpoints["draft"]) if "draft" in checkpoints else None,
         partition_origin="" if options.partition else f"the environment ({ENV_PP_PARTITION})",
-        expert_parallel=options.expert_parallel,
-        expert_placement=options.expert_placement,
-        dp=options.dp,
         distinct_copies=distinct_copies(checkpoints, method),
-        mxfp4_pad=options.mxfp4_pad,
     )
     plan = dataclasses.replace(plan, notes=tuple(notes))
     return plan, checkpoints

@@ -38,7 +38,7 @@ TINY_MXFP4_PACK: dict[str, Any] = {
 }  # fmt: skip
 # Kimi-K3's quantization_config as published (in text_config): MXFP4 routed experts, no
 # activation quantization. vLLM loads it through its MXFP4 interface, which quantizes the
-# routed experts only (plan/archs/kimi_k3_quant.py).
+# routed experts only (plan/archs/kimi_k3/quant.py).
 KIMI_K3_MXFP4: dict[str, Any] = {
     "config_groups": {"group_0": {
         "format": "mxfp4-pack-quantized", "input_activations": None,

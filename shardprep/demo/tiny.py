@@ -28,7 +28,8 @@ from shardprep.demo.tiny_configs import TINY_MOONVIT, tiny_config  # noqa: F401 
 from shardprep.demo.tiny_kimi_k3 import KIMI_K3, k3_dspark_config
 from shardprep.format.dtypes import MODEL_DTYPES, torch_dtype
 from shardprep.plan import archs
-from shardprep.plan.archs import quantized
+from shardprep.plan.archs.base import PlanContext
+from shardprep.plan.archs.parts import quantized
 
 
 def make_tiny_model(
@@ -92,7 +93,7 @@ def make_tiny_draft(
     else:
         config = _draft_config(target_config, method, overrides)
     family = archs.draft_family(method, archs.target_family(target_config)[1].name)
-    shapes = family.expected_shapes(config, target_config=target_config)
+    shapes = family.expected_shapes(config, PlanContext(target_config=target_config))
     if method in _DFLASH_STYLE:
         omit = (*omit, "mask_embedding", "d2t", "t2d")
     shapes = {name: shape for name, shape in shapes.items() if name not in omit}

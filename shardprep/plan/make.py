@@ -7,10 +7,10 @@ and every check runs before the first write.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardprep.constants import (
-    DEFAULT_MAX_PART_BYTES,
     DP_SHARD_PATTERN,
     DRAFT_DIR,
     SHARD_PATTERN,
@@ -20,11 +20,13 @@ from shardprep.errors import ConfigError, PlanError
 from shardprep.format.cut_names import MXFP4_PADDING_AT_LOAD
 from shardprep.format.dtypes import FLOAT_DTYPES, MODEL_DTYPES
 from shardprep.format.records import Topology
+from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
-from shardprep.plan.archs.base import Family, Layout, Param, config_int
+from shardprep.plan.archs.base import Family, Layout, Param, PlanContext, config_int
 from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
 from shardprep.plan.cuts import MODEL_DTYPE, Block, Cut
-from shardprep.plan.experts import expert_stack_blocks, is_expert_stack
+from shardprep.plan.drafts import accepted_draft_problems
+from shardprep.plan.experts import StackKinds, expert_stack, is_expert_stack
 from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.quant import Mxfp4Quant, scheme_of
 from shardprep.plan.quant.backend_pad import pads_by_backend
@@ -59,139 +61,198 @@ def resolve_dtype(requested: str, config: Mapping[str, Any], source: SourceModel
     return MODEL_DTYPES[name]
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One model to plan: its role, the name the manifest records (architecture or draft
+    method), its family, its checkpoint and what its hooks know of the conversion."""
+
+    role: str
+    architecture: str
+    method: str | None
+    family: Family
+    source: SourceModel
+    ctx: PlanContext
+
+
 def make_plan(
     target: SourceModel,
-    *,
-    tp: int,
-    pp: int,
+    request: ConversionRequest,
     draft: SourceModel | None = None,
-    draft_method: str | None = None,
-    partition: str | None = None,
-    stage: int | None = None,
-    max_part_bytes: int = DEFAULT_MAX_PART_BYTES,
-    dtype: str = "auto",
+    *,
     partition_origin: str = "",
-    expert_parallel: bool = False,
-    expert_placement: str = "linear",
-    dp: int = 1,
     distinct_copies: frozenset[str] = frozenset(),
-    mxfp4_pad: str | None = None,
 ) -> Plan:
-    """Validate everything, then lay out every rank file. Raises one PlanError listing
-    every problem found. `partition_origin` names where `partition` came from when it
-    was not the command line; `expert_parallel`, `expert_placement` and `dp` are vLLM's
-    --enable-expert-parallel, --expert-placement-strategy and --data-parallel-size;
-    `mxfp4_pad` an MXFP4 MoE backend's padding to bake in (`--mxfp4-pad`; None: the
-    stacks unpadded, padded at load for the backend that runs).
-    `distinct_copies`: the draft's copies of target tensors (`DraftFamily.shared_copies`)
-    whose bytes differ from the target's, so the draft must hold them itself."""
-    effective_placement(expert_placement, num_expert_group=None, dp=1)  # raises if unknown
+    """Validate everything, then lay out every rank file as `request` asks (its
+    `draft_method` names the kind of `draft`; None: the draft's config and tensors tell).
+    Raises one PlanError listing every problem found. `partition_origin` names where
+    `request.partition` came from when it was not the command line; `distinct_copies`:
+    the draft's copies of target tensors (`DraftFamily.shared_copies`) whose bytes differ
+    from the target's, so the draft must hold them itself."""
+    effective_placement(request.expert_placement, num_expert_group=None, dp=1)  # raises
     target = SourceModel(archs.read_config(target.config), target.tensors)
     if draft is not None:
         draft = SourceModel(archs.read_config(draft.config), draft.tensors)
-    if dp < 1:
-        raise PlanError(f"data parallel size must be at least 1, got --dp {dp}")
+    if request.dp < 1:
+        raise PlanError(f"data parallel size must be at least 1, got --dp {request.dp}")
     architecture, family = archs.target_family(target.config)
-    num_layers = config_int(target.config, "num_hidden_layers")
     problems: list[str] = []
-    topology: Topology | None = None
+    topology = _topology(target, request, partition_origin, problems)
+    model_dtype = resolve_dtype(request.dtype, target.config, target)
+    problems += _request_problems(target, request)
+    jobs = _jobs((architecture, family), target, draft, request, distinct_copies)
+    problems += [f"target: {p}" for p in accepted_draft_problems(family, jobs[-1].method)]
+    layouts = []
+    for job in jobs:
+        layout, found = checked_layout(
+            job.role, job.family, job.source, request.tp, topology, job.ctx
+        )
+        problems += found
+        layouts.append(layout)
+    problems += _expert_problems(architecture, request, layouts)
+    if problems or topology is None:
+        raise PlanError(problem_summary(problems))
+    return _plan(topology, request, jobs, layouts, model_dtype)
+
+
+def _topology(
+    target: SourceModel, request: ConversionRequest, origin: str, problems: list[str]
+) -> Topology | None:
+    """The topology the request asks for; None, with the problem noted, if it is invalid."""
+    num_layers = config_int(target.config, "num_hidden_layers")
     try:
-        topology = make_topology(num_layers, tp, pp, partition, partition_origin)
+        return make_topology(num_layers, request.tp, request.pp, request.partition, origin)
     except PlanError as exc:
         problems.append(str(exc))
+        return None
+
+
+def _request_problems(target: SourceModel, request: ConversionRequest) -> list[str]:
+    """What in the request itself keeps it from being planned."""
+    problems = []
+    stage, pp = request.stage, request.pp
     if stage is not None and not 0 <= stage < pp:
         problems.append(f"--stage {stage} is outside the pipeline stages 0..{pp - 1}")
-    stages = tuple(range(pp)) if stage is None else (stage,)
-    model_dtype = resolve_dtype(dtype, target.config, target)
-
-    problems += dp_problems(dp, expert_parallel)
-    if mxfp4_pad is not None and not isinstance(scheme_of(target.config), Mxfp4Quant):
+    problems += dp_problems(request.dp, request.expert_parallel)
+    pad = request.mxfp4_pad
+    if pad is not None and not isinstance(scheme_of(target.config), Mxfp4Quant):
         problems.append(
-            f"--mxfp4-pad {mxfp4_pad} matters only to MXFP4 checkpoints (quant_method mxfp4); "
+            f"--mxfp4-pad {pad} matters only to MXFP4 checkpoints (quant_method mxfp4); "
             "leave it out"
         )
-    moe = {"expert_parallel": expert_parallel, "dp": dp, "mxfp4_pad": mxfp4_pad}
-    draft_kind = None
-    if draft is not None:
-        draft_kind = draft_method or archs.detect_draft_method(
-            draft.config, sorted(draft.tensors), family.name
-        )
-    target_context = {"with_draft": draft is not None, "draft_method": draft_kind, "pp": pp, **moe}
-    jobs: list[tuple[str, str, str | None, Family, SourceModel, dict[str, Any]]] = [
-        ("target", architecture, None, family, target, target_context)
+    return problems
+
+
+def _jobs(
+    target_family: tuple[str, Family],
+    target: SourceModel,
+    draft: SourceModel | None,
+    request: ConversionRequest,
+    distinct_copies: frozenset[str],
+) -> list[_Job]:
+    """The target, and its draft if there is one, each with its family and context."""
+    architecture, family = target_family
+    moe = PlanContext(
+        pp=request.pp,
+        dp=request.dp,
+        mxfp4_pad=request.mxfp4_pad,
+        expert_parallel=request.expert_parallel,
+    )
+    if draft is None:
+        return [_Job("target", architecture, None, family, target, moe)]
+    method = request.draft_method or archs.detect_draft_method(
+        draft.config, sorted(draft.tensors), family.name
+    )
+    draft_family = archs.draft_family(method, family.name)
+    shares = draft_family.shares_target_embedding
+    target_ctx = replace(moe, draft_method=method, draft_shares_embedding=shares)
+    draft_ctx = replace(
+        moe,
+        target_config=target.config,
+        draft_names=tuple(sorted(draft.tensors)),
+        distinct_copies=distinct_copies,
+    )
+    return [
+        _Job("target", architecture, None, family, target, target_ctx),
+        _Job("draft", method, method, draft_family, draft, draft_ctx),
     ]
-    if draft is not None and draft_kind is not None:
-        context = {
-            "target_config": target.config,
-            "draft_names": sorted(draft.tensors),
-            "distinct_copies": distinct_copies,
-            **moe,
-        }
-        jobs.append(
-            (
-                "draft",
-                draft_kind,
-                draft_kind,
-                archs.draft_family(draft_kind, family.name),
-                draft,
-                context,
-            )
-        )
-    layouts = []
-    for role, arch_name, method, fam, source, context in jobs:
-        layout, found = checked_layout(role, fam, source, tp, topology, context)
-        problems += found
-        layouts.append((role, arch_name, method, fam, source, layout))
-    if expert_parallel and not any(layout and layout.num_experts for *_, layout in layouts):
+
+
+def _expert_problems(
+    architecture: str, request: ConversionRequest, layouts: list[Layout | None]
+) -> list[str]:
+    """Expert-parallel flags given for a model without experts."""
+    if any(layout and layout.num_experts for layout in layouts):
+        return []
+    problems = []
+    if request.expert_parallel:
         problems.append(
             f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} has "
             "no experts, so leave the flag out"
         )
-    if dp > 1 and not any(layout and layout.num_experts for *_, layout in layouts):
+    if request.dp > 1:
         problems.append(
-            f"--dp {dp} matters only to a mixture-of-experts model; {architecture} has no "
-            "experts and is the same on every data-parallel rank, so leave --dp out"
+            f"--dp {request.dp} matters only to a mixture-of-experts model; {architecture} "
+            "has no experts and is the same on every data-parallel rank, so leave --dp out"
         )
-    if problems or topology is None:
-        raise PlanError(problem_summary(problems))
+    return problems
+
+
+def _plan(
+    topology: Topology,
+    request: ConversionRequest,
+    jobs: list[_Job],
+    layouts: list[Layout | None],
+    model_dtype: str,
+) -> Plan:
+    """Every model's record and rank files (a draft's on the last stage only)."""
+    pp = request.pp
+    stages = tuple(range(pp)) if request.stage is None else (request.stage,)
     models: list[ModelPlan] = []
     files: list[FilePlan] = []
-    for role, arch_name, method, fam, source, layout in layouts:
+    for job, layout in zip(jobs, layouts, strict=True):
         assert layout is not None
-        scheme = scheme_of(source.config, mxfp4_pad)
-        scheme = fam.quant_scheme(scheme) if scheme is not None else None
-        folder = "" if role == "target" else DRAFT_DIR
-        models.append(
-            ModelPlan(
-                role=role,
-                architecture=arch_name,
-                method=method,
-                dtype=model_dtype,
-                folder=folder,
-                num_layers=int(source.config.get("num_hidden_layers", 0)),
-                spec_decode_only=tuple(sorted(layout.spec_decode_only)),
-                shared_with_target=tuple(sorted(layout.shared_with_target)),
-                skipped=tuple(sorted(layout.skipped.items())),
-                experts=_expert_plan(layout, tp, dp, expert_parallel, expert_placement, scheme),
-                family=fam.name,
-                quantization=scheme.method if scheme else None,
-                scheme=scheme.name if scheme else None,
-                pieces=tuple(sorted({p.name: p.pieces for p in layout.params}.items())),
-                source_shapes=tuple(
-                    sorted(
-                        {
-                            piece.source: tuple(source.tensors[piece.source][1])
-                            for param in layout.params
-                            for piece in param.pieces
-                        }.items()
-                    )
-                ),
-            )
+        models.append(_model_plan(job, layout, request, model_dtype))
+        model_stages = stages if job.role == "target" else tuple(s for s in stages if s == pp - 1)
+        files += _rank_files(
+            models[-1], layout, job.source, model_stages, request.tp, request.max_part_bytes
         )
-        # A draft lives on the last stage only.
-        model_stages = stages if role == "target" else tuple(s for s in stages if s == pp - 1)
-        files += _rank_files(models[-1], layout, source, model_stages, tp, max_part_bytes)
     return Plan(topology, stages, tuple(models), tuple(files))
+
+
+def _model_plan(
+    job: _Job, layout: Layout, request: ConversionRequest, model_dtype: str
+) -> ModelPlan:
+    source = job.source
+    scheme = scheme_of(source.config, request.mxfp4_pad)
+    scheme = job.family.quant_scheme(scheme) if scheme is not None else None
+    experts = _expert_plan(
+        layout, request.tp, request.dp, request.expert_parallel, request.expert_placement, scheme
+    )
+    return ModelPlan(
+        role=job.role,
+        architecture=job.architecture,
+        method=job.method,
+        dtype=model_dtype,
+        folder="" if job.role == "target" else DRAFT_DIR,
+        num_layers=int(source.config.get("num_hidden_layers", 0)),
+        spec_decode_only=tuple(sorted(layout.spec_decode_only)),
+        shared_with_target=tuple(sorted(layout.shared_with_target)),
+        skipped=tuple(sorted(layout.skipped.items())),
+        experts=experts,
+        family=job.family.name,
+        quantization=scheme.method if scheme else None,
+        scheme=scheme.name if scheme else None,
+        pieces=tuple(sorted({p.name: p.pieces for p in layout.params}.items())),
+        source_shapes=tuple(
+            sorted(
+                {
+                    piece.source: tuple(source.tensors[piece.source][1])
+                    for param in layout.params
+                    for piece in param.pieces
+                }.items()
+            )
+        ),
+    )
 
 
 def _expert_plan(
@@ -223,11 +284,18 @@ def _rank_files(
     experts = model.experts.split if model.experts else ExpertSplit(0, tp)
     for pp_rank in stages:
         params = [param for param in layout.params if pp_rank in param.stages]
-        stacks = [p for p in params if is_expert_stack(p.pieces)] if experts.dp > 1 else []
+        kinds = {
+            id(p): StackKinds.of(p.pieces, source.shapes)
+            for p in params
+            if is_expert_stack(p.pieces)
+        }
+        stacks = [p for p in params if id(p) in kinds] if experts.dp > 1 else []
         separate = {id(param) for param in stacks}
         for tp_rank in range(tp):
             tensors = [
-                tensor_plan(param, source, tp, tp_rank, model.dtype, experts, tp_rank)
+                tensor_plan(
+                    param, source, tp, tp_rank, model.dtype, experts, tp_rank, kinds.get(id(param))
+                )
                 for param in params
                 if id(param) not in separate
             ]
@@ -237,7 +305,9 @@ def _rank_files(
             for dp_rank in range(experts.dp) if stacks else ():
                 moe_rank = experts.moe_rank(tp_rank, dp_rank)
                 tensors = [
-                    tensor_plan(param, source, tp, tp_rank, model.dtype, experts, moe_rank)
+                    tensor_plan(
+                        param, source, tp, tp_rank, model.dtype, experts, moe_rank, kinds[id(param)]
+                    )
                     for param in stacks
                 ]
                 files += _split_parts(
@@ -254,16 +324,18 @@ def tensor_plan(
     model_dtype: str,
     experts: ExpertSplit,
     moe_rank: int,
+    kinds: StackKinds | None = None,
 ) -> TensorPlan:
-    """One parameter of tp rank `rank`; an expert stack holds the experts of `moe_rank`."""
+    """One parameter of tp rank `rank`; an expert stack holds the experts of `moe_rank`
+    (`kinds`: its pieces' kinds, when worked out already for the other ranks)."""
     source_dtype = source.tensors[param.pieces[0].source][0]
     dtype = param.dtype or (model_dtype if source_dtype in FLOAT_DTYPES else source_dtype)
     if dtype == MODEL_DTYPE:
         dtype = model_dtype
     if is_expert_stack(param.pieces):
-        shapes = {p.source: source.tensors[p.source][1] for p in param.pieces}
         try:
-            stack, shape = expert_stack_blocks(param.pieces, shapes, experts, moe_rank)
+            kinds = kinds or StackKinds.of(param.pieces, source.shapes)
+            stack, shape = expert_stack(param.name, kinds, source.shapes, experts, moe_rank)
         except PlanError as exc:
             raise PlanError(f"{param.name}: {exc}") from None
         return TensorPlan(param.name, dtype, shape, stack, experts=shape[0])

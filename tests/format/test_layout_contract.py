@@ -19,6 +19,7 @@ from shardprep.demo.tiny import tiny_config
 from shardprep.errors import LayoutMismatchError, PlanError
 from shardprep.format import vllm_layout as vl
 from shardprep.format.manifest import parse_manifest, read_manifest
+from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
@@ -161,7 +162,7 @@ def test_expert_substitution_is_refused_by_loader_and_plan(config: dict) -> None
         contract.check_substitution(Path("out"), config)
     model = tiny_config("Qwen3MoeForCausalLM", **config)
     with pytest.raises(PlanError, match="substitute experts") as info:
-        make_plan(source(model), tp=1, pp=1)
+        make_plan(source(model), ConversionRequest(tp=1, pp=1))
     assert "remove it from config.json" in str(info.value)
     contract.check_substitution(Path("out"), {"approximate_experts": False})
 

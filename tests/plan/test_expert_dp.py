@@ -18,6 +18,7 @@ from shardprep.convert.verify import verify
 from shardprep.demo.tiny import make_tiny_model, tiny_config
 from shardprep.errors import ManifestError, PlanError, TopologyMismatchError
 from shardprep.format.manifest import Manifest, parse_manifest, read_manifest
+from shardprep.format.request import ConversionRequest
 from shardprep.loader.experts import check_experts
 from shardprep.loader.reader import read_rank
 from shardprep.plan import archs
@@ -55,7 +56,7 @@ def test_each_dp_rank_holds_the_experts_of_ep_rank_dp_times_tp_plus_tp(
     experts: int, tp: int, dp: int
 ) -> None:
     config = tiny_config(QWEN3_MOE, num_experts=experts)
-    plan = make_plan(source(config), tp=tp, pp=1, expert_parallel=True, dp=dp)
+    plan = make_plan(source(config), ConversionRequest(tp=tp, pp=1, expert_parallel=True, dp=dp))
     name = W13.format(layer=0)
     seen: list[int] = []
     for tp_rank in range(tp):
@@ -77,8 +78,8 @@ def test_each_dp_rank_holds_the_experts_of_ep_rank_dp_times_tp_plus_tp(
 
 def test_the_shared_files_do_not_grow_with_dp() -> None:
     config = tiny_config(MIXTRAL, num_local_experts=6)
-    one = make_plan(source(config), tp=2, pp=1, expert_parallel=True)
-    three = make_plan(source(config), tp=2, pp=1, expert_parallel=True, dp=3)
+    one = make_plan(source(config), ConversionRequest(tp=2, pp=1, expert_parallel=True))
+    three = make_plan(source(config), ConversionRequest(tp=2, pp=1, expert_parallel=True, dp=3))
     rest = {t.name: t for f in files_of(one, 1, None) for t in f.tensors if not t.experts}
     shared = {t.name: t for f in files_of(three, 1, None) for t in f.tensors}
     assert shared == rest
@@ -93,7 +94,7 @@ def test_placement_is_vllms_determine_expert_map(tp: int, dp: int) -> None:
     """vLLM's own placement function, for the EP rank of every (tp rank, dp rank)."""
     manager = pytest.importorskip("vllm.model_executor.layers.fused_moe.expert_map_manager")
     config = tiny_config(MIXTRAL, num_local_experts=11)
-    plan = make_plan(source(config), tp=tp, pp=1, expert_parallel=True, dp=dp)
+    plan = make_plan(source(config), ConversionRequest(tp=tp, pp=1, expert_parallel=True, dp=dp))
     name = "model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight"
     for tp_rank in range(tp):
         for dp_rank in range(dp):
@@ -112,23 +113,23 @@ def test_placement_is_vllms_determine_expert_map(tp: int, dp: int) -> None:
 def test_dp_bad_input_is_one_clear_line() -> None:
     moe = source(tiny_config(MIXTRAL))
     with pytest.raises(PlanError, match="--dp 2 without --enable-expert-parallel cuts every"):
-        make_plan(moe, tp=2, pp=1, dp=2)
+        make_plan(moe, ConversionRequest(tp=2, pp=1, dp=2))
     with pytest.raises(PlanError, match="data parallel size must be at least 1, got --dp 0"):
-        make_plan(moe, tp=2, pp=1, expert_parallel=True, dp=0)
+        make_plan(moe, ConversionRequest(tp=2, pp=1, expert_parallel=True, dp=0))
     with pytest.raises(PlanError, match="over tp x dp = 12 ranks needs at least 12 experts"):
-        make_plan(moe, tp=2, pp=1, expert_parallel=True, dp=6)
+        make_plan(moe, ConversionRequest(tp=2, pp=1, expert_parallel=True, dp=6))
     dense = source(tiny_config())
     with pytest.raises(PlanError) as info:
-        make_plan(dense, tp=2, pp=1, expert_parallel=True, dp=2)
+        make_plan(dense, ConversionRequest(tp=2, pp=1, expert_parallel=True, dp=2))
     assert "--dp 2 matters only to a mixture-of-experts model" in str(info.value)
 
 
 def test_deepseek_shared_experts_under_sequence_parallel_moe_are_refused() -> None:
     config = tiny_config("DeepseekV3ForCausalLM")
-    plan = make_plan(source(config), tp=1, pp=1, expert_parallel=True, dp=2)
+    plan = make_plan(source(config), ConversionRequest(tp=1, pp=1, expert_parallel=True, dp=2))
     assert plan.models[0].experts is not None
     with pytest.raises(PlanError, match="vLLM replicates the shared experts"):
-        make_plan(source(config), tp=2, pp=1, expert_parallel=True, dp=2)
+        make_plan(source(config), ConversionRequest(tp=2, pp=1, expert_parallel=True, dp=2))
 
 
 @pytest.fixture(scope="module")

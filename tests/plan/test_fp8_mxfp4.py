@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from shardprep.format.dtypes import cast
-from shardprep.plan.archs.deepseek_v4_quant import ROUTED
+from shardprep.plan.archs.deepseek_v4.quant import ROUTED
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.quant.fp8_mxfp4 import Fp8Mxfp4Quant
 

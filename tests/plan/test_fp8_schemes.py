@@ -22,6 +22,7 @@ from shardprep.convert.run import Options, convert
 from shardprep.convert.verify import verify
 from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, make_tiny_model
 from shardprep.errors import PlanError
+from shardprep.format.request import ConversionRequest
 from shardprep.plan.make import make_plan
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.fp8_ct import FloatQuant, float_quant
@@ -101,7 +102,7 @@ def test_per_tensor_scales_one_per_part_at_an_odd_tp() -> None:
                    num_attention_heads=6, head_dim=16, moe_intermediate_size=48)  # fmt: skip
     assert model.tensors[EXPERTS + "3.up_proj.weight_scale"] == ("F32", ())
     assert model.tensors["model.layers.0.self_attn.k_proj.input_scale"] == ("F32", ())
-    plan = make_plan(model, tp=3, pp=1)
+    plan = make_plan(model, ConversionRequest(tp=3, pp=1))
     ours = rank(plan, 0, 2)
     for layer, parts in (("self_attn.qkv_proj", 3), ("self_attn.o_proj", 1), ("mlp.gate", 1)):
         for kind in ("weight_scale", "input_scale"):
@@ -121,7 +122,7 @@ def test_channel_scales_follow_their_weights_rows() -> None:
     model = source(MOE, TINY_FP8_CT, num_hidden_layers=2, num_key_value_heads=1, vocab_size=960,
                    num_attention_heads=3, head_dim=16, moe_intermediate_size=48)  # fmt: skip
     assert model.tensors[EXPERTS + "0.down_proj.weight_scale"] == ("BF16", (128, 1))
-    plan = make_plan(model, tp=3, pp=1)  # one KV head at tp3: replicated
+    plan = make_plan(model, ConversionRequest(tp=3, pp=1))  # one KV head at tp3: replicated
     ours = rank(plan, 0, 1)
     qkv = ours["model.layers.0.self_attn.qkv_proj.weight_scale"]
     assert (qkv.dtype, qkv.shape) == ("F32", (16 + 16 + 16, 1))
@@ -139,14 +140,14 @@ def test_block_scales_and_vllms_refusal_with_the_tps_that_work() -> None:
     dims = {"hidden_size": 256, "head_dim": 128, "num_attention_heads": 4,
             "num_key_value_heads": 2, "num_hidden_layers": 2}  # fmt: skip
     model = source(MOE, quant, moe_intermediate_size=256, **dims)
-    ours = rank(make_plan(model, tp=2, pp=1), 0, 1)
+    ours = rank(make_plan(model, ConversionRequest(tp=2, pp=1)), 0, 1)
     assert ours["model.layers.0.self_attn.qkv_proj.weight_scale"].shape == (4, 2)
     assert ours[ROUTED + "w13_weight_scale"].shape == (8, 2, 2)
     assert ours[ROUTED + "w2_weight_scale"].shape == (8, 2, 1)
     # 64 rows of the experts a rank at tp4: compressed-tensors does not refine the blocks
     model = source(MOE, quant, moe_intermediate_size=256, **dims | {"num_key_value_heads": 4})
     with pytest.raises(PlanError) as caught:
-        make_plan(model, tp=4, pp=1)
+        make_plan(model, ConversionRequest(tp=4, pp=1))
     assert str(caught.value).startswith(
         "cannot convert: target: vLLM refuses fp8 blocks [128, 128] at tp=4: "
     )
@@ -161,8 +162,10 @@ def test_fp8_moes_that_vllm_refuses() -> None:
     tensor_token = ct("tensor")  # per-tensor weights, per-token activations
     model = source(MOE, tensor_token, num_hidden_layers=2)
     with pytest.raises(PlanError, match="per-tensor weights need per-tensor activations"):
-        make_plan(model, tp=2, pp=1)
-    assert make_plan(source("Qwen3ForCausalLM", tensor_token, num_hidden_layers=2), tp=2, pp=1)
+        make_plan(model, ConversionRequest(tp=2, pp=1))
+    assert make_plan(
+        source("Qwen3ForCausalLM", tensor_token, num_hidden_layers=2), ConversionRequest(tp=2, pp=1)
+    )
 
 
 def test_deepseek_v3_fp8_experts_vllm_cannot_load_are_refused_at_plan(
@@ -305,11 +308,11 @@ def test_kv_cache_scales_of_a_family_that_has_no_place_for_them_are_refused() ->
                    moe_intermediate_size=128, n_shared_experts=2)  # fmt: skip
     tensors = dict(model.tensors) | {"model.layers.0.self_attn.k_scale": ("F32", ())}
     with pytest.raises(PlanError, match="does not know where to put: model.layers.0.self_attn.k"):
-        make_plan(SourceModel(model.config, tensors), tp=2, pp=1)
+        make_plan(SourceModel(model.config, tensors), ConversionRequest(tp=2, pp=1))
     dims = {"hidden_size": 256, "head_dim": 128, "intermediate_size": 512}
     qwen3 = source("Qwen3ForCausalLM", TINY_FP8, num_hidden_layers=2, **dims)
     tensors = dict(qwen3.tensors) | {"model.layers.1.self_attn.qkv_proj.k_scale": ("F32", (1,))}
-    ours = rank(make_plan(SourceModel(qwen3.config, tensors), tp=2, pp=2), 1, 0)
+    ours = rank(make_plan(SourceModel(qwen3.config, tensors), ConversionRequest(tp=2, pp=2)), 1, 0)
     assert (
         ours["model.layers.1.self_attn.attn.k_scale"].shape,
         ours["model.layers.1.self_attn.attn.k_scale"].dtype,

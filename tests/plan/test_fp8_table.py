@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from shardprep.demo.tiny import TINY_FP8_CT, tiny_config
+from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
-from shardprep.plan.archs import quantized
+from shardprep.plan.archs.parts import quantized
 from shardprep.plan.checks import UNPROVEN, loading_problems
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
@@ -96,7 +97,7 @@ def test_every_fp8_scheme_converts_or_is_refused_in_one_line(architecture: str) 
         problems = loading_problems(archs.read_config(config), family)
         if scheme in converts:
             assert problems == [], (architecture, scheme)
-            plan = make_plan(_source(config), tp=2, pp=2)
+            plan = make_plan(_source(config), ConversionRequest(tp=2, pp=2))
             dtypes = {t.dtype for f in plan.files for t in f.tensors}
             assert "F8_E4M3" in dtypes, (architecture, scheme)
             continue

@@ -18,8 +18,9 @@ from schema import SCHEMA
 from shardprep.cli import main
 from shardprep.demo.tiny import TINY_INT4, make_tiny_model, tiny_config
 from shardprep.errors import PlanError
+from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
-from shardprep.plan.archs import quantized
+from shardprep.plan.archs.parts import quantized
 from shardprep.plan.cuts import Block, Cut, Piece, ScaleOf
 from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.make import make_plan
@@ -125,7 +126,9 @@ def test_routed_experts_become_packed_stacks_with_their_full_shapes() -> None:
     assert model.tensors[EXPERTS + "3.down_proj.weight_scale"] == ("BF16", (128, 8))
     assert model.tensors[EXPERTS + "3.down_proj.weight_shape"] == ("I32", (2,))
     assert EXPERTS + "3.down_proj.weight" not in model.tensors
-    plan = make_plan(model, tp=4, pp=1)  # 64 of the 256 rows a rank: two groups of 32
+    plan = make_plan(
+        model, ConversionRequest(tp=4, pp=1)
+    )  # 64 of the 256 rows a rank: two groups of 32
     ours = rank(plan, 0, 2)
     assert (ours[ROUTED + "w13_weight_packed"].dtype, ours[ROUTED + "w13_weight_packed"].shape) == (
         "I32",
@@ -152,7 +155,7 @@ def test_routed_experts_become_packed_stacks_with_their_full_shapes() -> None:
 def test_vllms_group_refusal_names_the_tps_that_work() -> None:
     model = source(num_hidden_layers=2, moe_intermediate_size=128, num_attention_heads=8)
     with pytest.raises(PlanError) as caught:
-        make_plan(model, tp=8, pp=1)
+        make_plan(model, ConversionRequest(tp=8, pp=1))
     assert str(caught.value) == (
         "cannot convert: target: vLLM refuses int4 groups of 32 at tp=8: "
         "model.layers.*.mlp.experts: CompressedTensors WNA16 MoE with static group scales "
@@ -160,7 +163,7 @@ def test_vllms_group_refusal_names_the_tps_that_work() -> None:
         "by group_size (32). Choose a tp that works: 1, 2, 4"
     )
     # whole experts per rank under expert parallelism: any tp the rest allows
-    assert make_plan(model, tp=8, pp=1, expert_parallel=True)
+    assert make_plan(model, ConversionRequest(tp=8, pp=1, expert_parallel=True))
 
 
 def test_quantized_linear_layers_are_refused_in_one_line() -> None:
@@ -172,7 +175,7 @@ def test_quantized_linear_layers_are_refused_in_one_line() -> None:
     assert "model.layers.0.self_attn.o_proj.weight_packed" in shapes
     model = SourceModel(config, {n: (dtypes.get(n, "BF16"), s) for n, s in shapes.items()})
     with pytest.raises(PlanError) as caught:
-        make_plan(model, tp=2, pp=1)
+        make_plan(model, ConversionRequest(tp=2, pp=1))
     assert str(caught.value) == (
         "cannot convert: target: compressed-tensors int4 groups of 32 of linear layers is not "
         "supported yet: the ignore list of quantization_config leaves "
@@ -241,7 +244,7 @@ def test_a_family_without_the_scheme_refuses_it_in_one_line() -> None:
     tensors = {f"t{i}": ("BF16", (4,)) for i in range(4)}  # refused before any is looked at
     model = SourceModel(config, tensors)
     with pytest.raises(PlanError) as caught:
-        make_plan(model, tp=2, pp=1)
+        make_plan(model, ConversionRequest(tp=2, pp=1))
     assert str(caught.value) == (
         "cannot convert: target: compressed-tensors checkpoints (int4_pack) of the qwen3_moe "
         "family are not supported yet: shardprep's layout of them is not proven against vLLM; "

@@ -26,6 +26,7 @@ from shardprep.demo.tiny import (
     make_tiny_model,
 )
 from shardprep.errors import PlanError
+from shardprep.format.request import ConversionRequest
 from shardprep.plan.make import make_plan
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.fp4 import Nvfp4PackQuant
@@ -138,7 +139,7 @@ def test_linear_parameters_at_tp3_with_a_replicated_kv_head(quant: dict) -> None
     names = CT if quant is TINY_NVFP4 else MODELOPT
     model = source(MOE, quant, num_hidden_layers=2, num_attention_heads=3, head_dim=32,
                    num_key_value_heads=1, vocab_size=960, moe_intermediate_size=96)  # fmt: skip
-    ours = rank(make_plan(model, tp=3, pp=1), 0, 2)
+    ours = rank(make_plan(model, ConversionRequest(tp=3, pp=1)), 0, 2)
     packed = ours[ATTENTION + "qkv_proj." + names["packed"]]
     assert (packed.dtype, packed.shape) == ("U8", (32 + 32 + 32, 64))
     assert [b.rows for b in packed.blocks] == [(64, 96), (0, 32), (0, 32)]
@@ -243,7 +244,7 @@ def test_a_tp_that_splits_a_group_of_16_is_refused_with_the_tps_that_work(
     """o_proj's 96 input columns: 48 a rank at tp2, 24 at tp4."""
     model = source(LLAMA, quant, num_hidden_layers=2, head_dim=24)
     with pytest.raises(PlanError) as caught:
-        make_plan(model, tp=4, pp=1)
+        make_plan(model, ConversionRequest(tp=4, pp=1))
     scheme = scheme_of(model.config)
     assert scheme is not None
     assert str(caught.value) == (
@@ -255,7 +256,7 @@ def test_a_tp_that_splits_a_group_of_16_is_refused_with_the_tps_that_work(
 def test_nvfp4a16_experts_are_refused_in_one_line() -> None:
     model = source(MOE, TINY_NVFP4A16, num_hidden_layers=2)
     with pytest.raises(PlanError) as caught:
-        make_plan(model, tp=2, pp=1)
+        make_plan(model, ConversionRequest(tp=2, pp=1))
     assert str(caught.value) == (
         "cannot convert: target: compressed-tensors nvfp4 groups of 16 (weights only, "
         "NVFP4A16) of routed experts is not supported yet (model.layers.*.mlp.experts): vLLM "
@@ -265,7 +266,7 @@ def test_nvfp4a16_experts_are_refused_in_one_line() -> None:
     # with the experts in the ignore list, attention converts
     ignore = [*TINY_NVFP4A16["ignore"], "re:.*mlp.experts.*"]
     model = source(MOE, {**TINY_NVFP4A16, "ignore": ignore}, num_hidden_layers=2)
-    ours = rank(make_plan(model, tp=2, pp=1), 0, 0)
+    ours = rank(make_plan(model, ConversionRequest(tp=2, pp=1)), 0, 0)
     assert ours[ATTENTION + "qkv_proj.weight_global_scale"].shape == (3,)
     assert ATTENTION + "qkv_proj.input_global_scale" not in ours
     assert ours[ROUTED + "w13_weight"].dtype == "BF16"
@@ -297,7 +298,7 @@ def test_nvfp4_linear_layers_of_a_family_that_lays_out_only_its_experts_are_refu
     model = source("DeepseekV3ForCausalLM", quant, num_hidden_layers=2, hidden_size=256,
                    moe_intermediate_size=96)  # fmt: skip
     with pytest.raises(PlanError) as caught:
-        make_plan(model, tp=2, pp=1)
+        make_plan(model, ConversionRequest(tp=2, pp=1))
     assert str(caught.value) == (
         "cannot convert: target: compressed-tensors nvfp4 groups of 16 of linear layers is not "
         "supported yet: the ignore list of quantization_config leaves "

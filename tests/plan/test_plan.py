@@ -9,7 +9,9 @@ import pytest
 from shardprep.demo.tiny import tiny_config
 from shardprep.errors import ConfigError, PlanError
 from shardprep.format.headers import numel
+from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
+from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 
@@ -38,7 +40,7 @@ def llama_405b() -> dict[str, Any]:
 def test_a_405b_model_plans_without_reading_a_byte() -> None:
     config = llama_405b()
     model = source(config)
-    plan = make_plan(model, tp=8, pp=2)
+    plan = make_plan(model, ConversionRequest(tp=8, pp=2))
     parts = {(f.pp, f.tp): f.part + 1 for f in plan.files}
     assert set(parts) == {(p, t) for p in range(2) for t in range(8)}
     assert min(parts.values()) > 1  # ~50 GB a rank in parts of at most 5 GiB
@@ -52,7 +54,7 @@ def test_a_405b_model_plans_without_reading_a_byte() -> None:
 
 def test_stage_selection_and_layer_names_are_global() -> None:
     config = tiny_config(num_hidden_layers=5)
-    plan = make_plan(source(config), tp=2, pp=2, stage=1)
+    plan = make_plan(source(config), ConversionRequest(tp=2, pp=2, stage=1))
     assert {f.pp for f in plan.files} == {1}
     names = {t.name for f in plan.files for t in f.tensors}
     assert "model.layers.3.self_attn.qkv_proj.weight" in names
@@ -63,7 +65,7 @@ def test_stage_selection_and_layer_names_are_global() -> None:
 
 def test_fused_qkv_with_replicated_kv_heads() -> None:
     config = tiny_config(num_attention_heads=4, num_key_value_heads=1, head_dim=16)
-    plan = make_plan(source(config), tp=4, pp=1)
+    plan = make_plan(source(config), ConversionRequest(tp=4, pp=1))
     qkv = {
         f.tp: next(t for t in f.tensors if t.name == "model.layers.0.self_attn.qkv_proj.weight")
         for f in plan.files
@@ -77,11 +79,11 @@ def test_fused_qkv_with_replicated_kv_heads() -> None:
 
 def test_tied_embeddings_on_first_and_last_stage_only_once() -> None:
     config = tiny_config(tie_word_embeddings=True)
-    plan = make_plan(source(config), tp=1, pp=2)
+    plan = make_plan(source(config), ConversionRequest(tp=1, pp=2))
     by_stage = {f.pp: {t.name for t in f.tensors} for f in plan.files}
     assert "model.embed_tokens.weight" in by_stage[0] and "model.embed_tokens.weight" in by_stage[1]
     assert "lm_head.weight" not in by_stage[1]
-    one_stage = make_plan(source(config), tp=1, pp=1)
+    one_stage = make_plan(source(config), ConversionRequest(tp=1, pp=1))
     names = [t.name for t in one_stage.files[0].tensors]
     assert names.count("model.embed_tokens.weight") == 1
 
@@ -90,13 +92,13 @@ def test_draft_lives_on_the_last_stage_and_target_embedding_joins_it() -> None:
     config = tiny_config()
     draft_config = {**config, "num_hidden_layers": 1, "draft_vocab_size": 512}
     draft_family = archs.draft_family("eagle3", "llama")
-    shapes = draft_family.expected_shapes(draft_config, target_config=config)
+    shapes = draft_family.expected_shapes(draft_config, PlanContext(target_config=config))
     draft = SourceModel(
         draft_config,
         {n: ("F32", s) for n, s in shapes.items()}
         | {"d2t": ("I64", (512,)), "t2d": ("BOOL", (1000,))},
     )
-    plan = make_plan(source(config, "F32"), tp=2, pp=2, draft=draft)
+    plan = make_plan(source(config, "F32"), ConversionRequest(tp=2, pp=2), draft)
     draft_files = [f for f in plan.files if f.role == "draft"]
     assert {(f.pp, f.tp) for f in draft_files} == {(1, 0), (1, 1)}
     assert all(f.path.startswith("draft/shards/model-pp-1-tp-") for f in draft_files)
@@ -113,11 +115,13 @@ def test_shuffled_source_order_gives_the_same_plan() -> None:
     config = tiny_config()
     model = source(config)
     shuffled = SourceModel(config, dict(reversed(list(model.tensors.items()))))
-    assert make_plan(model, tp=2, pp=2) == make_plan(shuffled, tp=2, pp=2)
+    assert make_plan(model, ConversionRequest(tp=2, pp=2)) == make_plan(
+        shuffled, ConversionRequest(tp=2, pp=2)
+    )
 
 
 def test_max_part_size_splits_between_tensors() -> None:
-    plan = make_plan(source(tiny_config()), tp=1, pp=1, max_part_bytes=50_000)
+    plan = make_plan(source(tiny_config()), ConversionRequest(tp=1, pp=1, max_part_bytes=50_000))
     assert len(plan.files) > 3
     assert [f.part for f in plan.files] == list(range(len(plan.files)))
     assert all(f.nbytes <= 50_000 or len(f.tensors) == 1 for f in plan.files)
@@ -131,7 +135,7 @@ def test_all_problems_are_reported_at_once() -> None:
         extra={"model.layers.0.mlp.experts.0.w1": ("BF16", (4, 4))},
     )
     with pytest.raises(PlanError) as info:
-        make_plan(model, tp=3, pp=2)
+        make_plan(model, ConversionRequest(tp=3, pp=2))
     message = str(info.value)
     assert "num_attention_heads (4) is not divisible by tp=3" in message
     assert "intermediate_size (130) is not divisible by tp=3" in message
@@ -147,7 +151,7 @@ def test_shape_that_contradicts_config() -> None:
         match=r"q_proj.weight has shape \[32, 128\] but config.json "
         r"implies \[128, 128\]",
     ):
-        make_plan(model, tp=1, pp=1)
+        make_plan(model, ConversionRequest(tp=1, pp=1))
 
 
 def test_padded_vocab_not_divisible() -> None:
@@ -160,8 +164,7 @@ def test_padded_vocab_not_divisible() -> None:
                     num_attention_heads=3, num_key_value_heads=3, head_dim=16, intermediate_size=129
                 )
             ),
-            tp=3,
-            pp=1,
+            ConversionRequest(tp=3, pp=1),
         )
 
 
@@ -169,7 +172,7 @@ def test_unsupported_architecture_names_the_supported_ones() -> None:
     config = tiny_config()
     config["architectures"] = ["GPT2LMHeadModel"]
     with pytest.raises(ConfigError, match="GPT2LMHeadModel is not supported") as info:
-        make_plan(SourceModel(config, {}), tp=1, pp=1)
+        make_plan(SourceModel(config, {}), ConversionRequest(tp=1, pp=1))
     supported = str(info.value).split("; shardprep supports ")[1].split(", ")
     assert supported == sorted(supported)
     assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM"} <= set(supported)
@@ -177,16 +180,18 @@ def test_unsupported_architecture_names_the_supported_ones() -> None:
 
 def test_partition_that_does_not_sum() -> None:
     with pytest.raises(PlanError, match="sums to 5 but the model has 4 layers"):
-        make_plan(source(tiny_config()), tp=1, pp=2, partition="3,2")
+        make_plan(source(tiny_config()), ConversionRequest(tp=1, pp=2, partition="3,2"))
 
 
 def test_dtype_resolution() -> None:
     config = tiny_config(torch_dtype="bfloat16")
-    plan = make_plan(source(config, "F32"), tp=1, pp=1)
+    plan = make_plan(source(config, "F32"), ConversionRequest(tp=1, pp=1))
     assert {t.dtype for f in plan.files for t in f.tensors} == {"BF16"}
-    plan = make_plan(source(config), tp=1, pp=1, dtype="float32")
+    plan = make_plan(source(config), ConversionRequest(tp=1, pp=1, dtype="float32"))
     assert {t.dtype for f in plan.files for t in f.tensors} == {"F32"}
     float32 = tiny_config(torch_dtype="float32")  # vLLM's auto serves float32 as bfloat16
-    assert make_plan(source(float32, "F32"), tp=1, pp=1).models[0].dtype == "BF16"
+    assert (
+        make_plan(source(float32, "F32"), ConversionRequest(tp=1, pp=1)).models[0].dtype == "BF16"
+    )
     with pytest.raises(ConfigError, match="dtype 'int4' is not supported"):
-        make_plan(source(config), tp=1, pp=1, dtype="int4")
+        make_plan(source(config), ConversionRequest(tp=1, pp=1, dtype="int4"))

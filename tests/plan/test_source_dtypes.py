@@ -12,7 +12,9 @@ from safetensors.torch import load_file, save_file
 from shardprep.convert.run import Options, convert
 from shardprep.demo.tiny import tiny_config
 from shardprep.errors import PlanError
+from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
+from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 
@@ -26,7 +28,7 @@ def source(config: dict, **dtypes: str) -> SourceModel:
 def test_an_integer_lm_head_is_refused_before_anything_is_written(dtype: str) -> None:
     config = tiny_config("LlamaForCausalLM")
     with pytest.raises(PlanError) as info:
-        make_plan(source(config, **{"lm_head.weight": dtype}), tp=1, pp=1)
+        make_plan(source(config, **{"lm_head.weight": dtype}), ConversionRequest(tp=1, pp=1))
     assert str(info.value) == (
         f"cannot convert: target: lm_head.weight is {dtype} in the checkpoint, but vLLM holds "
         "lm_head.weight as a floating-point parameter; use a checkpoint whose weights are "
@@ -54,10 +56,12 @@ def test_an_eagle3_draft_to_target_table_is_held_as_vllm_holds_it(tiny) -> None:
     target_config = tiny_config("LlamaForCausalLM")
     draft = archs.draft_family("eagle3", "llama")
     config = {"draft_vocab_size": 64}
-    shapes = draft.expected_shapes(config, target_config=target_config)
+    shapes = draft.expected_shapes(config, PlanContext(target_config=target_config))
     tensors = {n: ("BF16", s) for n, s in shapes.items()} | {"d2t": ("I32", shapes["d2t"])}
     plan = make_plan(
-        source(target_config), tp=1, pp=1, draft=SourceModel(config, tensors), draft_method="eagle3"
+        source(target_config),
+        ConversionRequest(tp=1, pp=1, draft_method="eagle3"),
+        SourceModel(config, tensors),
     )
     d2t = [t for f in plan.files if f.role == "draft" for t in f.tensors if t.name.endswith("d2t")]
     table = next(t for f in plan.files for t in f.tensors if t.name == "draft_id_to_target_id")

@@ -19,7 +19,8 @@ import numpy as np
 
 from shardprep.format.headers import TensorSpec, encode_header
 from shardprep.plan import archs
-from shardprep.plan.archs import quantized
+from shardprep.plan.archs.base import PlanContext
+from shardprep.plan.archs.parts import quantized
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 # Each published model: its folder in tests/data, its files, the topology it is served at.
@@ -119,7 +120,7 @@ def write_draft(folder: Path, name: str, target: dict[str, Any]) -> Path | None:
         pad_token_id=vocab - 1, markov_rank=16,
     )  # fmt: skip
     family = archs.draft_family("dspark", archs.target_family(archs.read_config(target))[1].name)
-    shapes = family.expected_shapes(config, target_config=target)
+    shapes = family.expected_shapes(config, PlanContext(target_config=target))
     shapes.pop("lm_head.weight", None)  # as published: the embedding only
     names = sorted(shapes)
     folder.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 from shardprep.demo.tiny import tiny_config
 from shardprep.plan import archs
-from shardprep.plan.archs import quantized
+from shardprep.plan.archs.parts import quantized
 from shardprep.plan.records import Plan, SourceModel, TensorPlan
 
 

@@ -8,7 +8,7 @@ for byte (the engine fails after loading at pp > 1 on the CPU build, which leave
 state complete), and `sharded-fast`, with every collective refused while each rank
 loads, leaves the same state. vLLM's CPU build has no DSpark nor MTP model for
 DeepSeek-V4 (both classes raise when built), so the checkpoint's DSpark draft is left out
-here (`--no-mtp`); tests/plan/test_deepseek_v4_dspark.py and
+here (`--no-mtp`); tests/plan/archs/deepseek_v4/test_deepseek_v4_dspark.py and
 scripts/gpu_check_deepseek_v4.py test it.
 """
 

@@ -16,44 +16,46 @@ from shardprep.plan.archs.base import Config, DraftFamily, Family
 
 ANY_TARGET = "*"
 
-# architecture -> (module under shardprep.plan.archs, class)
+# architecture -> (module, class); a module that starts with "." is this package's: a
+# family's own (`.llama`) or one of a family folder (`.kimi_k3.family`)
 _TARGETS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("llama", "LlamaFamily"),
-    "MistralForCausalLM": ("llama", "LlamaFamily"),
-    "Qwen2ForCausalLM": ("llama", "LlamaFamily"),
-    "Qwen3ForCausalLM": ("llama", "LlamaFamily"),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeFamily"),
-    "MixtralForCausalLM": ("mixtral", "MixtralFamily"),
-    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekFamily"),
-    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekFamily"),
-    "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32Family"),
-    "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4Family"),
-    "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeFamily"),
-    "GptOssForCausalLM": ("gpt_oss", "GptOssFamily"),
-    "KimiK25ForConditionalGeneration": ("kimi_k25", "KimiK25Family"),
-    "KimiK3ForConditionalGeneration": ("kimi_k3", "KimiK3Family"),
-    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextFamily"),
-    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "Qwen35MoeFamily"),
+    "LlamaForCausalLM": (".llama", "LlamaFamily"),
+    "MistralForCausalLM": (".llama", "LlamaFamily"),
+    "Qwen2ForCausalLM": (".llama", "LlamaFamily"),
+    "Qwen3ForCausalLM": (".llama", "LlamaFamily"),
+    "Qwen3MoeForCausalLM": (".qwen3_moe", "Qwen3MoeFamily"),
+    "MixtralForCausalLM": (".mixtral", "MixtralFamily"),
+    "DeepseekV2ForCausalLM": (".deepseek.v3", "DeepseekFamily"),
+    "DeepseekV3ForCausalLM": (".deepseek.v3", "DeepseekFamily"),
+    "DeepseekV32ForCausalLM": (".deepseek.v32", "DeepseekV32Family"),
+    "DeepseekV4ForCausalLM": (".deepseek_v4.family", "DeepseekV4Family"),
+    "Glm4MoeForCausalLM": (".glm4_moe", "Glm4MoeFamily"),
+    "GptOssForCausalLM": (".gpt_oss", "GptOssFamily"),
+    "KimiK25ForConditionalGeneration": (".deepseek.kimi_k25", "KimiK25Family"),
+    "KimiK3ForConditionalGeneration": (".kimi_k3.family", "KimiK3Family"),
+    "Qwen3NextForCausalLM": (".qwen3_next.family", "Qwen3NextFamily"),
+    "Qwen3_5MoeForConditionalGeneration": (".qwen3_next.qwen3_5_moe", "Qwen35MoeFamily"),
 }
 # (vLLM's speculative `method`, target family name or ANY_TARGET) -> (module, class)
 _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
-    ("eagle", ANY_TARGET): ("llama", "EagleDraft"),
-    ("eagle3", ANY_TARGET): ("llama", "Eagle3Draft"),
-    ("dflash", ANY_TARGET): ("dflash", "DFlashDraft"),
-    ("dspark", ANY_TARGET): ("dflash", "DSparkDraft"),
-    ("dspark", "deepseek_v4"): ("deepseek_v4_dspark", "DeepseekV4DSparkDraft"),
-    ("dspark", "kimi_k3"): ("kimi_k3_dspark", "KimiK3DSparkDraft"),
-    ("mtp", "deepseek"): ("deepseek_mtp", "DeepseekMtpDraft"),
-    ("mtp", "deepseek_v32"): ("deepseek_v32", "DeepseekV32MtpDraft"),
-    ("mtp", "glm4_moe"): ("glm4_moe", "Glm4MoeMtpDraft"),
-    ("mtp", "kimi_k3"): ("kimi_k3_mtp", "KimiK3MtpDraft"),
-    ("mtp", "qwen3_next"): ("qwen3_next_mtp", "Qwen3NextMtpDraft"),
-    ("mtp", "qwen3_5_moe"): ("qwen3_5_moe", "Qwen35MoeMtpDraft"),
+    ("eagle", ANY_TARGET): (".llama", "EagleDraft"),
+    ("eagle3", ANY_TARGET): (".llama", "Eagle3Draft"),
+    ("dflash", ANY_TARGET): (".dflash", "DFlashDraft"),
+    ("dspark", ANY_TARGET): (".dflash", "DSparkDraft"),
+    ("dspark", "deepseek_v4"): (".deepseek_v4.dspark", "DeepseekV4DSparkDraft"),
+    ("dspark", "kimi_k3"): (".kimi_k3.dspark", "KimiK3DSparkDraft"),
+    ("mtp", "deepseek"): (".deepseek.mtp", "DeepseekMtpDraft"),
+    ("mtp", "deepseek_v32"): (".deepseek.v32", "DeepseekV32MtpDraft"),
+    ("mtp", "glm4_moe"): (".glm4_moe", "Glm4MoeMtpDraft"),
+    ("mtp", "kimi_k3"): (".kimi_k3.mtp", "KimiK3MtpDraft"),
+    ("mtp", "qwen3_next"): (".qwen3_next.mtp", "Qwen3NextMtpDraft"),
+    ("mtp", "qwen3_5_moe"): (".qwen3_next.qwen3_5_moe", "Qwen35MoeMtpDraft"),
 }
 
 
 def register_target(architecture: str, module: str, cls: str) -> None:
-    """Add a target family (`module` is a full import path for one outside shardprep).
+    """Add a target family (`module`: a full import path, or one that starts with "."
+    under this package).
     Registering the same entry again does nothing; another entry for the name is an error."""
     _register(_TARGETS, architecture, (module, cls), f"architecture {architecture!r}")
 
@@ -71,8 +73,7 @@ def _register(table: dict, key: object, entry: tuple[str, str], what: str) -> No
 
 @cache
 def _instance(module: str, cls: str) -> Family:
-    path = module if "." in module else f"{__name__}.{module}"
-    return getattr(importlib.import_module(path), cls)()
+    return getattr(importlib.import_module(module, package=__name__), cls)()
 
 
 def target_family(config: Config) -> tuple[str, Family]:

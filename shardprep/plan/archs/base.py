@@ -10,7 +10,7 @@ default here, so the callers never probe for one.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -24,6 +24,33 @@ Shapes = Mapping[str, tuple[int, ...]]
 # The suffix of a tensor that convert computes by dequantizing a stored weight, as vLLM's
 # `load_weights` does before copying it (`Family.dequantized_sources`).
 DEQUANTIZED = ".dequantized"
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a hook knows of the conversion besides the model's own config.json: the options
+    of the request that shape a layout and, for a draft, its target. The planner builds
+    one per model; a hook called outside a conversion gets DEFAULT_CONTEXT (one stage, no
+    draft, no expert parallelism)."""
+
+    pp: int = 1
+    expert_parallel: bool = False  # vLLM's --enable-expert-parallel
+    dp: int = 1  # vLLM's --data-parallel-size
+    mxfp4_pad: str | None = None  # an MXFP4 MoE backend's padding to bake in (--mxfp4-pad)
+    # A target's: the method of the draft converted with it; None: no draft.
+    draft_method: str | None = None
+    # A draft's: its target's config.json as vLLM reads it, its own tensor names (None:
+    # not known yet) and its copies of target tensors whose bytes differ from the
+    # target's (`DraftFamily.shared_copies`), which it must hold itself.
+    target_config: Config = field(default_factory=dict)
+    draft_names: tuple[str, ...] | None = None
+    distinct_copies: frozenset[str] = frozenset()
+    # A target's: whether its draft shares the target's embedding
+    # (`DraftFamily.shares_target_embedding`).
+    draft_shares_embedding: bool = False
+
+
+DEFAULT_CONTEXT = PlanContext()
 
 
 @dataclass(frozen=True)
@@ -54,6 +81,17 @@ class Layout:
     num_experts: int = 0
     # Expert groups of grouped routing (config's n_group), which round_robin needs.
     num_expert_group: int | None = None
+
+
+@dataclass(frozen=True)
+class BuiltinDraft:
+    """The draft a target checkpoint carries inside itself (MTP layers, DSpark stages),
+    whose tensors the target leaves to it: its draft method and why each is skipped, when
+    that draft is converted with the target (`held`) and when it is not (`left_out`)."""
+
+    method: str
+    held: str
+    left_out: str
 
 
 @dataclass(frozen=True)
@@ -93,13 +131,25 @@ class Family:
     # parallelism; "" when it does. Convert refuses the flag and the loader refuses a
     # vLLM that runs with it (`expert_parallel_problems`).
     expert_parallel_refusal: ClassVar[str] = ""
+    # The draft the checkpoint carries, whose tensors (`builtin_draft_tensors`) the planner
+    # skips in the target's layout; None: none.
+    builtin_draft: ClassVar[BuiltinDraft | None] = None
+    # The draft methods vLLM serves with this family as its target, each as a refusal
+    # names it; None: every draft the registry holds for it.
+    accepted_drafts: ClassVar[Mapping[str, str] | None] = None
+    # The embedding parameter that vLLM also builds on the last stage for a draft that
+    # shares it at pp > 1 (`spec_decode_needs_target_embed`), which the planner adds there
+    # as a spec-decode-only parameter; "": vLLM's target of the family does not share it.
+    draft_embedding: ClassVar[str] = ""
+    # How refusals name the family ("Kimi-K3").
+    label: ClassVar[str] = ""
 
     def read_config(self, config: Config) -> dict[str, Any]:
         """config.json as transformers' config class reads it: each key of an
         attribute-map pair also under the other name."""
         return with_attribute_map(config, self.attribute_maps.get(str(config.get("model_type"))))
 
-    def counts(self, config: Config, **context: Any) -> list[Count]:
+    def counts(self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT) -> list[Count]:
         """Every count that the other hooks enumerate (experts, MTP layers), worked out
         without enumerating anything; a value that is not a whole number is a ConfigError.
         The planner compares each with the checkpoint's headers before calling any other
@@ -107,7 +157,9 @@ class Family:
         (num_hidden_layers) are compared for every family."""
         return []
 
-    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
         """Every source tensor the config implies, with its shape (Hugging Face names)."""
         raise NotImplementedError
 
@@ -117,16 +169,18 @@ class Family:
         (Kimi-K3's compressed-tensors MXFP4 through its MXFP4 interface)."""
         return scheme
 
-    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         """Problems that make the model unsplittable at this tp, each a full sentence."""
         return []
 
-    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
         raise NotImplementedError
 
     def source_dtypes(self, config: Config) -> dict[str, str]:
         """Tensors whose checkpoint dtype is not the model's (a float32 routing bias); what a
-        quantization scheme stores is added by plan/archs/quantized.py."""
+        quantization scheme stores is added by plan/archs/parts/quantized.py."""
         return {}
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
@@ -138,6 +192,10 @@ class Family:
     def internal_draft(self, config: Config) -> str | None:
         """The draft method of a draft the checkpoint carries inside itself (MTP layers)."""
         return None
+
+    def builtin_draft_tensors(self, config: Config, shapes: Shapes) -> list[str]:
+        """The checkpoint tensors of `builtin_draft`, which the target does not place."""
+        return []
 
     def padded_at_load(self, name: str) -> bool:
         """Whether vLLM may build parameter `name` longer along dim 0 than the rank file's
@@ -177,6 +235,9 @@ class DraftFamily(Family):
     side_files: ClassVar[frozenset[str]] = frozenset()
     # Parameters vLLM may leave at their initial value when the draft lacks them.
     may_stay_unloaded: ClassVar[frozenset[str]] = frozenset()
+    # Whether vLLM's draft shares the target's embedding, so that at pp > 1 the target
+    # builds it on the last stage too (`Family.draft_embedding`).
+    shares_target_embedding: ClassVar[bool] = False
 
     def shared_copies(self, config: Config) -> dict[str, str]:
         """Draft tensors that are copies of target tensors (draft name -> target name),
@@ -264,28 +325,8 @@ def moe_layers(layers: range, first_dense: int, freq: int) -> int:
     return (layers.stop - 1) // freq - (start - 1) // freq
 
 
-def mtp_layers(config: Config) -> range:
-    """The MTP layers of a checkpoint that keeps them after its decoder layers."""
-    first = int(config["num_hidden_layers"])
-    return range(first, first + int(config.get("num_nextn_predict_layers") or 0))
-
-
-def require_mtp_layer(
-    names: Collection[str] | None, prefix: str, layer: int, config: Config
-) -> None:
-    """One line when config.json promises MTP layer `layer` (tensors `prefix`*) that the
-    checkpoint's tensor `names` lack; nothing when the names are not known yet."""
-    if names is not None and not any(n.startswith(prefix) for n in names):
-        raise ConfigError(
-            f"config.json says num_nextn_predict_layers={config['num_nextn_predict_layers']} "
-            f"but the checkpoint holds no tensor of MTP layer {layer} ({prefix}*); convert "
-            "with --no-mtp to leave the MTP draft out, or use a checkpoint that includes its "
-            "MTP layers"
-        )
-
-
-def expert_parallel_problems(family: Family, context: Mapping[str, Any]) -> list[str]:
+def expert_parallel_problems(family: Family, ctx: PlanContext) -> list[str]:
     """The family's refusal of `--enable-expert-parallel`, if it is given."""
-    if context.get("expert_parallel") and family.expert_parallel_refusal:
+    if ctx.expert_parallel and family.expert_parallel_refusal:
         return [f"{family.expert_parallel_refusal}; leave --enable-expert-parallel out"]
     return []

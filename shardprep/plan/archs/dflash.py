@@ -23,8 +23,16 @@ import re
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
-from shardprep.plan.archs.base import Config, Layout, Param, Shapes
-from shardprep.plan.archs.llama import Dims, _draft_dims, _EagleBase
+from shardprep.plan.archs.base import (
+    DEFAULT_CONTEXT,
+    Config,
+    Layout,
+    Param,
+    PlanContext,
+    Shapes,
+)
+from shardprep.plan.archs.parts.dense import Dims
+from shardprep.plan.archs.parts.eagle import EagleBase, draft_dims
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
@@ -70,7 +78,7 @@ def mask_token_id(config: Config) -> int | None:
     return None if value is None else int(value)
 
 
-class DFlashDraft(_EagleBase):
+class DFlashDraft(EagleBase):
     side_files: ClassVar[frozenset[str]] = frozenset({MASK_EMBEDDING_FILE})
     name = "dflash"
     layer_pattern = re.compile(r"^(?:midlayer|layers\.(\d+))\.(.+)$")
@@ -124,9 +132,11 @@ class DFlashDraft(_EagleBase):
         target_hidden = config.get("target_hidden_size") or target.get("hidden_size")
         return int(target_hidden or dims.hidden) * count
 
-    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
-        target = context.get("target_config", {})
-        dims = _draft_dims(config, target)
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
+        target = ctx.target_config
+        dims = draft_dims(config, target)
         bias = bool(config.get("attention_bias", False))
         layer = dims.layer_shapes(bias, True, dims.hidden)
         if bias:
@@ -150,9 +160,9 @@ class DFlashDraft(_EagleBase):
             shapes["fc.weight"] = (dims.hidden, self._fc_input(config, target, dims))
         return shapes
 
-    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
-        target = context.get("target_config", {})
-        problems = super().check(config, tp, **context)
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
+        target = ctx.target_config
+        problems = super().check(config, tp, ctx)
         layers = int(target.get("num_hidden_layers") or 0)
         aux = _aux_layer_ids(config) or []
         beyond = [i - 1 for i in aux if not 0 < i <= layers]
@@ -161,7 +171,7 @@ class DFlashDraft(_EagleBase):
                 f"its target_layer_ids {beyond} name layers the target does not have "
                 f"({layers} layers); pair the draft with the target it was trained for"
             )
-        names = context.get("draft_names") or ()
+        names = ctx.draft_names or ()
         if not has_sink_bias(config) and any(n.endswith(SINK_BIAS) for n in names):
             problems.append(
                 "it holds attention sink biases but its config.json does not enable them, so "
@@ -175,11 +185,13 @@ class DFlashDraft(_EagleBase):
     def _keeps_d2t(self, config: Config, target_vocab: int | None) -> bool:
         return self._draft_vocab(config) != target_vocab
 
-    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        layout = super().layout(config, shapes, topology, **context)
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
+        layout = super().layout(config, shapes, topology, ctx)
         params = layout.params + self._sink_params(config, shapes, topology)
         dropped: dict[str, str] = {}
-        target_vocab = context.get("target_config", {}).get("vocab_size")
+        target_vocab = ctx.target_config.get("vocab_size")
         if "d2t" in shapes and not self._keeps_d2t(config, target_vocab):
             dropped["d2t"] = "vLLM builds no draft-to-target table for this vocabulary"
         if not self._uses_fc(config):
@@ -261,9 +273,11 @@ class DSparkDraft(DFlashDraft):
         archs = config.get("architectures") or []
         return any("DSpark" in a for a in archs) or any(n.startswith("markov_head.") for n in names)
 
-    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
-        shapes = super().expected_shapes(config, **context)
-        dims = _draft_dims(config, context.get("target_config", {}))
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
+        shapes = super().expected_shapes(config, ctx)
+        dims = draft_dims(config, ctx.target_config)
         rank = int(config["markov_rank"])
         shapes["markov_head.markov_w1.weight"] = (dims.vocab, rank)
         shapes["markov_head.markov_w2.weight"] = (self._draft_vocab(config), rank)
@@ -272,10 +286,10 @@ class DSparkDraft(DFlashDraft):
             shapes |= {CONFIDENCE[0]: (1, width), CONFIDENCE[1]: (1,)}
         return shapes
 
-    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
-        problems = super().check(config, tp, **context)
-        target_vocab = int(context.get("target_config", {}).get("vocab_size") or 0)
-        names = set(context.get("draft_names") or ())
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
+        problems = super().check(config, tp, ctx)
+        target_vocab = int(ctx.target_config.get("vocab_size") or 0)
+        names = set(ctx.draft_names or ())
         if target_vocab and self._draft_vocab(config) < target_vocab and names:
             lacking = [n for n in ("lm_head.weight", "d2t") if n not in names]
             if lacking:
@@ -286,8 +300,10 @@ class DSparkDraft(DFlashDraft):
                 )
         return problems
 
-    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
-        layout = super().layout(config, shapes, topology, **context)
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
+        layout = super().layout(config, shapes, topology, ctx)
         # The confidence head stays float32 whatever the model's dtype.
         float32 = {f"model.{n}" for n in CONFIDENCE}
         params = tuple(

@@ -20,38 +20,42 @@ target's: those are not written.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from shardprep.plan.archs.base import (
+    DEFAULT_CONTEXT,
     Config,
     Count,
     DraftFamily,
     Family,
     Layout,
     Param,
+    PlanContext,
     Shapes,
     config_count,
     expert_count,
+)
+from shardprep.plan.archs.parts.dense import Dims, layer_params, linear_weights
+from shardprep.plan.archs.parts.moe import ExpertNames, expert_params, moe_problems
+from shardprep.plan.archs.parts.mtp import (
+    BLOCK,
+    HEAD,
+    MTP_LAYERS,
+    OWN,
     mtp_layers,
     require_mtp_layer,
 )
-from shardprep.plan.archs.llama import Dims, layer_params, linear_weights
-from shardprep.plan.archs.moe import ExpertNames, expert_params, moe_problems
+from shardprep.plan.archs.parts.names import LAYER
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
 EXPERTS = ExpertNames("gate_proj.weight", "up_proj.weight", "down_proj.weight")
-LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 ROUTER = "mlp.gate.weight"
 BIAS = "mlp.gate.e_score_correction_bias"
 SHARED = "mlp.shared_experts."
 F32 = "F32"
 EMBED = "model.embed_tokens.weight"
-HEAD = "shared_head.head.weight"
-OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-BLOCK = "mtp_block."
 ATTRIBUTE_MAPS: Mapping[str, Mapping[str, str]] = {
     "glm4_moe": {
         "num_local_experts": "n_routed_experts",
@@ -146,7 +150,7 @@ class GlmDims(Dims):
         )
         return params
 
-    def problems(self, tp: int, context: Mapping[str, Any]) -> list[str]:
+    def problems(self, tp: int, ctx: PlanContext) -> list[str]:
         problems = self.check_attention(tp) + self.check_vocab(tp)
         if self.tied:
             problems.append("tie_word_embeddings is not supported for GLM-4.5 models")
@@ -163,8 +167,8 @@ class GlmDims(Dims):
             num_experts=self.experts,
             moe_intermediate=self.moe_intermediate,
             tp=tp,
-            dp=int(context.get("dp", 1)),
-            expert_parallel=bool(context.get("expert_parallel", False)),
+            dp=ctx.dp,
+            expert_parallel=ctx.expert_parallel,
         )
 
 
@@ -207,19 +211,22 @@ class Glm4MoeFamily(Family):
     name = "glm4_moe"
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = ATTRIBUTE_MAPS
     quant_schemes = frozenset({"fp8_block"})
+    builtin_draft = MTP_LAYERS
     quant_refusals: ClassVar[Mapping[str, str]] = {
         "*": "GLM-4.5 is published with fp8 blocks (quant_method fp8, weight_block_size), "
         "which shardprep converts"
     }
     kv_cache_scales = True
 
-    def counts(self, config: Config, **context: Any) -> list[Count]:
+    def counts(self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT) -> list[Count]:
         return glm_dims(config).counts(config)
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         return quantized_weights(shapes, range(GlmDims(config).layers))
 
-    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
         d = GlmDims(config)
         shapes = {
             f"model.layers.{i}.{suffix}": shape
@@ -237,14 +244,21 @@ class Glm4MoeFamily(Family):
         layers = [*range(d.layers), *mtp_layers(config)]
         return {f"model.layers.{i}.{BIAS}": F32 for i in layers if d.is_moe(i)}
 
+    def builtin_draft_tensors(self, config: Config, shapes: Shapes) -> list[str]:
+        """The MTP layers (index >= num_hidden_layers)."""
+        layers = GlmDims(config).layers
+        return [n for n in shapes if (match := LAYER.match(n)) and int(match[1]) >= layers]
+
     def internal_draft(self, config: Config) -> str | None:
         """vLLM serves the MTP layers as the `mtp` draft (`speculative.py`)."""
         return "mtp" if glm_dims(config).mtp else None
 
-    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
-        return GlmDims(config).problems(tp, context)
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
+        return GlmDims(config).problems(tp, ctx)
 
-    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
         d = GlmDims(config)
         params: list[Param] = []
         for layer in range(d.layers):
@@ -255,18 +269,7 @@ class Glm4MoeFamily(Family):
         norm = Piece("model.norm.weight", Cut.REPLICATE)
         params.append(Param("model.norm.weight", (norm,), (last,)))
         params.append(Param("lm_head.weight", (Piece("lm_head.weight", Cut.VOCAB),), (last,)))
-        mtp = (
-            "an MTP layer, which the MTP draft holds"
-            if context.get("draft_method") == "mtp"
-            else "an MTP layer; vLLM loads it only as the MTP draft, which --no-mtp or "
-            "another --draft leaves out"
-        )
-        skipped = {
-            name: mtp
-            for name in shapes
-            if (match := LAYER.match(name)) and int(match[1]) >= d.layers
-        }
-        return Layout(tuple(params), skipped, num_experts=d.experts, num_expert_group=d.groups)
+        return Layout(tuple(params), num_experts=d.experts, num_expert_group=d.groups)
 
 
 class Glm4MoeMtpDraft(DraftFamily):
@@ -278,14 +281,16 @@ class Glm4MoeMtpDraft(DraftFamily):
     quant_schemes = Glm4MoeFamily.quant_schemes
     quant_refusals = Glm4MoeFamily.quant_refusals
 
-    def counts(self, config: Config, **context: Any) -> list[Count]:
+    def counts(self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT) -> list[Count]:
         return glm_dims(config).counts(config)
 
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         return quantized_weights(shapes, mtp_layers(config))
 
-    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
-        d, names = GlmDims(config), context.get("draft_names")
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
+        d, names = GlmDims(config), ctx.draft_names
         shapes: dict[str, tuple[int, ...]] = {}
         for layer in mtp_layers(config):
             prefix = f"model.layers.{layer}."
@@ -298,11 +303,13 @@ class Glm4MoeMtpDraft(DraftFamily):
     def source_dtypes(self, config: Config) -> dict[str, str]:
         return Glm4MoeFamily().source_dtypes(config)
 
-    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         """The MTP layers have the target's sizes: the target's checks cover them."""
         return []
 
-    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
         d, last = GlmDims(config), topology.last_stage
         params: list[Param] = []
         shared: set[str] = set()

@@ -26,20 +26,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from shardprep.plan.archs.base import (
+    DEFAULT_CONTEXT,
     Config,
     Count,
     Family,
     Layout,
     Param,
+    PlanContext,
     Shapes,
     config_int,
     expert_parallel_problems,
 )
-from shardprep.plan.archs.llama import Dims, layer_params
-from shardprep.plan.archs.moe import group_layers
+from shardprep.plan.archs.parts.dense import Dims, layer_params
+from shardprep.plan.archs.parts.moe import group_layers
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
@@ -101,14 +103,16 @@ class GptOssFamily(Family):
         "gpt_oss": {"num_experts": "num_local_experts"}
     }
 
-    def counts(self, config: Config, **context: Any) -> list[Count]:
+    def counts(self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT) -> list[Count]:
         """The experts, stacked in each layer's tensors (the bias: also in MXFP4)."""
         experts = config_int(config, "num_local_experts")
         layers = range(config_int(config, "num_hidden_layers"))
         stacks = tuple(f"model.layers.{i}.{EXPERTS}gate_up_proj_bias" for i in layers)
         return [Count("num_local_experts", experts, stacks=stacks)]
 
-    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
         dims = GptOssDims(config)
         layer = dims.layer_shapes_of()
         shapes = {
@@ -129,7 +133,7 @@ class GptOssFamily(Family):
             if name.endswith((f"{EXPERTS}gate_up_proj", f"{EXPERTS}down_proj"))
         }
 
-    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         dims = GptOssDims(config)
         problems = dims.check_attention(tp) + dims.check_vocab(tp)
         if dims.kv_heads % tp:
@@ -138,15 +142,15 @@ class GptOssFamily(Family):
                 "gpt-oss splits the KV heads without replicating them, so choose a tp that "
                 "divides them"
             )
-        dp = int(context.get("dp", 1))
-        world = tp * int(context.get("pp", 1)) * dp
+        dp = ctx.dp
+        world = tp * ctx.pp * dp
         if dims.intermediate % world:
             problems.append(
                 f"intermediate_size ({dims.intermediate}) is not divisible by tp x pp x dp = "
                 f"{world}, which vLLM's gpt-oss requires of the whole world size; choose "
                 "sizes that divide it"
             )
-        problems += expert_parallel_problems(self, context)
+        problems += expert_parallel_problems(self, ctx)
         if dims.tied:
             problems.append(
                 "tie_word_embeddings is not supported for gpt-oss: vLLM loads lm_head.weight "
@@ -154,7 +158,9 @@ class GptOssFamily(Family):
             )
         return problems
 
-    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
         dims = GptOssDims(config)
         params: list[Param] = []
         for index, names in sorted(group_layers(shapes).items()):

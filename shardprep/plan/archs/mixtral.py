@@ -7,11 +7,21 @@ vLLM builds the embedding, the final norm and lm_head on every pipeline stage.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from shardprep.plan.archs.base import Config, Count, Family, Layout, Param, Shapes, expert_count
-from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params, linear_weights
-from shardprep.plan.archs.moe import (
+from shardprep.plan.archs.base import (
+    DEFAULT_CONTEXT,
+    Config,
+    Count,
+    Family,
+    Layout,
+    Param,
+    PlanContext,
+    Shapes,
+    expert_count,
+)
+from shardprep.plan.archs.parts.dense import LAYER_TENSORS, Dims, layer_params, linear_weights
+from shardprep.plan.archs.parts.moe import (
     ExpertNames,
     every_stage_params,
     expert_params,
@@ -39,7 +49,7 @@ class MixtralFamily(Family):
         """Attention and experts; vLLM builds the router without the quantization."""
         return linear_weights(shapes) | EXPERTS.weights(shapes)
 
-    def counts(self, config: Config, **context: Any) -> list[Count]:
+    def counts(self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT) -> list[Count]:
         layers = Dims(config).layers
         return [expert_count(config, "num_local_experts", layers, required=True)]
 
@@ -47,7 +57,9 @@ class MixtralFamily(Family):
     def _experts(config: Config) -> int:
         return int(config["num_local_experts"])
 
-    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
         dims = Dims(config)
         experts = self._experts(config)
         layer = {
@@ -64,7 +76,7 @@ class MixtralFamily(Family):
         }
         return shapes | top_level_shapes(dims.vocab, dims.hidden, dims.tied)
 
-    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         dims = Dims(config)
         return (
             dims.check_attention(tp)
@@ -73,12 +85,14 @@ class MixtralFamily(Family):
                 num_experts=self._experts(config),
                 moe_intermediate=dims.intermediate,
                 tp=tp,
-                dp=int(context.get("dp", 1)),
-                expert_parallel=bool(context.get("expert_parallel", False)),
+                dp=ctx.dp,
+                expert_parallel=ctx.expert_parallel,
             )
         )
 
-    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
         dims = Dims(config)
         experts = self._experts(config)
         params: list[Param] = []

@@ -7,21 +7,23 @@ vLLM builds the embedding, the final norm and lm_head on every pipeline stage.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from shardprep.plan.archs.base import (
+    DEFAULT_CONTEXT,
     Config,
     Count,
     Family,
     Layout,
     Param,
+    PlanContext,
     Shapes,
     config_count,
     config_int,
     expert_count,
 )
-from shardprep.plan.archs.llama import LAYER_TENSORS, Dims, layer_params, linear_weights
-from shardprep.plan.archs.moe import (
+from shardprep.plan.archs.parts.dense import LAYER_TENSORS, Dims, layer_params, linear_weights
+from shardprep.plan.archs.parts.moe import (
     ExpertNames,
     every_stage_params,
     expert_params,
@@ -71,13 +73,15 @@ class Qwen3MoeFamily(Family):
         routers = {n: n.removesuffix(".weight") for n in shapes if n.endswith(".mlp.gate.weight")}
         return linear_weights(shapes) | EXPERTS.weights(shapes) | routers
 
-    def counts(self, config: Config, **context: Any) -> list[Count]:
+    def counts(self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT) -> list[Count]:
         config_int(config, "decoder_sparse_step", 1)  # vLLM divides by it
         config_count(config, "num_experts")
         dims = MoeDims(config)
         return [expert_count(config, "num_experts", sum(map(dims.is_sparse, range(dims.layers))))]
 
-    def expected_shapes(self, config: Config, **context: Any) -> dict[str, tuple[int, ...]]:
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
         dims = MoeDims(config)
         shapes: dict[str, tuple[int, ...]] = {}
         for i in range(dims.layers):
@@ -98,7 +102,7 @@ class Qwen3MoeFamily(Family):
             shapes |= {prefix + suffix: shape for suffix, shape in layer.items()}
         return shapes | top_level_shapes(dims.vocab, dims.hidden, dims.tied)
 
-    def check(self, config: Config, tp: int, **context: Any) -> list[str]:
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         dims = MoeDims(config)
         problems = dims.check_attention(tp) + dims.check_vocab(tp)
         if dims.has_dense:
@@ -109,11 +113,13 @@ class Qwen3MoeFamily(Family):
             num_experts=dims.experts,
             moe_intermediate=dims.moe_intermediate,
             tp=tp,
-            dp=int(context.get("dp", 1)),
-            expert_parallel=bool(context.get("expert_parallel", False)),
+            dp=ctx.dp,
+            expert_parallel=ctx.expert_parallel,
         )
 
-    def layout(self, config: Config, shapes: Shapes, topology: Topology, **context: Any) -> Layout:
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
         dims = MoeDims(config)
         params: list[Param] = []
         for index, names in sorted(group_layers(shapes).items()):
