@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates the test environment (the CPU build of vLLM, shardprep with its dev extra, and
-# the test-only dump plugin), checks lint, and runs the whole suite, real-vLLM tests
-# included. Extra arguments go to pytest (e.g. -m "not vllm" for the fast part).
+# the test-only dump plugin), checks lint and types (ruff, mypy), and runs the whole suite,
+# real-vLLM tests included. Extra arguments go to pytest (e.g. -m "not vllm" for the fast
+# part).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${SHARDPREP_TEST_VENV:-.venv-vllm}"
@@ -23,5 +24,6 @@ if [ ! -d "$torchvision/torchvision" ]; then
 fi
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
+"$venv/bin/mypy"  # the package, as pyproject.toml's [tool.mypy] says
 export SHARDPREP_VLLM_PYTHON="$PWD/$venv/bin/python"
 exec "$venv/bin/python" -m pytest "$@"

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol, TypeGuard
 
 from huggingface_hub import HfApi, constants, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (
@@ -74,7 +75,7 @@ def is_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def is_commit(revision: str | None) -> bool:
+def is_commit(revision: str | None) -> TypeGuard[str]:
     return revision is not None and _COMMIT.fullmatch(revision) is not None
 
 
@@ -280,7 +281,7 @@ class _Silent(tqdm):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs["disable"] = True
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)
 
 
 @contextmanager
@@ -334,7 +335,13 @@ def hub_errors(
         ) from exc
 
 
-def failed_response(exc: BaseException) -> object | None:
+class HttpAnswer(Protocol):
+    """What is read of an HTTP error answer: its status (and, by name, its request)."""
+
+    status_code: int
+
+
+def failed_response(exc: BaseException) -> HttpAnswer | None:
     """The HTTP error answer behind `exc`, if any: the client's HfHubHTTPError carries it,
     and so does the exception it raises while reading a body it cannot decode (a
     UnicodeDecodeError whose context is the HTTP status error)."""

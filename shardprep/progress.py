@@ -34,7 +34,7 @@ class _Sink:
         pass
 
 
-class Progress(tqdm):  # type: ignore[type-arg]
+class Progress(tqdm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         stream = kwargs.get("file") or sys.stderr
         self._plain_out: TextIO | None = None
@@ -55,7 +55,7 @@ class Progress(tqdm):  # type: ignore[type-arg]
         return True
 
 
-class Silent(tqdm):  # type: ignore[type-arg]
+class Silent(tqdm):
     """A bar that never shows, for clients that take a tqdm class (huggingface_hub)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -40,7 +40,8 @@ def plan_rows(plan: Plan) -> list[RankRow]:
 
 def _row(key: Key, counts: list[int]) -> RankRow:
     role, pp, tp, dp = key
-    return RankRow(role, pp, tp, *counts, dp=dp)
+    files, tensors, size = counts
+    return RankRow(role, pp, tp, files, tensors, size, dp)
 
 
 def file_bytes(file: FilePlan) -> int:

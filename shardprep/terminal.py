@@ -54,7 +54,9 @@ def quiet_output(enabled: bool) -> Iterator[None]:
         mute(handler)
     # The client adds its stderr handler (where its retry warnings go) when it is first
     # imported, which a command does only when it needs the Hub: muted as it is added.
-    client.addHandler = add_muted  # type: ignore[method-assign]
+    # On this logger only, until the `finally` below deletes it: an instance attribute that
+    # shadows the method (which mypy reads as assigning to a method).
+    client.addHandler = add_muted  # type: ignore[assignment]
     root.addHandler(null)  # a handler is found: logging's last resort prints nothing
     try:
         with warnings.catch_warnings():

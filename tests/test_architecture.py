@@ -51,9 +51,15 @@ MODULES = _modules()
 
 def _imports(name: str, path: Path) -> set[str]:
     """Every shardprep module `name` imports, at module level or inside a function."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return imports_in(name, path.name == "__init__.py", path.read_text())
+
+
+def imports_in(name: str, is_package: bool, source: str) -> set[str]:
+    """The shardprep modules that `source` (module `name`) imports: import statements, and
+    `importlib.import_module("...")` (or `__import__`) of a string written in it."""
+    package = name if is_package else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -65,8 +71,27 @@ def _imports(name: str, path: Path) -> set[str]:
             targets = [
                 f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
             ]
+        elif isinstance(node, ast.Call):
+            targets = _string_import(node, package)
         found |= {t for t in targets if t in MODULES and t != name}
     return found
+
+
+def _string_import(call: ast.Call, package: str) -> list[str]:
+    """The module a call such as `importlib.import_module("shardprep.x")` loads, if its
+    name is a string in the source (a relative one against `package`)."""
+    func = ast.unparse(call.func)
+    if not (func == "__import__" or func.endswith("import_module")) or not call.args:
+        return []
+    first = call.args[0]
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+        return []
+    target = first.value
+    if target.startswith("."):
+        dots = len(target) - len(target.lstrip("."))
+        parts = package.split(".")[: len(package.split(".")) - dots + 1]
+        target = ".".join([*parts, target.lstrip(".")]).strip(".")
+    return [target]
 
 
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
@@ -98,23 +123,77 @@ def test_no_import_runs_up_a_floor() -> None:
     assert not upward, upward
 
 
-def test_the_import_graph_has_no_cycle() -> None:
+def cycles_in(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each circle a depth-first walk of `graph` meets, as the path that closes it."""
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
     def visit(module: str, path: list[str]) -> None:
         state[module] = 1
-        for target in sorted(GRAPH[module]):
+        for target in sorted(graph[module]):
             if state.get(target) == 1:
                 cycles.append([*path[path.index(target) :], target])
             elif target not in state:
                 visit(target, [*path, target])
         state[module] = 2
 
-    for module in sorted(GRAPH):
+    for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+    return cycles
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    cycles = cycles_in(GRAPH)
     assert not cycles, cycles
+
+
+def test_a_circle_through_importlib_would_be_seen() -> None:
+    """A module loaded by `importlib.import_module` with its name written out counts as an
+    import: the codec's reassembly loads its compiled loops that way, and a circle closed
+    through such a call (the compiled loops importing what imports reassembly) is caught."""
+    loads = (
+        'importlib.import_module("shardprep.codec.compiled")',
+        'import_module(".compiled", __package__)',
+        '__import__("shardprep.codec.compiled")',
+    )
+    for load in loads:
+        graph = {
+            "shardprep.codec.reassembly": imports_in("shardprep.codec.reassembly", False, load),
+            "shardprep.codec.compiled": imports_in(
+                "shardprep.codec.compiled", False, "from shardprep.codec import transforms"
+            ),
+            "shardprep.codec.transforms": imports_in(
+                "shardprep.codec.transforms", False, "from shardprep.codec.reassembly import spread"
+            ),
+        }
+        assert cycles_in(graph) == [
+            [
+                "shardprep.codec.compiled",
+                "shardprep.codec.transforms",
+                "shardprep.codec.reassembly",
+                "shardprep.codec.compiled",
+            ]
+        ], load
+    assert "shardprep.codec.compiled" in GRAPH["shardprep.codec.reassembly"]
+
+
+# Packages whose __init__.py only names what their modules hold: a reader opens them to
+# find the public API, not to read an implementation.
+THIN_FACES = ("codec", "cli")
+
+
+def test_the_thin_faces_define_nothing() -> None:
+    for folder in THIN_FACES:
+        body = ast.parse((PACKAGE / folder / "__init__.py").read_text()).body
+        defined = [
+            ast.unparse(node).split("\n")[0]
+            for node in body
+            if not isinstance(node, (ast.Import, ast.ImportFrom))
+            and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+            and not (isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "__all__")
+        ]
+        assert not defined, (folder, defined)
 
 
 def test_format_knows_no_family() -> None:

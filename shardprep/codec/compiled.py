@@ -17,7 +17,6 @@ about four times faster (2 Mi bf16 elements in cache: 0.12 ms against 0.48 ms he
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
@@ -25,11 +24,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from shardprep.codec import libzstd
-from shardprep.codec import transforms as tf
-
-if TYPE_CHECKING:
-    from shardprep.codec.container import Frame
+from shardprep.codec import libzstd, stored
+from shardprep.codec.stored import Frame
 
 _U8 = types.Array(types.uint8, 1, "C")
 _U8_IN = types.Array(types.uint8, 1, "C", readonly=True)
@@ -43,13 +39,13 @@ _KEEP_AT_MOST = 64 * 1024**2  # scratch bytes a thread keeps between frames
 
 
 @numba.njit(types.uint32(types.uint32, types.uint32, types.uint32), inline="always", **_JIT)
-def _high(sym, rem, offset):  # type: ignore[no-untyped-def]
+def _high(sym, rem, offset):
     """A bf16 word from its symbol and its remainder byte 's00mmmmm'."""
     return ((sym << _W(5)) + offset) | ((rem & _W(0x80)) << _W(8)) | (rem & _W(0x1F))
 
 
 @numba.njit(types.uint32(types.uint32, types.uint32, types.uint32), inline="always", **_JIT)
-def _tail_rem(a, b, c):  # type: ignore[no-untyped-def]
+def _tail_rem(a, b, c):
     """The remainder byte of a tail element, from bits 5-6 of its three carriers."""
     return (
         ((a >> _W(5)) & _W(0x03))
@@ -59,7 +55,7 @@ def _tail_rem(a, b, c):  # type: ignore[no-untyped-def]
     )
 
 
-def bf16_loop(out, sym, packed, base):  # type: ignore[no-untyped-def]
+def bf16_loop(out, sym, packed, base):
     """`reassembly.join_bf16` (out.size % 32 == 0, sym.size == out.size,
     packed.size == out.size // 4 * 3)."""
     quarter = out.size // 4
@@ -72,14 +68,14 @@ def bf16_loop(out, sym, packed, base):  # type: ignore[no-untyped-def]
         out[head + j] = _high(_W(sym[head + j]), rem, offset)
 
 
-def f16_loop(out, sym, rem):  # type: ignore[no-untyped-def]
+def f16_loop(out, sym, rem):
     """`reassembly.join_f16` (all three the same size)."""
     for i in range(out.size):
         r = _W(rem[i])
         out[i] = (_W(sym[i]) << _W(7)) | ((r & _W(0x80)) << _W(8)) | (r & _W(0x7F))
 
 
-def f16_signs_loop(out, sym, low, signs):  # type: ignore[no-untyped-def]
+def f16_signs_loop(out, sym, low, signs):
     """`reassembly.join_f16_signs` (sym.size == low.size == out.size == 8 * signs.size)."""
     eighth = signs.size
     for k in range(8):
@@ -90,7 +86,7 @@ def f16_signs_loop(out, sym, low, signs):  # type: ignore[no-untyped-def]
             out[i] = sign | (_W(sym[i]) << _W(8)) | _W(low[i])
 
 
-def bf16_7_loop(out, sym, packed, base):  # type: ignore[no-untyped-def]
+def bf16_7_loop(out, sym, packed, base):
     """`reassembly.join_bf16_7` (out.size % 32 == 0, sym.size == out.size,
     packed.size == out.size // 8 * 7)."""
     eighth = out.size // 8
@@ -117,7 +113,7 @@ def bf16_7_loop(out, sym, packed, base):  # type: ignore[no-untyped-def]
         dest[j] = ((_W(syms[j]) << _W(6)) + offset) | low
 
 
-def f32_loop(out, sym, packed, base, byte1, byte0):  # type: ignore[no-untyped-def]
+def f32_loop(out, sym, packed, base, byte1, byte0):
     """`reassembly.join_f32`: the high halves as `join_bf16`, the low ones as they are."""
     quarter = out.size // 4
     head = 3 * quarter
@@ -166,7 +162,7 @@ _f32 = numba.njit(**_INNER)(f32_loop)
 
 
 @intrinsic
-def _call(typingctx, fn, dctx, dst, capacity, src, size):  # type: ignore[no-untyped-def]
+def _call(typingctx, fn, dctx, dst, capacity, src, size):
     """fn(dctx, dst, capacity, src, size), `fn` the address of a C function of five 64-bit
     integers that returns one (an argument, not a constant, so the code can be cached)."""
     args = (fn, dctx, dst, capacity, src, size)
@@ -174,7 +170,7 @@ def _call(typingctx, fn, dctx, dst, capacity, src, size):  # type: ignore[no-unt
         return None
     i64 = ir.IntType(64)
 
-    def codegen(context, builder, signature, values):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, values):
         pointer = builder.inttoptr(values[0], ir.FunctionType(i64, [i64] * 5).as_pointer())
         return builder.call(pointer, values[1:])
 
@@ -187,7 +183,7 @@ def _call(typingctx, fn, dctx, dst, capacity, src, size):  # type: ignore[no-unt
 
 
 @numba.njit(**_INNER)
-def _decode_into(src, i, dest):  # type: ignore[no-untyped-def]
+def _decode_into(src, i, dest):
     """Whether zstd stream i decodes to exactly dest.size bytes, into `dest`."""
     fn, dctx, payload, streams, offsets = src
     source = payload[offsets[i] : offsets[i] + streams[i, 2]]
@@ -196,17 +192,17 @@ def _decode_into(src, i, dest):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_INNER)
-def _plane(src, i, scratch, at):  # type: ignore[no-untyped-def]
+def _plane(src, i, scratch, at):
     """(ok, stream i's bytes): a raw stream in place, a zstd one decoded into scratch[at:]."""
     _, _, payload, streams, offsets = src
-    if streams[i, 0] == tf.RAW:
+    if streams[i, 0] == stored.RAW:
         return True, payload[offsets[i] : offsets[i] + streams[i, 1]]
     dest = scratch[at : at + streams[i, 1]]
     return _decode_into(src, i, dest), dest
 
 
 @numba.njit(**_INNER)
-def _patch(words, escapes, shift):  # type: ignore[no-untyped-def]
+def _patch(words, escapes, shift):
     """`transforms._patch_escapes` on u16 words (shift 0) or on the high halves of u32
     words (shift 16); False if an escape points outside the segment."""
     count = escapes.size // 5
@@ -222,10 +218,10 @@ def _patch(words, escapes, shift):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_INNER)
-def _planes(src, i, scratch, at, dest, item):  # type: ignore[no-untyped-def]
+def _planes(src, i, scratch, at, dest, item):
     """PLANES: plane j holds byte j of each `item`-byte element. A single zstd plane is
     decoded straight into `dest`."""
-    if item == 1 and src[3][i, 0] == tf.ZSTD:
+    if item == 1 and src[3][i, 0] == stored.ZSTD:
         return _decode_into(src, i, dest)
     grid = dest.reshape(-1, item)
     for j in range(item):
@@ -237,7 +233,7 @@ def _planes(src, i, scratch, at, dest, item):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(**_INNER)
-def _bf16_segment(src, i, scratch, at, dest, base, seven):  # type: ignore[no-untyped-def]
+def _bf16_segment(src, i, scratch, at, dest, base, seven):
     sizes = src[3][:, 1]
     ok1, sym = _plane(src, i, scratch, at)
     ok2, packed = _plane(src, i + 1, scratch, at + sizes[i])
@@ -253,11 +249,11 @@ def _bf16_segment(src, i, scratch, at, dest, base, seven):  # type: ignore[no-un
 
 
 @numba.njit(**_INNER)
-def _f16_segment(src, i, scratch, at, dest, layout):  # type: ignore[no-untyped-def]
+def _f16_segment(src, i, scratch, at, dest, layout):
     sizes = src[3][:, 1]
     ok1, sym = _plane(src, i, scratch, at)
     ok2, low = _plane(src, i + 1, scratch, at + sizes[i])
-    if layout == tf.F16_BYTE:
+    if layout == stored.F16_BYTE:
         if ok1 and ok2:
             _f16(dest.view(np.uint16), sym, low)
         return ok1 and ok2
@@ -268,7 +264,7 @@ def _f16_segment(src, i, scratch, at, dest, layout):  # type: ignore[no-untyped-
 
 
 @numba.njit(**_INNER)
-def _f32_segment(src, i, scratch, at, dest, base):  # type: ignore[no-untyped-def]
+def _f32_segment(src, i, scratch, at, dest, base):
     sizes = src[3][:, 1]
     ok1, sym = _plane(src, i, scratch, at)
     ok2, packed = _plane(src, i + 1, scratch, at + sizes[i])
@@ -283,7 +279,7 @@ def _f32_segment(src, i, scratch, at, dest, base):  # type: ignore[no-untyped-de
 
 
 @numba.njit(types.boolean(types.int64, types.int64, _U8_IN, _TABLE, _TABLE, _U8, _U8), **_JIT)
-def _decode(fn, dctx, payload, streams, segments, out, scratch):  # type: ignore[no-untyped-def]
+def _decode(fn, dctx, payload, streams, segments, out, scratch):
     offsets = np.zeros(streams.shape[0] + 1, np.int64)
     for i in range(streams.shape[0]):
         offsets[i + 1] = offsets[i] + streams[i, 2]
@@ -295,20 +291,20 @@ def _decode(fn, dctx, payload, streams, segments, out, scratch):  # type: ignore
         kind, param, n = segments[s, 0], segments[s, 1], segments[s, 2]
         dest = out[pos : pos + n]
         pos += n
-        if kind == tf.PLAIN:
+        if kind == stored.PLAIN:
             dest[:] = plain[taken : taken + n]
             taken += n
-        elif kind == tf.PLANES:
+        elif kind == stored.PLANES:
             ok &= _planes(src, i, scratch, free, dest, param)
             i += param
-        elif kind == tf.F16:
+        elif kind == stored.F16:
             ok &= _f16_segment(src, i, scratch, free, dest, param)
-            i += 2 if param == tf.F16_BYTE else 3
-        elif kind == tf.F32:
+            i += 2 if param == stored.F16_BYTE else 3
+        elif kind == stored.F32:
             ok &= _f32_segment(src, i, scratch, free, dest, param)
             i += 5
-        elif kind == tf.BF16 or kind == tf.BF16_7:
-            ok &= _bf16_segment(src, i, scratch, free, dest, param, kind == tf.BF16_7)
+        elif kind == stored.BF16 or kind == stored.BF16_7:
+            ok &= _bf16_segment(src, i, scratch, free, dest, param, kind == stored.BF16_7)
             i += 3
         else:
             return False

@@ -39,6 +39,7 @@ import numpy as np
 
 from shardprep.codec import transforms as tf
 from shardprep.codec.reassembly import frame_decoder
+from shardprep.codec.stored import DTYPE_KINDS, LZ_BYTES, PLAIN, RAW, ZSTD, Frame
 from shardprep.errors import CorruptFileError
 from shardprep.format.headers import Header
 
@@ -90,7 +91,7 @@ def regions(header: Header) -> list[Region]:
     spans = []
     for info in header.tensors.values():
         if info.nbytes:
-            kind, item = tf.DTYPE_KINDS.get(info.dtype, (tf.LZ_BYTES, 1))
+            kind, item = DTYPE_KINDS.get(info.dtype, (LZ_BYTES, 1))
             spans.append(Region(info.offset, info.offset + info.nbytes, kind, item))
     return sorted(spans, key=lambda r: r.start)
 
@@ -109,11 +110,11 @@ def plan_segments(spans: list[Region], start: int, length: int) -> list[Segment]
         lo = min(hi, lo + -(lo + start - region.start) % region.item)  # skip a cut element
         step = 32 * region.item  # see transforms._pack6 and transforms._lanes
         body = max(0, (hi - lo) // step * step)
-        _add(segments, Segment(tf.PLAIN, 1, pos, lo - pos))
-        kind = region.kind if body >= _MIN_SEGMENT_BYTES else tf.PLAIN
+        _add(segments, Segment(PLAIN, 1, pos, lo - pos))
+        kind = region.kind if body >= _MIN_SEGMENT_BYTES else PLAIN
         _add(segments, Segment(kind, region.item, lo, body))
         pos = lo + body
-    _add(segments, Segment(tf.PLAIN, 1, pos, length - pos))
+    _add(segments, Segment(PLAIN, 1, pos, length - pos))
     return segments
 
 
@@ -121,8 +122,8 @@ def _add(segments: list[Segment], segment: Segment) -> None:
     if segment.length <= 0:
         return
     last = segments[-1] if segments else None
-    if last and last.kind == tf.PLAIN and segment.kind == tf.PLAIN:
-        segments[-1] = Segment(tf.PLAIN, 1, last.start, last.length + segment.length)
+    if last and last.kind == PLAIN and segment.kind == PLAIN:
+        segments[-1] = Segment(PLAIN, 1, last.start, last.length + segment.length)
     else:
         segments.append(segment)
 
@@ -146,9 +147,9 @@ def encode_frame(raw: bytes, segments: list[Segment]) -> list[tf.Plane]:
     streams: list[tuple[int, int, tf.Plane]] = []
     for seg in segments:
         data = view[seg.start : seg.start + seg.length]
-        if seg.kind == tf.PLAIN:
+        if seg.kind == PLAIN:
             plain.append(data)
-            table.append(_SEGMENT.pack(tf.PLAIN, 0, 0, seg.length))
+            table.append(_SEGMENT.pack(PLAIN, 0, 0, seg.length))
             continue
         kind, param, planes, lz = tf.ENCODERS[seg.kind](data, seg.item)
         table.append(_SEGMENT.pack(kind, param, 0, seg.length))
@@ -164,18 +165,6 @@ def encode_frame(raw: bytes, segments: list[Segment]) -> list[tf.Plane]:
 
 
 # ---------------------------------------------------------------------------- reading
-
-
-@dataclass(frozen=True)
-class Frame:
-    """A frame as read from the file: its tables, checked, and its stream bytes."""
-
-    index: int
-    start: int  # where its bytes go in the restored file
-    raw_len: int
-    segments: list[tuple[int, int, int]]  # (kind, param, raw_len)
-    streams: list[tuple[int, int, int]]  # (method, raw_len, stored_len)
-    payload: memoryview
 
 
 class Container:
@@ -285,9 +274,9 @@ def _check_tables(
     """Every size a decoder will trust, checked before anything is allocated."""
     if sum(n for _, _, n in segments) != raw_len:
         raise CorruptFileError(f"{where}: its segments do not add up to its {raw_len} bytes")
-    expected = [sum(n for kind, _, n in segments if kind == tf.PLAIN)]
+    expected = [sum(n for kind, _, n in segments if kind == PLAIN)]
     for kind, param, n in segments:
-        if kind != tf.PLAIN:
+        if kind != PLAIN:
             sizes = tf.plane_sizes(kind, param, n)
             if sizes is None:
                 raise CorruptFileError(f"{where}: a segment of kind {kind} is malformed")
@@ -296,7 +285,7 @@ def _check_tables(
         raise CorruptFileError(f"{where}: {len(streams)} streams, {len(expected)} expected")
     for i, ((method, size, stored), want) in enumerate(zip(streams, expected, strict=True)):
         bad_size = size != want if want >= 0 else size > -want or size % 5
-        bad_stored = stored > size or (method == tf.RAW and stored != size) or method > tf.ZSTD
+        bad_stored = stored > size or (method == RAW and stored != size) or method > ZSTD
         if bad_size or bad_stored:
             raise CorruptFileError(f"{where}: stream {i} has inconsistent sizes")
 
@@ -316,7 +305,7 @@ def decode_frame(frame: Frame, out: np.ndarray) -> None:
     plain, plain_pos, next_stream, pos = planes[0], 0, 1, 0
     for kind, param, n in frame.segments:
         dest = out[pos : pos + n]
-        if kind == tf.PLAIN:
+        if kind == PLAIN:
             dest[:] = plain[plain_pos : plain_pos + n]
             plain_pos += n
         else:

@@ -15,12 +15,13 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 MIN_VERSION = 10400  # 1.4.0, as ZSTD_versionNumber() reports it
 _NAMES = ("libzstd.so.1", "libzstd.1.dylib")
 
 _lock = threading.Lock()
-_found: Library | bool | None = False  # False: not looked for yet
+_found: Library | Literal[False] | None = False  # False: not looked for yet
 _local = threading.local()
 
 

@@ -28,7 +28,6 @@ from shardprep.pieces import write_all
 MAX_PENDING_UPDATES = 4  # updates a BackgroundSha256 may still hold once update() returns
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_DONE = object()  # the end of shared_map's items
 
 
 class Hash(Protocol):
@@ -226,10 +225,11 @@ def shared_map(fn: Callable[[_T], None], items: Iterable[_T], threads: int) -> N
                 with lock:
                     if failed:
                         return
-                    item = next(source, _DONE)
-                if item is _DONE:
-                    return
-                fn(item)  # type: ignore[arg-type]
+                    try:
+                        item = next(source)
+                    except StopIteration:
+                        return
+                fn(item)
             except BaseException:
                 failed = True
                 raise

@@ -2,7 +2,8 @@
 
 Each float tensor is split, as ZipNN does, into a symbol stream that is entropy-coded and
 a stream of near-random bits stored as they are, except that the symbol takes the top
-mantissa bits along with the exponent. Segment kinds (stored as a byte):
+mantissa bits along with the exponent. Segment kinds (stored as a byte, numbered in
+`stored`):
 
 - PLAIN: bytes that go into the frame's stream 0 (the header, gaps, small tensors, the
   elements cut by a frame edge), zstd level 3.
@@ -57,22 +58,19 @@ from shardprep.codec.reassembly import (
     join_f32,
     spread,
 )
+from shardprep.codec.stored import (
+    BF16,
+    BF16_7,
+    F16,
+    F16_BYTE,
+    F16_SIGNS,
+    F32,
+    LZ_BYTES,
+    PLANES,
+    RAW,
+    ZSTD,
+)
 from shardprep.errors import CorruptFileError
-
-PLAIN, PLANES, BF16, F16, F32 = range(5)  # segment kinds, as stored
-LZ_BYTES = 5  # planned only: stored as PLANES(1), compressed with zstd level 3
-BF16_7 = 6  # stored: BF16 with 7-bit symbols
-RAW, ZSTD = 0, 1  # stream methods, as stored
-F16_BYTE, F16_SIGNS = 0, 1  # F16 layouts (the segment's param): earlier, and written now
-
-# dtype -> (kind, item size); any other dtype (integers, bool, F64...) is LZ_BYTES.
-DTYPE_KINDS = {
-    "BF16": (BF16_7, 2),
-    "F16": (F16, 2),
-    "F32": (F32, 4),
-    "F8_E4M3": (PLANES, 1),
-    "F8_E5M2": (PLANES, 1),
-}
 
 _PAYS = 0.98  # keep a zstd stream only if it saves at least 2 %
 _CHUNK = 1 << 17  # elements per numpy pass: keeps the temporaries in L2
@@ -112,10 +110,11 @@ _local = threading.local()
 
 def pack(plane: Plane, lz: bool) -> tuple[int, int, Plane]:
     """(method, raw length, stored bytes): zstd where it pays, else the plane itself."""
-    size = memoryview(plane).nbytes
+    view = memoryview(plane)
+    size = view.nbytes
     if size == 0:
         return RAW, 0, b""
-    packed = _zstd_compressor(lz).compress(plane)
+    packed = _zstd_compressor(lz).compress(view)
     if len(packed) <= size * _PAYS:
         return ZSTD, size, packed
     return RAW, size, plane

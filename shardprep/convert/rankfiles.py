@@ -18,7 +18,7 @@ from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from shardprep.format.headers import encode_header, numel
 from shardprep.hashing import update_from_file
 from shardprep.pieces import pwrite_all
 from shardprep.plan.records import FilePlan
+
+if TYPE_CHECKING:
+    from shardprep.pieces import Buffer
 
 # A rank file's sha256 is fed in steps of at least this many bytes: small enough that the
 # 16-odd files of a conversion do not hold back hundreds of MB complete but not yet hashed.
@@ -161,7 +164,7 @@ class Mover:
         np.copyto(out, block)
         return out
 
-    def write(self, index: int, data: memoryview | bytes, offset: int) -> None:
+    def write(self, index: int, data: Buffer, offset: int) -> None:
         pwrite_all(self.files[index].fd, data, offset)
         self.advance(index, offset, offset + len(memoryview(data).cast("B")))
 

@@ -87,7 +87,9 @@ def manifest_of(
 
 def _piece_entry(piece: Piece) -> mf.PieceEntry:
     of = piece.scale_of
-    scale = of and mf.ScaleEntry(of.shape, of.cut.value, of.block, of.grid, of.heads)
+    scale = (
+        None if of is None else mf.ScaleEntry(of.shape, of.cut.value, of.block, of.grid, of.heads)
+    )
     return mf.PieceEntry(piece.source, piece.cut.value, piece.heads, piece.expert, scale)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 from shardprep.convert.checkpoint import Checkpoint
@@ -201,7 +201,7 @@ def sources_in_turn(
     budget: int | None,
     progress: bool = False,
     watch: Callable[[], None] | None = None,
-) -> Iterator[tuple[int, Checkpoint, str]]:
+) -> Generator[tuple[int, Checkpoint, str], None, None]:
     """Each file of `wanted` (files by `id` of their checkpoint) once it is on disk, with
     the checkpoint to read it from: a local source's where it is; a Hub source's from the
     Hugging Face cache, which gets the files it lacks (each checked against the sha256 the

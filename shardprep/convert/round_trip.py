@@ -158,13 +158,13 @@ class _Reader:
 
     def __init__(self, out: Path) -> None:
         self.out = out
-        self.handles: dict[str, object] = {}
+        self.handles: dict[str, safe_open] = {}
         self.last: tuple[tuple[str, str], torch.Tensor] | None = None
 
     def dest(self, item: Item) -> torch.Tensor:
         key = (item.path, item.name)
         if self.last is None or self.last[0] != key:
-            tensor = self._open(self.out / item.path).get_tensor(item.name)  # type: ignore[attr-defined]
+            tensor = self._open(self.out / item.path).get_tensor(item.name)
             self.last = (key, tensor.reshape(item.shape))
         return self.last[1]
 
@@ -174,12 +174,12 @@ class _Reader:
             raw = torch.frombuffer(bytearray(checkpoint.side_tensors[name]), dtype=torch.uint8)
             return raw.view(torch_dtype(torch, info.dtype)).view(info.shape)
         path = checkpoint.root / checkpoint.tensors[name].file
-        return self._open(path).get_tensor(name)  # type: ignore[attr-defined]
+        return self._open(path).get_tensor(name)
 
     def forget(self, path: Path) -> None:
         self.handles.pop(str(path), None)
 
-    def _open(self, path: Path) -> object:
+    def _open(self, path: Path) -> safe_open:
         key = str(path)
         if key not in self.handles:
             self.handles[key] = safe_open(key, framework="pt")

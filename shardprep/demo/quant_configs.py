@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 # gpt-oss's quantization: MXFP4 experts, the rest in the model's dtype.
 TINY_MXFP4 = {"quant_method": "mxfp4"}
 TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -11,7 +13,7 @@ TINY_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"
 DEEPSEEK_V4_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                    "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}  # fmt: skip
 # Kimi-K2-Thinking's quantization: int4 routed experts in groups of 32, the rest ignored.
-TINY_INT4 = {
+TINY_INT4: dict[str, Any] = {
     "quant_method": "compressed-tensors", "format": "pack-quantized",
     "quantization_status": "compressed", "kv_cache_scheme": None,
     "config_groups": {"group_0": {
@@ -25,7 +27,7 @@ TINY_INT4 = {
 }  # fmt: skip
 # Kimi-K3's quantization of its routed experts: compressed-tensors MXFP4 (e2m1 values in
 # groups of 32 sharing an e8m0 exponent), the rest ignored.
-TINY_MXFP4_PACK = {
+TINY_MXFP4_PACK: dict[str, Any] = {
     **TINY_INT4, "format": "mxfp4-pack-quantized",
     "config_groups": {"group_0": {
         "targets": ["Linear"], "input_activations": None, "output_activations": None,
@@ -37,7 +39,7 @@ TINY_MXFP4_PACK = {
 # Kimi-K3's quantization_config as published (in text_config): MXFP4 routed experts, no
 # activation quantization. vLLM loads it through its MXFP4 interface, which quantizes the
 # routed experts only (plan/archs/kimi_k3/quant.py).
-KIMI_K3_MXFP4 = {
+KIMI_K3_MXFP4: dict[str, Any] = {
     "config_groups": {"group_0": {
         "format": "mxfp4-pack-quantized", "input_activations": None,
         "output_activations": None, "targets": ["Linear"],
@@ -94,7 +96,7 @@ TINY_MODELOPT_NVFP4 = {
 
 # llm-compressor's `-FP8-dynamic` quantization: fp8 weights per output channel, dynamic
 # per-token activations, routers and lm_head left in the model's dtype.
-TINY_FP8_CT = {
+TINY_FP8_CT: dict[str, Any] = {
     "quant_method": "compressed-tensors", "format": "float-quantized",
     "quantization_status": "compressed", "kv_cache_scheme": None,
     "config_groups": {"group_0": {

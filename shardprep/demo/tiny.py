@@ -46,10 +46,10 @@ def make_tiny_model(
     config = tiny_config(architecture, **overrides)
     read = archs.read_config(config)  # as vLLM reads it (Kimi-K2.5's text_config at the top)
     _, family = archs.target_family(read)
-    families = [family]
     internal = archs.internal_draft_method(read)
-    if internal:  # the draft layers the checkpoint carries (DeepSeek-V3's MTP layers)
-        families.append(archs.draft_family(internal, family.name))
+    # The draft layers the checkpoint carries (DeepSeek-V3's MTP layers).
+    drafts = [archs.draft_family(internal, family.name)] if internal else []
+    families = [family, *drafts]
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     examples: dict[str, Example] = {}  # what each tensor a scheme stores holds
@@ -58,8 +58,8 @@ def make_tiny_model(
         dtypes |= quantized.source_dtypes(part, read)
         examples |= quantized.examples(part, read)
     tensors = _random_tensors(shapes, config["torch_dtype"], seed)
-    for part in families[1:]:  # a draft's copies of target tensors are copies, as published
-        for copy, original in part.shared_copies(read).items():
+    for draft in drafts:  # a draft's copies of target tensors are copies, as published
+        for copy, original in draft.shared_copies(read).items():
             tensors[copy] = tensors[original].clone()
     if dtypes:
         tensors.update(quantized_tensors(tensors, dtypes, examples, seed))

@@ -142,7 +142,9 @@ def _file_problems(manifest: Manifest) -> list[str]:
         seen.setdefault((entry.role, entry.pp, entry.tp, entry.dp), []).append(entry.part)
     for model in sorted(manifest.models, key=lambda m: m.role):
         role = model.role
-        ranks = [(pp, tp, None) for pp, tp in _expected_ranks(manifest, role)]
+        ranks: list[tuple[int, int, int | None]] = [
+            (pp, tp, None) for pp, tp in _expected_ranks(manifest, role)
+        ]
         ranks += [key for name, key in _dp_keys(manifest, model).items() if name in model.ranks]
         for pp, tp, dp in ranks:
             rank = f"stage {pp} tp rank {tp}" + (f" dp rank {dp}" if dp is not None else "")

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 # The ways a piece of a parameter is cut from its source (`shardprep.plan.cuts.Cut`).
-CUTS = (
+CUTS: tuple[str, ...] = (
     "replicate", "rows", "cols", "kv_heads", "vocab", "padded_vocab", "block_scale", "packed",
 )  # fmt: skip
 # ... of a source whose dim 0 is the experts (gpt-oss's fused expert tensors).

@@ -7,6 +7,7 @@ docs/manifest.schema.json describes the same document.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -230,11 +231,11 @@ class Manifest:
     def served_backends(self) -> str:
         """The MoE kernel backends this artifact serves, as users read them."""
         padding = {m.experts.assumptions.get("mxfp4_padding") for m in self.models if m.experts}
-        baked = padding - {MXFP4_PADDING_AT_LOAD, None}
+        baked = sorted(p for p in padding if p is not None and p != MXFP4_PADDING_AT_LOAD)
         if baked:
             return (
                 f"the MXFP4 MoE backends whose padding holds the baked-in --mxfp4-pad "
-                f"{', '.join(sorted(baked))} (the same or coarser alignments)"
+                f"{', '.join(baked)} (the same or coarser alignments)"
             )
         if None in padding:  # experts vLLM does not pad for MXFP4 kernels
             return (
@@ -323,7 +324,7 @@ def _mx_nested(blocks: int, tp: int, served: int) -> bool:
     return all(min(r * coarse, blocks) == min(r * k * per, blocks) for r in range(served + 1))
 
 
-def mx_pieces(models: tuple[ModelEntry, ...] | list[ModelEntry]) -> tuple[PieceEntry, ...]:
+def mx_pieces(models: Sequence[ModelEntry]) -> tuple[PieceEntry, ...]:
     """The distinct cuts and scales of the models' MXFP4 pieces, without their sources."""
     found = {
         PieceEntry("", piece.cut, scale_of=piece.scale_of)
@@ -355,7 +356,7 @@ def piece_of_json(value: list[Any]) -> PieceEntry:
     if of is not None:
         grid = tuple(of["grid"]) if of.get("grid") is not None else None
         shape, block = tuple(of["shape"]), tuple(of["block"])
-        scale = ScaleEntry(shape, of["cut"], block, grid, of.get("heads", 0))  # type: ignore[arg-type]
+        scale = ScaleEntry(shape, of["cut"], block, grid, of.get("heads", 0))
     return PieceEntry(value[0], value[1], extra.get("heads", 0), extra.get("expert"), scale)
 
 

@@ -169,18 +169,21 @@ def _fold(pieces: Sequence[PieceEntry]) -> tuple[list[Any], list[tuple[list[Piec
         expert, group = groups[i]
         template = _template(group, expert) if expert is not None else None
         j = i + 1
-        while (
-            template is not None
-            and j < len(groups)
-            and groups[j][0] == expert + (j - i)
-            and _expand(template, groups[j][0]) == groups[j][1]
-        ):
-            j += 1
-        if template is not None and j - i > 1:
-            out.append({"experts": [expert, expert + j - i], "each": [_json(p) for p in template]})
-            ranges.append((template, range(expert, expert + j - i)))
-        else:
-            out += [_json(p) for p in group]
+        if expert is not None and template is not None:
+            while (
+                j < len(groups)
+                and groups[j][0] == expert + (j - i)
+                and _expand(template, groups[j][0]) == groups[j][1]
+            ):
+                j += 1
+            if j - i > 1:
+                out.append(
+                    {"experts": [expert, expert + j - i], "each": [_json(p) for p in template]}
+                )
+                ranges.append((template, range(expert, expert + j - i)))
+                i = j
+                continue
+        out += [_json(p) for p in group]
         i = j
     return out, ranges
 

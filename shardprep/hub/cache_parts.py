@@ -89,14 +89,8 @@ def split_parts(
     layers, env = sum(topo.partition), pp_partition_from_env()
     flag = f"--pp {pp}" if pp is not None else f"--tp {tp}"
     try:
-        if partition is None and pp is None:
-            partition = tuple(topo.partition)
-        elif partition is None:
-            partition = (
-                parse_partition(env, layers, pp, ENV_PP_PARTITION)
-                if env
-                else default_partition(layers, pp)
-            )
+        if partition is None:
+            partition = tuple(topo.partition) if pp is None else _split(layers, pp, env)
         partition = tuple(partition)
         if (tp, partition) == (topo.tp, tuple(topo.partition)):
             return requested_parts(manifest, repo_id, stage, rank, False)
@@ -109,7 +103,7 @@ def split_parts(
         stages = stages_for(topo, partition, stage)
         if rank is None:
             return [Part(p) for p in stages]
-        ranks = tp_ranks_for(topo.tp, tp, rank)
+        ranks: Sequence[int] = tp_ranks_for(topo.tp, tp, rank)
     except PlanError as exc:
         raise ConfigError(f"{repo_id} at {flag}: {exc}") from None
     if any(m.experts is not None for m in manifest.models):
@@ -117,6 +111,13 @@ def split_parts(
             return [Part(p) for p in stages]
         ranks = sorted({*ranks, *expert_ranks})
     return [Part(p, r) for p in stages for r in ranks]
+
+
+def _split(layers: int, pp: int, env: str | None) -> tuple[int, ...]:
+    """The layers per stage at `pp` stages: VLLM_PP_LAYER_PARTITION's, else vLLM's split."""
+    if env:
+        return parse_partition(env, layers, pp, ENV_PP_PARTITION)
+    return default_partition(layers, pp)
 
 
 def worker_parts(

@@ -60,8 +60,9 @@ class RankPlace:
         return self.tp_size * self.pp_size * self.dp_size
 
 
-def check_dtype(artifact: Path, entry: ModelEntry, running: torch.dtype) -> None:
-    """The weights' dtype is fixed at conversion; vLLM's must be the same."""
+def check_dtype(artifact: Path, entry: ModelEntry, running: torch.dtype | str) -> None:
+    """The weights' dtype is fixed at conversion; vLLM's must be the same (`running`: its
+    model config's dtype, a torch dtype once vLLM has resolved it, as at load)."""
     stored = TORCH_DTYPE_NAMES.get(entry.dtype, entry.dtype)
     if str(running).removeprefix("torch.") == stored:
         return

@@ -271,12 +271,12 @@ class _Chunks:
         return want
 
     def _read_some(self, view: memoryview, at: int, done: int, want: int) -> int:
-        if self.direct and at % ALIGN == 0:
+        if self.direct and self.direct_fd is not None and at % ALIGN == 0:
             # Whole pages up to the chunk's end (which may pass `end`; a read past the
             # end of the file returns short).
             length = -(-(want - done) // ALIGN) * ALIGN
             try:
-                n = os.preadv(self.direct_fd, [view[done : done + length]], at)  # type: ignore[arg-type]
+                n = os.preadv(self.direct_fd, [view[done : done + length]], at)
                 return min(n, want - done)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:

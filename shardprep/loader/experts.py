@@ -36,14 +36,9 @@ class RunningExperts:
         """Read from vLLM; None when the model built no FusedMoE layer."""
         from vllm.config import get_current_vllm_config
 
-        manager = next(
-            (
-                m.expert_map_manager
-                for m in model.modules()
-                if getattr(m, "expert_map_manager", None) is not None
-            ),
-            None,
-        )
+        # vLLM's FusedMoE layers carry it; an attribute of a module, read by name.
+        managers = (getattr(m, "expert_map_manager", None) for m in model.modules())
+        manager = next((m for m in managers if m is not None), None)
         if manager is None:
             return None
         parallel = get_current_vllm_config().parallel_config

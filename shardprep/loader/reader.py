@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from shardprep.constants import MANIFEST_NAME
 from shardprep.errors import (
@@ -80,11 +80,11 @@ def read_rank(
     files = check_rank_files(
         artifact, manifest, role, pp_rank, tp_rank, verify=verify, dp_rank=dp_rank
     )
-    direct = into is not None and device == "cpu" and backend == "auto"
+    direct = into if device == "cpu" and backend == "auto" else None
     for rank_file in files:
-        if direct:
+        if direct is not None:
             _announce("direct", "device cpu: each tensor is read straight into its parameter")
-            yield from read_into(rank_file.path, rank_file.header, into)  # type: ignore[arg-type]
+            yield from read_into(rank_file.path, rank_file.header, direct)
         else:
             yield from read_file(
                 rank_file.path, rank_file.header, device=device, backend=backend, gds=gds
@@ -252,20 +252,32 @@ def backend_in_use() -> str:
     return "safetensors" if _state.fast_unusable else "fastsafetensors"
 
 
+class _Closes(Protocol):
+    """fastsafetensors' SafeTensorsFileLoader, as used here."""
+
+    def close(self) -> None: ...
+
+
+class _Staged(_Closes, Protocol):
+    """The files a SafeTensorsFileLoader copied to the device (its FilesBufferOnDevice)."""
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+
 @dataclass
 class _FastFile:
-    loader: object
-    buffer: object
+    loader: _Closes
+    buffer: _Staged
     why: str
 
     def tensors(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors own a share of the file's buffer: it is freed when they are dropped."""
         try:
             for name in names:
-                yield name, self.buffer.get_tensor(name)  # type: ignore[attr-defined]
+                yield name, self.buffer.get_tensor(name)
         finally:
-            self.buffer.close()  # type: ignore[attr-defined]
-            self.loader.close()  # type: ignore[attr-defined]
+            self.buffer.close()
+            self.loader.close()
 
 
 def _open_fast(path: Path, device: str, gds: GdsRequest | None) -> _FastFile:

@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+
+from shardprep.errors import PlanError
 
 # The dtype of a parameter held in the model's dtype whatever its source's (a Param's
 # `dtype`): FusedMoE's int4 `w13_weight_shape`, bf16 [E, 2] from int32 [2] tensors.
@@ -91,6 +94,13 @@ class ScaleOf:
     # (fp8 MoE, `refine_fp8_moe_block_shape`): the scales are upsampled to it first.
     grid: tuple[int, int] | None = None
     heads: int = 0
+
+
+def matrix(shape: Sequence[int], source: str) -> tuple[int, int]:
+    """(rows, cols) of the weight `source`, whose scales a `ScaleOf` describes: 2-D."""
+    if len(shape) != 2:
+        raise PlanError(f"{source} has shape {list(shape)}: a quantized weight must be 2-D")
+    return shape[0], shape[1]
 
 
 @dataclass(frozen=True, slots=True)

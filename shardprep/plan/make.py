@@ -7,7 +7,7 @@ and every check runs before the first write.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardprep.constants import (
@@ -151,18 +151,22 @@ def _jobs(
 ) -> list[_Job]:
     """The target, and its draft if there is one, each with its family and context."""
     architecture, family = target_family
-    moe = {"pp": request.pp, "dp": request.dp, "mxfp4_pad": request.mxfp4_pad}
-    moe |= {"expert_parallel": request.expert_parallel}
+    moe = PlanContext(
+        pp=request.pp,
+        dp=request.dp,
+        mxfp4_pad=request.mxfp4_pad,
+        expert_parallel=request.expert_parallel,
+    )
     if draft is None:
-        return [_Job("target", architecture, None, family, target, PlanContext(**moe))]
+        return [_Job("target", architecture, None, family, target, moe)]
     method = request.draft_method or archs.detect_draft_method(
         draft.config, sorted(draft.tensors), family.name
     )
     draft_family = archs.draft_family(method, family.name)
     shares = draft_family.shares_target_embedding
-    target_ctx = PlanContext(**moe, draft_method=method, draft_shares_embedding=shares)
-    draft_ctx = PlanContext(
-        **moe,
+    target_ctx = replace(moe, draft_method=method, draft_shares_embedding=shares)
+    draft_ctx = replace(
+        moe,
         target_config=target.config,
         draft_names=tuple(sorted(draft.tensors)),
         distinct_copies=distinct_copies,
@@ -347,7 +351,7 @@ def tensor_plan(
             raise PlanError(f"{param.name}: {exc}") from None
     first_shape = source.tensors[param.pieces[0].source][1]
     if param.pieces[0].cut is Cut.PER_TENSOR:  # one value per piece, scalar or [1]
-        shape: tuple[int, ...] = (len(blocks),)
+        shape = (len(blocks),)
     elif param.pieces[0].cut is Cut.SCALAR:
         shape = ()
     elif first_shape:

@@ -147,9 +147,9 @@ def _tile(name: str, need: Block, row: int, candidates: Sequence[Stored]) -> lis
         area -= _area(have)
         if area == 0:
             return reads
-    cols = f", columns {need.cols[0]}-{need.cols[1] - 1}" if need.cols else ""
+    columns = f", columns {need.cols[0]}-{need.cols[1] - 1}" if need.cols else ""
     raise PlanError(
-        f"{name}: rows {need.rows[0]}-{need.rows[1] - 1}{cols} of {need.source} are not "
+        f"{name}: rows {need.rows[0]}-{need.rows[1] - 1}{columns} of {need.source} are not "
         "whole blocks of the artifact's rank tensors"
     )
 

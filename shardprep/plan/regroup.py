@@ -108,7 +108,8 @@ def plan_regroup(
 def _holders(entry: ModelEntry) -> dict[str, dict[str, ParamSpec]]:
     """The artifact's ranks (with their dp rank where experts are stored per dp rank)
     and the parameters each holds."""
-    apart = entry.experts is not None and entry.experts.dp > 1
+    dp_size = 1 if entry.experts is None else entry.experts.dp
+    apart = dp_size > 1
     found: dict[str, dict[str, ParamSpec]] = {}
     for key in entry.ranks:
         pp, tp, dp = split_rank_key(key)
@@ -119,14 +120,14 @@ def _holders(entry: ModelEntry) -> dict[str, dict[str, ParamSpec]]:
     if apart:  # a rank whose experts are all in its shared files still counts
         for key in entry.ranks:
             pp, tp, dp = split_rank_key(key)
-            for d in range(entry.experts.dp) if dp is None else ():  # type: ignore[union-attr]
+            for d in range(dp_size) if dp is None else ():
                 found.setdefault(rank_key(pp, tp, d), entry.rank_params(pp, tp, d))
     return found
 
 
 def _piece(p: PieceEntry) -> Piece:
     of = p.scale_of
-    scale = of and ScaleOf(of.shape, Cut(of.cut), of.block, of.grid, of.heads)
+    scale = None if of is None else ScaleOf(of.shape, Cut(of.cut), of.block, of.grid, of.heads)
     return Piece(p.source, Cut(p.cut), p.heads, p.expert, scale)
 
 

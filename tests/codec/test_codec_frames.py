@@ -18,6 +18,7 @@ from safetensors.torch import save
 
 from shardprep.codec import compress_file, container, decompress_buffer, libzstd, reassembly
 from shardprep.codec import transforms as tf
+from shardprep.codec.stored import BF16_7, ZSTD
 from shardprep.errors import CorruptFileError
 from shardprep.format.dtypes import DTYPE_SIZES
 
@@ -148,7 +149,7 @@ def a_zstd_stream(data: bytes, frame: container.Frame) -> tuple[int, int]:
     payload = np.frombuffer(frame.payload, np.uint8).ctypes.data
     offset = payload - np.frombuffer(data, np.uint8).ctypes.data + frame.streams[0][2]
     for i, (method, _, size) in enumerate(frame.streams[1:], start=1):
-        if method == tf.ZSTD:
+        if method == ZSTD:
             return i, offset
         offset += size
     raise AssertionError("no zstd stream")
@@ -171,7 +172,7 @@ def test_an_escape_outside_its_segment_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     native = native_or_skip()
-    encode = tf.ENCODERS[tf.BF16_7]
+    encode = tf.ENCODERS[BF16_7]
 
     def escape_too_far(data: memoryview, item: int) -> tf.Encoded:
         kind, base, planes, lz = encode(data, item)
@@ -179,7 +180,7 @@ def test_an_escape_outside_its_segment_is_refused(
         planes[2] = np.frombuffer(count.to_bytes(4, "little") + bytes([base]), np.uint8)
         return kind, base, planes, lz
 
-    monkeypatch.setitem(tf.ENCODERS, tf.BF16_7, escape_too_far)
+    monkeypatch.setitem(tf.ENCODERS, BF16_7, escape_too_far)
     data = stored(tmp_path, weights(torch.bfloat16), frame_size=65536)
     frame = frames(data)[1]
     assert not native(frame, np.zeros(frame.raw_len, np.uint8))

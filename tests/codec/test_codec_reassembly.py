@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save
 
 from shardprep.codec import compress_file, decompress_buffer, reassembly, transforms
+from shardprep.codec.stored import BF16, BF16_7, F16, F16_BYTE, F16_SIGNS
 from shardprep.errors import CorruptFileError
 
 EXAMPLES = settings(
@@ -175,13 +176,13 @@ def test_files_of_the_earlier_layouts_still_decode(
 
 
 def test_segments_of_an_unknown_layout_are_refused() -> None:
-    assert transforms.plane_sizes(transforms.F16, transforms.F16_SIGNS, 128) == [64, 64, 8]
-    assert transforms.plane_sizes(transforms.F16, transforms.F16_BYTE, 128) == [64, 64]
-    assert transforms.plane_sizes(transforms.F16, 2, 128) is None
-    assert transforms.plane_sizes(transforms.BF16_7, 100, 128) == [64, 56, -320]
-    assert transforms.plane_sizes(transforms.BF16, 100, 128) == [64, 48, -320]
-    assert transforms.plane_sizes(transforms.BF16_7, 193, 128) is None  # window past 255
-    assert transforms.plane_sizes(transforms.BF16_7, 100, 96) is None  # not 32 elements
+    assert transforms.plane_sizes(F16, F16_SIGNS, 128) == [64, 64, 8]
+    assert transforms.plane_sizes(F16, F16_BYTE, 128) == [64, 64]
+    assert transforms.plane_sizes(F16, 2, 128) is None
+    assert transforms.plane_sizes(BF16_7, 100, 128) == [64, 56, -320]
+    assert transforms.plane_sizes(BF16, 100, 128) == [64, 48, -320]
+    assert transforms.plane_sizes(BF16_7, 193, 128) is None  # window past 255
+    assert transforms.plane_sizes(BF16_7, 100, 96) is None  # not 32 elements
 
 
 def test_without_numba_the_numpy_joins_decode(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shardprep.codec import transforms
+from shardprep.codec import stored, transforms
 
 
 def encode_f16_as_before(data: memoryview, item: int) -> transforms.Encoded:
@@ -15,7 +15,7 @@ def encode_f16_as_before(data: memoryview, item: int) -> transforms.Encoded:
     words = np.frombuffer(data, "<u2")
     sym = ((words >> 7) & 0xFF).astype(np.uint8)
     rem = (((words >> 8) & 0x80) | (words & 0x7F)).astype(np.uint8)
-    return transforms.F16, transforms.F16_BYTE, [sym, rem], False
+    return stored.F16, stored.F16_BYTE, [sym, rem], False
 
 
 def encode_bf16_as_before(data: memoryview, item: int) -> transforms.Encoded:
@@ -24,11 +24,11 @@ def encode_bf16_as_before(data: memoryview, item: int) -> transforms.Encoded:
     words = np.frombuffer(data, "<u2")
     base = transforms._pick_base(words)
     assert base is not None
-    return transforms.BF16, base, list(transforms._split_bf16(words, base, top=2)), False
+    return stored.BF16, base, list(transforms._split_bf16(words, base, top=2)), False
 
 
 # layout -> (dtype, the kind its encoder replaces, the earlier encoder)
 EARLIER_LAYOUTS = {
-    "f16": (torch.float16, transforms.F16, encode_f16_as_before),
-    "bf16": (torch.bfloat16, transforms.BF16_7, encode_bf16_as_before),
+    "f16": (torch.float16, stored.F16, encode_f16_as_before),
+    "bf16": (torch.bfloat16, stored.BF16_7, encode_bf16_as_before),
 }

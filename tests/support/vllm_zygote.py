@@ -17,7 +17,10 @@ when it ends. It serves one run at a time and exits when its parent does.
 
 Imported with ``OMP_NUM_THREADS=1``: OpenMP's thread pool does not survive a fork, so this
 process never starts one; a child whose run asks for more threads (one rank alone) sets
-them before it computes, as a fresh interpreter's default would have been.
+them before it computes, as a fresh interpreter's default would have been. Before each fork
+it checks that it runs one thread, as the kernel counts them: a child gets only the thread
+that forks, and a lock another thread held stays locked in it forever. With more, it
+answers ``{"error"}`` instead of forking.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import traceback
 from typing import Any
 
@@ -84,12 +88,39 @@ def run_child(request: dict[str, Any]) -> None:
         os._exit(code)
 
 
+def thread_ids() -> set[int]:
+    """The threads of this process as the kernel lists them: native ones too (OpenMP's, a
+    library's), which Python's `threading` does not know of."""
+    try:
+        return {int(task) for task in os.listdir("/proc/self/task")}
+    except FileNotFoundError:  # no /proc: the threads Python started
+        return {t.native_id or 0 for t in threading.enumerate()}
+
+
+def fork_refusal() -> str | None:
+    """Why this process must not fork now, or None: it runs more than one thread."""
+    count = len(thread_ids())
+    if count == 1:
+        return None
+    names = ", ".join(sorted(t.name for t in threading.enumerate()))
+    return (
+        f"the vLLM zygote runs {count} threads (Python's: {names}) where a fork needs one: "
+        "the child would get only the forking thread, and any lock another one held stays "
+        "locked in it; start that thread in the child (vllm_zygote.run_child), not on import"
+    )
+
+
 def serve(conn: socket.socket, server: socket.socket) -> None:
     with conn, conn.makefile("rwb") as stream:
         line = stream.readline()
         if not line:
             return
         request = json.loads(line)
+        refusal = fork_refusal()
+        if refusal is not None:
+            stream.write(json.dumps({"error": refusal}).encode() + b"\n")
+            stream.flush()
+            return
         pid = os.fork()
         if pid == 0:
             for handle in (stream, conn, server):

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from vllm_zygote import PER_RUN, PER_RUN_PREFIXES
 
@@ -33,6 +34,7 @@ KEEP = 2
 START_TIMEOUT_S = 180.0
 
 Key = frozenset[tuple[str, str]]
+forked_runs = 0  # runs a zygote has forked in this process
 
 
 class ZygoteRun:
@@ -52,9 +54,16 @@ class ZygoteRun:
         }  # fmt: skip
         self.stream.write(json.dumps(request).encode() + b"\n")
         self.stream.flush()
-        self.pid = int(self._answer()["pid"])
+        answer = self._answer()
+        if "error" in answer:
+            self.stream.close()
+            self.conn.close()
+            raise RuntimeError(f"the vLLM zygote did not fork the run: {answer['error']}")
+        self.pid = int(answer["pid"])
+        global forked_runs
+        forked_runs += 1
 
-    def _answer(self) -> dict[str, int]:
+    def _answer(self) -> dict[str, Any]:
         line = self.stream.readline()
         if not line:
             return {"pid": -1, "returncode": -1}  # the zygote died

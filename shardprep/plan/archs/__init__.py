@@ -125,7 +125,7 @@ def _drafts_for(target: str) -> dict[str, DraftFamily]:
 
 def standalone_methods() -> list[str]:
     """Methods of drafts that come as their own folder (`--draft`), not inside a target."""
-    return sorted({m for (m, _), entry in _DRAFTS.items() if _instance(*entry).standalone})
+    return sorted({method for method, target in _DRAFTS if draft_family(method, target).standalone})
 
 
 def detect_draft_method(config: Config, names: list[str], target: str) -> str:

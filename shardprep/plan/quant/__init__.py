@@ -122,7 +122,12 @@ def param_suffixes() -> tuple[str, ...]:
 
 # What vLLM's quantization configs give every attention layer (`BaseKVCacheMethod`): KV-cache
 # scales, left at -1 unless the checkpoint has them (which shardprep's plans never do).
-KV_CACHE_SCALES = (".attn.k_scale", ".attn.v_scale", ".attn.q_scale", ".attn.prob_scale")
+KV_CACHE_SCALES: tuple[str, ...] = (
+    ".attn.k_scale",
+    ".attn.v_scale",
+    ".attn.q_scale",
+    ".attn.prob_scale",
+)
 # ... and compressed-tensors' zero points beside them (`CompressedTensorsKVCacheMethod`).
 KV_CACHE_SCALES += (".attn.k_zero_point", ".attn.v_zero_point", ".attn.q_zero_point")
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.cuts import Cut, Piece, ScaleOf
+from shardprep.plan.cuts import Cut, Piece, ScaleOf, matrix
 from shardprep.plan.quant.base import ACTIVATION, BYTES, EXPONENTS, NVFP4, Example
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal
 from shardprep.plan.quant.int4 import PackQuant
@@ -94,7 +94,9 @@ class Mxfp4PackQuant(PackQuant):
                     p.source + suffix,
                     Cut.PACKED,
                     expert=p.expert,
-                    scale_of=_scale_of(scales, tuple(shapes[p.source]), p.cut, (1, per), p.heads),
+                    scale_of=_scale_of(
+                        scales, matrix(shapes[p.source], p.source), p.cut, (1, per), p.heads
+                    ),
                 )
                 for p in pieces
             )
@@ -209,12 +211,11 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
             fused = len(pieces) > len({p.expert for p in pieces})
             cut = Cut.REPLICATE if fused else Cut.EXPERT_SCALAR
         stem = name.removesuffix("weight")
-        for scale in self.global_scales:
-            of = tuple(
-                Piece(p.source.removesuffix("weight") + scale, cut, expert=p.expert) for p in pieces
-            )
-            parts.append((stem + scale, of, F32))
-        return parts, unplaced
+        scales = [
+            (stem + scale, tuple(_global_scale(p, scale, cut) for p in pieces), F32)
+            for scale in self.global_scales
+        ]
+        return [*parts, *scales], unplaced
 
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """The experts' sizes in whole groups, and a linear layer's input columns a rank
@@ -226,11 +227,11 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
 
 
 def _scale_of(
-    made: dict[tuple, ScaleOf], shape: tuple[int, ...], cut: Cut, block: tuple[int, int], heads: int
+    made: dict[tuple, ScaleOf], shape: tuple[int, int], cut: Cut, block: tuple[int, int], heads: int
 ) -> ScaleOf:
     key = (shape, cut, heads)
     if key not in made:
-        made[key] = ScaleOf(shape, cut, block, None, heads)  # type: ignore[arg-type]
+        made[key] = ScaleOf(shape, cut, block, None, heads)
     return made[key]
 
 
@@ -286,3 +287,8 @@ def _refusal(quant: Config, size: int = GROUP) -> str:
     if quant.get("kv_cache_scheme"):
         return "a kv_cache_scheme"
     return ignore_list_refusal(quant)
+
+
+def _global_scale(piece: Piece, scale: str, cut: Cut) -> Piece:
+    """The global scale `scale` (a suffix) beside the weight of `piece`."""
+    return Piece(piece.source.removesuffix("weight") + scale, cut, expert=piece.expert)

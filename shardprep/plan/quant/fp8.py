@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.cuts import Cut, Piece, ScaleOf
+from shardprep.plan.cuts import Cut, Piece, ScaleOf, matrix
 from shardprep.plan.quant.base import FP8_VALUES, SCALE, Example, Scheme
 from shardprep.plan.quant.fp8_tensor import TensorQuant, tensor_quant
 from shardprep.plan.quant.ignore import not_converted
@@ -252,11 +252,11 @@ def _rows_per_rank(rows: int, heads: int, tp: int) -> int:
 def _scale_piece(
     piece: Piece, shapes: Mapping[str, tuple[int, ...]], scheme: BlockQuant, moe_ways: int
 ) -> Piece:
-    shape = tuple(shapes[piece.source])
+    shape = matrix(shapes[piece.source], piece.source)
     grid = None
     if piece.expert is not None:  # FusedMoE may refine the blocks of its stacks
         inter = shape[0] if piece.cut is Cut.ROWS else shape[1]
         hidden = shape[1] if piece.cut is Cut.ROWS else shape[0]
         grid = refined_block(scheme, inter // moe_ways, hidden, moe_ways)
-    of = ScaleOf(shape, piece.cut, scheme.block, grid, piece.heads)  # type: ignore[arg-type]
+    of = ScaleOf(shape, piece.cut, scheme.block, grid, piece.heads)
     return Piece(scale_name(piece.source), Cut.BLOCK_SCALE, expert=piece.expert, scale_of=of)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.cuts import Cut, Piece, ScaleOf
+from shardprep.plan.cuts import Cut, Piece, ScaleOf, matrix
 from shardprep.plan.quant.base import FP8_VALUES, PLAIN, Example, Scheme
 from shardprep.plan.quant.fp8 import BlockQuant, block_size, moe_block_rules
 from shardprep.plan.quant.fp8_tensor import input_scale
@@ -122,7 +122,8 @@ class FloatQuant(Scheme):
         if self.strategy == "channel":  # a row-parallel weight's scales are whole
             cut = Cut.REPLICATE if piece.cut is Cut.COLS else piece.cut
             return Piece(source, cut, piece.heads, piece.expert)
-        of = ScaleOf(tuple(shapes[piece.source]), piece.cut, self.block, None, piece.heads)  # type: ignore[arg-type]
+        shape = matrix(shapes[piece.source], piece.source)
+        of = ScaleOf(shape, piece.cut, self.block, None, piece.heads)
         return Piece(source, Cut.BLOCK_SCALE, expert=piece.expert, scale_of=of)
 
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:

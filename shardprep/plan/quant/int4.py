@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shardprep.plan.cuts import MODEL_DTYPE, Cut, Piece, ScaleOf
+from shardprep.plan.cuts import MODEL_DTYPE, Cut, Piece, ScaleOf, matrix
 from shardprep.plan.quant.base import INT32, PLAIN, SHAPE, Example, Scheme
 from shardprep.plan.quant.ignore import config_group, ignore_list_refusal, ignored
 from shardprep.plan.quant.layer import Quantized, QuantParams
@@ -98,7 +98,9 @@ class PackQuant(Scheme):
                     p.source + suffix,
                     Cut.PACKED,
                     expert=p.expert,
-                    scale_of=ScaleOf(tuple(shapes[p.source]), p.cut, (1, per), None, p.heads),  # type: ignore[arg-type]
+                    scale_of=ScaleOf(
+                        matrix(shapes[p.source], p.source), p.cut, (1, per), None, p.heads
+                    ),
                 )
                 for p in pieces
             )

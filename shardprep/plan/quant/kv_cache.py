@@ -49,12 +49,12 @@ def kv_cache_params(
         stages.setdefault(module, on)
     found: dict[str, tuple[str, Piece, tuple[int, ...]]] = {}
     for source in sorted(sources):
-        name = vllm_name(source)
-        if name is None:
+        scale = vllm_name(source)
+        if scale is None:
             continue
-        layer = name.rsplit(".attn.", 1)[0] + "."
-        if layer in stages and name not in found:
-            found[name] = (name, Piece(source, Cut.SCALAR), stages[layer])
+        layer = scale.rsplit(".attn.", 1)[0] + "."
+        if layer in stages and scale not in found:
+            found[scale] = (scale, Piece(source, Cut.SCALAR), stages[layer])
     return list(found.values())
 
 

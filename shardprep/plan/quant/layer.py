@@ -3,6 +3,7 @@ parameters a scheme makes of one quantized parameter."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardprep.plan.cuts import Piece
@@ -10,7 +11,7 @@ from shardprep.plan.cuts import Piece
 # What a scheme's `params` gives: each parameter vLLM builds of one quantized parameter, as
 # (name, pieces, dtype or None for the source's), and the stored tensors vLLM loads nowhere
 # (name -> why).
-QuantParams = tuple[list[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]
+QuantParams = tuple[Sequence[tuple[str, tuple[Piece, ...], str | None]], dict[str, str]]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from typing import Any, ClassVar
 
-from shardprep.plan.cuts import Cut, Piece, ScaleOf
+from shardprep.plan.cuts import Cut, Piece, ScaleOf, matrix
 from shardprep.plan.quant.base import NVFP4_MODELOPT, Example, Scheme
 from shardprep.plan.quant.layer import Quantized, QuantParams
 
@@ -94,7 +94,9 @@ class ModeloptNvfp4(Scheme):
                     p.source.removesuffix("weight") + suffix,
                     Cut.PACKED,
                     expert=p.expert,
-                    scale_of=ScaleOf(tuple(shapes[p.source]), p.cut, (1, per), None, p.heads),  # type: ignore[arg-type]
+                    scale_of=ScaleOf(
+                        matrix(shapes[p.source], p.source), p.cut, (1, per), None, p.heads
+                    ),
                 )
                 for p in pieces
             )

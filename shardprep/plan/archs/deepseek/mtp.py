@@ -68,7 +68,8 @@ class DeepseekMtpDraft(DraftFamily):
     def quantized_weights(self, config: Config, shapes: Shapes) -> dict[str, str]:
         """The decoder layer of each MTP layer (`eh_proj` is never quantized)."""
         target = self.target()
-        d, found = target.dims(config), {}
+        d = target.dims(config)
+        found: dict[str, str] = {}
         for layer in mtp_layers(config):
             found |= target.layer_quantized(d, layer)
         return found

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from shardprep.plan.archs.base import (
     DEFAULT_CONTEXT,
+    BuiltinDraft,
     Config,
     Count,
     Family,
@@ -52,7 +53,7 @@ class DeepseekFamily(Family):
         },
     }
     quant_schemes = frozenset({"fp8_block", "fp8_ct", "int4_pack", "mxfp4_pack", "nvfp4_pack"})
-    builtin_draft = MTP_LAYERS
+    builtin_draft: ClassVar[BuiltinDraft | None] = MTP_LAYERS
     experts_only_schemes = frozenset({"nvfp4_pack"})  # NVFP4 MLA layers: not proven yet
 
     def dims(self, config: Config) -> Dims:

@@ -30,7 +30,7 @@ and against a GPU vLLM by `tests/gpu/test_gpu_deepseek_v4.py` (`pytest tests/gpu
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from shardprep.errors import ConfigError
@@ -101,7 +101,7 @@ def head_shapes(d: V4Dims, config: Config) -> dict[str, tuple[tuple[int, ...], s
     return found
 
 
-def head_stages(config: Config, names: list[str] | None) -> dict[str, int]:
+def head_stages(config: Config, names: Sequence[str] | None) -> dict[str, int]:
     """The stage whose `mtp.{i}.` carries each model-level tensor: the one the checkpoint
     has (`names`), else `main_*` in stage 0 and the heads in the last stage."""
     n, found = num_stages(config), {}

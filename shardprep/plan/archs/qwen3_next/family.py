@@ -194,8 +194,8 @@ class NextDims(Dims):
         plain = [hf_prefix + s for s in self.layer_shapes_of(layer, kind) if s in LLAMA_RULES]
         params = layer_params(plain, hf_prefix, vllm_prefix, self, stage)
 
-        def add(suffix: str, cut: Cut, dtype: str | None = None, **kw: int) -> None:
-            piece = Piece(hf_prefix + suffix, cut, **kw)
+        def add(suffix: str, cut: Cut, dtype: str | None = None, heads: int = 0) -> None:
+            piece = Piece(hf_prefix + suffix, cut, heads)
             params.append(Param(vllm_prefix + suffix, (piece,), (stage,), dtype))
 
         if kind == LINEAR:

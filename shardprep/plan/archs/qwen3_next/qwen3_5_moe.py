@@ -202,10 +202,10 @@ class VisionDims:
         mergers = {"merger.": h} | {
             f"deepstack_merger_list.{j}.": merged for j in range(self.deepstack)
         }
-        for merger, norm in mergers.items():
+        for merger, width in mergers.items():
             found |= {
-                merger + "norm.weight": ((norm,), Cut.REPLICATE),
-                merger + "norm.bias": ((norm,), Cut.REPLICATE),
+                merger + "norm.weight": ((width,), Cut.REPLICATE),
+                merger + "norm.bias": ((width,), Cut.REPLICATE),
                 merger + "linear_fc1.weight": ((merged, merged), Cut.ROWS),
                 merger + "linear_fc1.bias": ((merged,), Cut.ROWS),
                 merger + "linear_fc2.weight": ((self.out, merged), Cut.COLS),
