@@ -35,6 +35,8 @@ CASES = {
     "qwen3-tp2": ("Qwen3ForCausalLM", 2, 1, {}),
     "qwen3-moe-tp2": ("Qwen3MoeForCausalLM", 2, 1, {}),
     "mixtral-tp2-pp2": ("MixtralForCausalLM", 2, 2, {}),
+    # MLA, a fused q_a/kv_a projection, shared and routed experts, dense first layer
+    "deepseek-v3-tp2-pp2": ("DeepseekV3ForCausalLM", 2, 2, {"num_hidden_layers": 5}),
 }
 
 

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 COMMON: dict[str, Any] = {
-    "hidden_size": 64,
+    "hidden_size": 128,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
+    "head_dim": 32,  # vLLM's CPU attention takes 32, not 16
+    "intermediate_size": 256,
     "num_hidden_layers": 4,
     "vocab_size": 1000,
     "max_position_embeddings": 256,
@@ -38,8 +38,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         {
             "num_experts": 4,
             "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 64,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
         },
     ),
     "OlmoeForCausalLM": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),

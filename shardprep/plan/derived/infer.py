@@ -46,27 +46,31 @@ class _ParamState:
     stages: set[int] = field(default_factory=set)
 
 
-def candidates(source: str, shape: Sequence[int], expert: int | None, kv: KvHeads) -> list[Piece]:
+def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hints) -> list[Piece]:
     """The cuts to try for a source, preferred first. A source of exactly the KV heads'
-    rows (GQA's k and v) prefers KV_HEADS, which ROWS equals while tp divides the heads."""
+    rows (GQA's k and v) prefers KV_HEADS, which ROWS equals while tp divides the heads; a
+    source of the vocabulary's rows prefers VOCAB."""
     found = [Piece(source, cut, expert=expert) for cut in SIMPLE_CUTS]
-    if kv.heads and shape and shape[0] % kv.heads == 0:
-        place = 1 if shape[0] == kv.rows and expert is None else 2
-        found.insert(place, Piece(source, Cut.KV_HEADS, heads=kv.heads, expert=expert))
+    if shape and shape[0] == hints.vocab:  # VOCAB, which ROWS equals for a vocabulary of 64s
+        found.insert(1, found.pop(3))
+    if hints.heads and shape and shape[0] % hints.heads == 0:
+        place = 1 if shape[0] == hints.rows and expert is None else 2
+        found.insert(place, Piece(source, Cut.KV_HEADS, heads=hints.heads, expert=expert))
     found += [Piece(source, Cut.PARTS_ROWS, heads=parts, expert=expert) for parts in PARTS]
     return found
 
 
 @dataclass(frozen=True)
-class KvHeads:
-    """config.json's KV heads, and their rows where they are fewer than the query heads
-    (0: no hint)."""
+class Hints:
+    """What config.json says that tells equal cuts apart: the KV heads, their rows where
+    they are fewer than the query heads, the vocabulary (0: no hint)."""
 
     heads: int
     rows: int
+    vocab: int
 
     @classmethod
-    def of(cls, config: Mapping[str, Any]) -> KvHeads:
+    def of(cls, config: Mapping[str, Any]) -> Hints:
         def whole(key: str) -> int:
             value = config.get(key)
             return value if isinstance(value, int) and not isinstance(value, bool) else 0
@@ -77,7 +81,7 @@ class KvHeads:
             whole("hidden_size"),
         )
         head_dim = whole("head_dim") or (hidden // heads if heads else 0)
-        return cls(kv, kv * head_dim if 0 < kv < heads else 0)
+        return cls(kv, kv * head_dim if 0 < kv < heads else 0, whole("vocab_size"))
 
 
 class Inference:
@@ -88,7 +92,7 @@ class Inference:
     ) -> None:
         self.sources = sources
         self.tp = tp
-        self.kv_heads = KvHeads.of(config)
+        self.hints = Hints.of(config)
         self.params: dict[str, _ParamState] = {}
         self.read: set[str] = set()
         self.model_dtype = ""
@@ -136,7 +140,7 @@ class Inference:
                     source,
                     expert if stacked else None,
                     candidates(
-                        source, self.sources[source][1], expert if stacked else None, self.kv_heads
+                        source, self.sources[source][1], expert if stacked else None, self.hints
                     ),
                 )
                 for source, expert, _ in groups

@@ -194,12 +194,14 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     config.compilation_config.static_forward_context.clear()
     with set_current_vllm_config(config), no_peers():
         set_rank(config, request["tp"], request["pp"], p, t)
-        with torch.device("meta"):
-            model = initialize_model(vllm_config=config)
+        dtype = set_default_torch_dtype(config.model_config.dtype)
+        with dtype, torch.device("meta"):  # as vLLM's loaders build a model
+            model = initialize_model(vllm_config=config, model_config=config.model_config)
         params = dict(model.named_parameters())
         placeholders = {
             name: torch.empty(shape, dtype=DTYPES[dtype], device="meta")
@@ -216,7 +218,7 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
 
         loader = Placeholders(config.load_config)
         loader.counter_before_loading_weights = 0.0
-        with recorder:
+        with set_default_torch_dtype(config.model_config.dtype), recorder:
             loader.load_weights(model, config.model_config)
     return {
         "rank": [p, t],
