@@ -75,8 +75,8 @@ def test_value_arithmetic_in_load_weights_is_refused_naming_the_parameter(
         make_plan(SourceModel(config, tensors), tp=2, pp=1)
     assert str(info.value) == (
         "cannot derive the layout from vLLM: backbone.layers.0.mixer.A: vLLM's load_weights "
-        "computes it from backbone.layers.0.mixer.A_log (exp, neg), value arithmetic a plan "
-        "of copies cannot express"
+        "computes it from backbone.layers.0.mixer.A_log (cast, exp, neg), value arithmetic a "
+        "plan of copies cannot express"
     )
 
 

@@ -75,10 +75,14 @@ class DerivedFamily(Family):
 
 
 def _serving_dtype(config: Config) -> str:
-    """The safetensors dtype the placeholders carry: config.json's, else bfloat16. An
-    unquantized checkpoint's floating-point dtype does not change where vLLM copies it."""
-    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    return MODEL_DTYPES.get(name, "BF16")
+    """The dtype vLLM builds the model in while deriving: float16 for a float16
+    checkpoint, else bfloat16, never float32, so that a parameter vLLM keeps in float32
+    whatever the model's dtype (a routing bias) shows as one. A parameter that follows the
+    model's dtype follows whichever `--dtype` convert is given. The placeholders carry it
+    too: an unquantized checkpoint's floating-point dtype does not change where vLLM
+    copies it."""
+    name = str(config.get("torch_dtype") or config.get("dtype") or "")
+    return "F16" if name == "float16" else "BF16"
 
 
 @lru_cache(maxsize=4)

@@ -34,6 +34,7 @@ NAMES = {v: k for k, v in DTYPES.items()}
 WRITES = {"copy_", "fill_", "zero_"}
 # Ops whose result holds its input's values (cast or not), so a copy of it is a copy.
 COPIES = {"_to_copy", "clone", "contiguous"}
+SHOWN = {"_to_copy": "cast"}  # how an op is named in a refusal
 
 
 class Refused(Exception):
@@ -126,12 +127,12 @@ class Recorder(TorchDispatchMode):
             src = known[0]
             dtype = NAMES.get(src.dtype, str(src.dtype))
             region = (self.sources[self._key(src)], self._region(src), dtype, src.numel())
-            self.made[self._key(out)] = Made((name,), region[0], region)
+            self.made[self._key(out)] = Made((SHOWN.get(name, name),), region[0], region)
             return
         before = [self.made[self._key(a)] for a in tensors if self._key(a) in self.made]
         origins = [self.sources[self._key(a)] for a in known] + [m.origin for m in before]
         if origins:
-            ops = (*(op for m in before[:1] for op in m.ops), name)
+            ops = (*(op for m in before[:1] for op in m.ops), SHOWN.get(name, name))
             self.made[self._key(out)] = Made(ops, origins[0])
 
 
