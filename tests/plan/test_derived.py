@@ -7,6 +7,8 @@ install is tested in test_plan.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +110,26 @@ def test_rows_that_follow_no_cut_are_refused_naming_the_parameter() -> None:
         inference.add(_record(ops, params, rank))
     with pytest.raises(PlanError, match=r"1 parameter\(s\): p <- w: vLLM's load_weights copies"):
         inference.layout()
+
+
+NO_VLLM_IMPORT = """
+import sys
+from shardprep.demo.tiny import tiny_config
+from shardprep.plan import archs
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import SourceModel
+import shardprep.convert.record  # the manifest's layout record knows the derived revision
+config = tiny_config()
+shapes = archs.target_family(config)[1].expected_shapes(config)
+make_plan(SourceModel(config, {n: ("BF16", s) for n, s in shapes.items()}), tp=2, pp=2)
+print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
+"""
+
+
+def test_planning_a_family_never_imports_vllm() -> None:
+    """vLLM runs only in the deriving child: a family's plan (and convert's manifest code)
+    works where vLLM is not installed, and costs nothing of it where it is."""
+    out = subprocess.run(
+        [sys.executable, "-c", NO_VLLM_IMPORT], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]"
