@@ -82,6 +82,21 @@ def test_value_arithmetic_in_load_weights_is_refused_naming_the_parameter(
     )
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_an_architecture_vllm_does_not_register_either_is_one_line() -> None:
+    config = tiny_config()
+    shapes = archs.target_family(config)[1].expected_shapes(config)
+    config["architectures"] = ["NoSuchForCausalLM"]
+    with pytest.raises(PlanError) as info:
+        make_plan(SourceModel(config, {n: ("F32", s) for n, s in shapes.items()}), tp=2, pp=1)
+    assert str(info.value) == (
+        "cannot derive the layout from vLLM: architecture NoSuchForCausalLM is not registered "
+        "in vLLM 0.32.0 either, so there is no model definition to derive its layout from; "
+        "use a vLLM that serves it"
+    )
+
+
 def _record(ops: list[list[Any]], params: dict[str, Any], rank: int = 0) -> dict[str, Any]:
     return {"rank": [0, rank], "model_dtype": "F32", "params": params, "ops": ops}
 

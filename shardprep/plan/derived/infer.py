@@ -182,7 +182,7 @@ class Inference:
                     )
                     continue
                 chosen.append(piece.candidates[0])
-            if piece.expert is not None:
+            if state.pieces and state.pieces[0].expert is not None:
                 experts = max(experts, state.shape[0])
             params.append(
                 Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state))

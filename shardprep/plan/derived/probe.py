@@ -136,6 +136,17 @@ class Recorder(TorchDispatchMode):
             self.made[self._key(out)] = Made(ops, origins[0])
 
 
+def check_registered(architecture: str, version: str) -> None:
+    from vllm.model_executor.models import ModelRegistry
+
+    if architecture not in ModelRegistry.get_supported_archs():
+        raise Refused(
+            f"architecture {architecture} is not registered in vLLM {version} either, so "
+            "there is no model definition to derive its layout from; use a vLLM that "
+            "serves it"
+        )
+
+
 def engine_config(request: dict[str, Any]) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -238,6 +249,7 @@ def main() -> int:
     out = Path(request["out"])
     bar = Progress if request.get("progress") else Silent
     try:
+        check_registered(request["architecture"], vllm.__version__)
         config = engine_config(request)
         for p, t in bar(request["ranks"], desc="derive layout from vLLM", unit="rank"):
             record = derive_rank(config, request, p, t)

@@ -36,6 +36,7 @@ def derive(
         (work / "model").mkdir()
         (work / "model" / "config.json").write_text(json.dumps(dict(config)))
         request = {
+            "architecture": str((config.get("architectures") or [""])[0]),
             "folder": str(work / "model"),
             "out": str(work),
             "tp": topology.tp,
