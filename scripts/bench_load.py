@@ -178,7 +178,7 @@ def vllm_model(root: Path, layers: int) -> Path:
 
 def with_attention_scales(artifact: Path, out: Path) -> Path:
     """vLLM's own `sharded_state` format from an artifact: the same rank files plus the
-    attention scale buffers `sharded_state` requires (see the README)."""
+    attention scale buffers `sharded_state` requires (see docs/serving.md)."""
     import torch
     from safetensors.torch import load_file, save_file
 

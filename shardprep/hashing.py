@@ -4,8 +4,8 @@ sha256 runs at the speed of the CPU's SHA instructions only on bytes already in 
 cache. Hashed straight from the page cache through a mapping, the bytes come from main
 memory a 4 KiB page at a time, and sha256 took 0.90-0.98 CPU-s per GB on one machine we
 measured, where copying them into a 1 MiB buffer first (kept in the core's L2 cache) and
-hashing that took 0.73-0.76, copy included (BENCHMARKS.md, "Hashing through a small
-buffer").
+hashing that took 0.73-0.76, copy included (docs/benchmarks-history.md, "Hashing
+through a small buffer").
 """
 
 from __future__ import annotations

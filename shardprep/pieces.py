@@ -4,10 +4,11 @@ One large `write` lets the kernel take large folios (up to 2 MiB each) for the p
 it fills. On a virtual machine that reports free memory to its host (virtio-balloon free
 page reporting, which hands back free blocks of 2 MiB and more), those folios come from
 memory the host has taken back, and the first touch of each page costs a fault in the
-host. Measured on such a machine (BENCHMARKS.md, "Writes of at most 256 KiB"): a rank
-file's gathered columns cost 0.38-0.76 CPU-s per 0.60 GB written in 2 MiB calls and
-0.14-0.17 in 256 or 512 KiB calls; a decompression of 1.07 GB, 1.5-3.0 CPU-s of kernel
-time in 2 MiB calls and 0.5 in 256 KiB calls. Calls of 1 MiB were as slow as 2 MiB.
+host. Measured on such a machine (docs/benchmarks-history.md, "Writes of at most
+256 KiB"): a rank file's gathered columns cost 0.38-0.76 CPU-s per 0.60 GB written in
+2 MiB calls and 0.14-0.17 in 256 or 512 KiB calls; a decompression of 1.07 GB, 1.5-3.0
+CPU-s of kernel time in 2 MiB calls and 0.5 in 256 KiB calls. Calls of 1 MiB were as slow
+as 2 MiB.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ join_f32 = numba.njit(types.void(_U32_OUT, _U8_IN, _U8_IN, types.int64, _U8_IN, 
 # Against the frame decoded stream by stream (`container`: zstandard's bytes objects, then
 # these joins, with Python in between), MiniLM in bf16 took 8.8-9.8 ms instead of
 # 11.6-12.5 on two threads, 17.3-18.8 instead of 20.9-22.9 on one: less time waiting for
-# the GIL, less in zstd (BENCHMARKS.md).
+# the GIL, less in zstd (docs/benchmarks-history.md).
 # `container` has checked every size in the frame's tables first, and libzstd writes at
 # most the capacity it is given. A stream that does not decode to its size, or an escape
 # outside its segment, makes `decode_frame` return False: the caller then decodes the frame

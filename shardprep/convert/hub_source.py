@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # huggingface_hub takes a while to import; a local folder nev
 
 HEADER_WORKERS = 8
 # Few at a time, so that files arrive one after another in the order they are converted
-# (with more, a shared link makes them all arrive at the end); see BENCHMARKS.md.
+# (with more, a shared link makes them all arrive at the end); see docs/benchmarks-history.md.
 DOWNLOAD_WORKERS = 2
 
 

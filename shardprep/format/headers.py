@@ -13,17 +13,21 @@ import stat
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from shardprep.constants import MAX_HEADER_BYTES
 from shardprep.errors import CorruptFileError
 from shardprep.format import jsonio
 from shardprep.format.dtypes import DTYPE_SIZES
 
+ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor's bytes lie in a safetensors file (`offset` is absolute)."""
+
+class TensorInfo(NamedTuple):
+    """Where one tensor's bytes lie in a safetensors file (`offset` is absolute). A named
+    tuple: a flagship's headers make half a million of them."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -93,7 +97,7 @@ def _parse(where: Path | str, raw: bytes, length: int, file_size: int) -> Header
     if len(raw) != length:
         raise _corrupt(where, "is truncated inside its header")
     try:
-        entries = jsonio.parse(raw, limit=MAX_HEADER_BYTES)
+        entries = jsonio.parse(raw, limit=MAX_HEADER_BYTES, pairs=_pairs)
     except jsonio.JSONProblem as exc:
         raise _corrupt(where, f"has a header that is not JSON: it {exc}") from None
     if not isinstance(entries, dict):
@@ -109,6 +113,15 @@ def _parse(where: Path | str, raw: bytes, length: int, file_size: int) -> Header
     return Header(tensors=tensors, metadata=metadata, data_start=data_start, file_size=file_size)
 
 
+def _pairs(header: Any) -> int:
+    """The key-value pairs of a header's objects: its own, and those of the objects it
+    holds (tensor entries, `__metadata__`); -1 for any other form."""
+    if type(header) is not dict:
+        return -1
+    inner = [value for value in header.values() if type(value) is dict]
+    return len(header) + sum(map(len, inner))
+
+
 def _metadata(where: Path | str, value: object) -> dict[str, str]:
     if value is None:
         return {}
@@ -117,29 +130,31 @@ def _metadata(where: Path | str, value: object) -> dict[str, str]:
     return value
 
 
-def _is_count(value: object) -> bool:
-    """A JSON integer >= 0: not a bool, not a float, not a string."""
-    return type(value) is int and value >= 0
+def _are_counts(values: list[Any]) -> bool:
+    """JSON integers >= 0: not bools, not floats, not strings."""
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0)
 
 
 def _tensor_info(
     where: Path | str, name: str, entry: object, data_start: int, data_size: int
 ) -> TensorInfo:
+    # Runs once per tensor (half a million in a flagship's headers): the checks are
+    # written to stay in C where they can.
     shown = jsonio.shorten(name)
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+    if type(entry) is not dict or entry.keys() != ENTRY_KEYS:
         raise _corrupt(
             where, f"has a header entry for {shown!r} that is not {{dtype, shape, data_offsets}}"
         )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+    if type(dtype) is not str or dtype not in DTYPE_SIZES:
         raise _corrupt(
             where,
             f"uses dtype {jsonio.shorten(str(dtype))!r} for {shown!r}, which shardprep "
             f"does not know ({', '.join(DTYPE_SIZES)})",
         )
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    if type(shape) is not list or not _are_counts(shape):
         raise _corrupt(where, f"gives {shown!r} a shape that is not a list of integers >= 0")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+    if type(offsets) is not list or len(offsets) != 2 or not _are_counts(offsets):
         raise _corrupt(
             where, f"gives {shown!r} data_offsets that are not two integers >= 0 [begin, end]"
         )
@@ -184,7 +199,7 @@ def _check_tiling(
     where: Path | str, tensors: Mapping[str, TensorInfo], start: int, size: int
 ) -> None:
     position = start
-    for info in sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+    for info in sorted(tensors.values(), key=attrgetter("offset", "nbytes")):
         if info.offset != position:
             raise _corrupt(where, "has tensors with holes or overlaps between them")
         position += info.nbytes

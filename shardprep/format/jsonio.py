@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,13 @@ class JSONProblem(ValueError):
     """Why a document is not strict JSON; the message completes "FILE ..."."""
 
 
-def parse(raw: bytes | str, *, limit: int) -> Any:
-    """Parse UTF-8 JSON of at most `limit` bytes (checked before decoding)."""
+def parse(raw: bytes | str, *, limit: int, pairs: Callable[[Any], int] | None = None) -> Any:
+    """Parse UTF-8 JSON of at most `limit` bytes (checked before decoding).
+
+    `pairs` counts the key-value pairs of the objects of a document of a known form (a
+    safetensors header: an object of objects). When its count equals the text's colons,
+    no object can have repeated a key (each pair has a colon, and a repeat would be lost
+    from the count), so the parse skips the check it otherwise makes of every object."""
     if len(raw) > limit:
         raise JSONProblem(f"is {len(raw):,} bytes, over the {limit:,}-byte limit")
     if isinstance(raw, bytes):
@@ -32,7 +38,7 @@ def parse(raw: bytes | str, *, limit: int) -> Any:
     else:
         text = raw
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        value = _loads(text, pairs)
     except JSONProblem:
         raise
     except RecursionError:
@@ -44,6 +50,14 @@ def parse(raw: bytes | str, *, limit: int) -> Any:
     return value
 
 
+def _loads(text: str, pairs: Callable[[Any], int] | None) -> Any:
+    if pairs is not None:
+        value = json.loads(text, parse_constant=_no_constant)
+        if pairs(value) == text.count(":"):
+            return value
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
 def parse_file(path: Path, *, limit: int) -> Any:
     """`parse` on a file's bytes, its size checked before it is read."""
     size = path.stat().st_size
@@ -53,12 +67,19 @@ def parse_file(path: Path, *, limit: int) -> Any:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise JSONProblem(f"names the key {shorten(key)!r} twice in one object")
-        result[key] = value
+    result = dict(pairs)  # called once per JSON object: no Python loop unless a key repeats
+    if len(result) != len(pairs):
+        raise JSONProblem(f"names the key {shorten(_repeated(pairs))!r} twice in one object")
     return result
+
+
+def _repeated(pairs: list[tuple[str, Any]]) -> str:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    raise AssertionError("no key repeats")
 
 
 def _no_constant(name: str) -> Any:

@@ -11,7 +11,7 @@ from shardprep.format.dtypes import FLOAT_DTYPES, keeps_values
 from shardprep.format.records import Topology
 from shardprep.format.vllm_layout import expert_substitution
 from shardprep.plan.archs import quantized
-from shardprep.plan.archs.base import Family, Layout, Param
+from shardprep.plan.archs.base import Family, Layout
 from shardprep.plan.cuts import MODEL_DTYPE
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.records import SourceModel
@@ -57,13 +57,13 @@ def checked_layout(
         return None, [f"{role}: config.json lacks or garbles {exc}"]
     if topology is None:
         return None, problems
-    shapes = {name: shape for name, (_, shape) in source.tensors.items()}
-    for name, shape in sorted(shapes.items()):
-        if name in expected and tuple(expected[name]) != shape:
-            problems.append(
-                f"{role}: {name} has shape {list(shape)} but config.json implies "
-                f"{list(expected[name])}"
-            )
+    shapes = source.shapes
+    differ = sorted(n for n, want in expected.items() if n in shapes and tuple(want) != shapes[n])
+    for name in differ:
+        problems.append(
+            f"{role}: {name} has shape {list(shapes[name])} but config.json implies "
+            f"{list(expected[name])}"
+        )
     layout = quantized.layout(family, source.config, shapes, topology, **context)
     if not problems:
         refused = quantized.quantization_problems(
@@ -127,29 +127,39 @@ def dtype_problems(layout: Layout, source: SourceModel, family: Family) -> list[
     must be too, or quantized as the family declares (`source_dtypes`); a parameter of a
     fixed dtype (fp8 weights, float32 scales, int32 packed weights) takes only a source
     whose values a copy into it keeps."""
-    declared = quantized.source_dtypes(family, source.config)
+    declared: dict[str, str] | None = None  # asked only of a source that is not floating
+    kept: dict[tuple[str, str], bool] = {}
     problems = []
     for param in layout.params:
         for piece in param.pieces:
-            if piece.source in source.tensors:  # an absent one is reported apart
-                dtype = source.tensors[piece.source][0]
-                problems += _dtype_problem(param, piece.source, dtype, declared.get(piece.source))
+            entry = source.tensors.get(piece.source)  # an absent one is reported apart
+            if entry is None:
+                continue
+            dtype = entry[0]
+            if param.dtype is None:
+                if dtype in FLOAT_DTYPES:
+                    continue
+                if declared is None:
+                    declared = quantized.source_dtypes(family, source.config)
+                if declared.get(piece.source) != dtype:
+                    problems.append(
+                        f"{piece.source} is {dtype} in the checkpoint, but vLLM holds "
+                        f"{param.name} as a floating-point parameter; use a checkpoint whose "
+                        "weights are floating point"
+                    )
+            elif param.dtype != MODEL_DTYPE and not _keeps(kept, dtype, param.dtype):
+                problems.append(
+                    f"{piece.source} is {dtype} in the checkpoint, but vLLM holds {param.name} "
+                    f"as {param.dtype}, and a copy into it would change its values; use a "
+                    f"checkpoint that stores {piece.source} as {param.dtype}"
+                )
     return problems
 
 
-def _dtype_problem(param: Param, name: str, dtype: str, declared: str | None) -> list[str]:
-    if param.dtype is None and dtype not in FLOAT_DTYPES and declared != dtype:
-        return [
-            f"{name} is {dtype} in the checkpoint, but vLLM holds {param.name} as a "
-            "floating-point parameter; use a checkpoint whose weights are floating point"
-        ]
-    if param.dtype not in (None, MODEL_DTYPE) and not keeps_values(dtype, param.dtype):
-        return [
-            f"{name} is {dtype} in the checkpoint, but vLLM holds {param.name} as "
-            f"{param.dtype}, and a copy into it would change its values; use a checkpoint "
-            f"that stores {name} as {param.dtype}"
-        ]
-    return []
+def _keeps(kept: dict[tuple[str, str], bool], source: str, param: str) -> bool:
+    if (source, param) not in kept:
+        kept[source, param] = keeps_values(source, param)
+    return kept[source, param]
 
 
 def loading_problems(config: Mapping[str, Any], family: Family) -> list[str]:

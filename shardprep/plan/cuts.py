@@ -77,7 +77,7 @@ EXPERT_VECTORS = frozenset(
 MX_BLOCK = 32  # values that share one e8m0 scale (OCP MX)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScaleOf:
     """What a block-scale tensor (`weight_scale_inv`) scales, or what a packed tensor
     (`weight_packed`, a group-scale `weight_scale`) stores: a 2-D weight of `shape`, cut by
@@ -93,7 +93,7 @@ class ScaleOf:
     heads: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     source: str
     cut: Cut

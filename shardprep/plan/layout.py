@@ -55,9 +55,7 @@ def placed_blocks(
 ) -> tuple[Block, ...]:
     """`piece_geometry`'s blocks read from the piece's source (its expert's row of it,
     for an `EXPERT_*` cut)."""
-    shift = (piece.expert or 0) if piece.cut in EXPERT_INDEXED else 0
-    if shift and shift >= shape[0]:
-        raise PlanError(f"{piece.source} holds {shape[0]} experts, not expert {shift}")
+    shift = check_expert_row(piece, shape)
     source = piece.source
     if len(geometry) == 1:  # most cuts: one block, made without a generator
         (b,) = geometry
@@ -71,6 +69,15 @@ def placed_blocks(
         else b
         for b in geometry
     )
+
+
+def check_expert_row(piece: Piece, shape: tuple[int, ...]) -> int:
+    """The row of its source an `EXPERT_*` piece reads (its expert's), which must exist;
+    0 for other cuts."""
+    shift = (piece.expert or 0) if piece.cut in EXPERT_INDEXED else 0
+    if shift and shift >= shape[0]:
+        raise PlanError(f"{piece.source} holds {shape[0]} experts, not expert {shift}")
+    return shift
 
 
 @functools.lru_cache(maxsize=4096)

@@ -24,7 +24,7 @@ from shardprep.plan import archs
 from shardprep.plan.archs.base import Family, Layout, Param, config_int
 from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
 from shardprep.plan.cuts import MODEL_DTYPE, Block, Cut
-from shardprep.plan.experts import expert_stack_blocks, is_expert_stack
+from shardprep.plan.experts import StackKinds, expert_stack, is_expert_stack
 from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.quant import Mxfp4Quant, scheme_of
 from shardprep.plan.quant.backend_pad import pads_by_backend
@@ -223,11 +223,18 @@ def _rank_files(
     experts = model.experts.split if model.experts else ExpertSplit(0, tp)
     for pp_rank in stages:
         params = [param for param in layout.params if pp_rank in param.stages]
-        stacks = [p for p in params if is_expert_stack(p.pieces)] if experts.dp > 1 else []
+        kinds = {
+            id(p): StackKinds.of(p.pieces, source.shapes)
+            for p in params
+            if is_expert_stack(p.pieces)
+        }
+        stacks = [p for p in params if id(p) in kinds] if experts.dp > 1 else []
         separate = {id(param) for param in stacks}
         for tp_rank in range(tp):
             tensors = [
-                tensor_plan(param, source, tp, tp_rank, model.dtype, experts, tp_rank)
+                tensor_plan(
+                    param, source, tp, tp_rank, model.dtype, experts, tp_rank, kinds.get(id(param))
+                )
                 for param in params
                 if id(param) not in separate
             ]
@@ -237,7 +244,9 @@ def _rank_files(
             for dp_rank in range(experts.dp) if stacks else ():
                 moe_rank = experts.moe_rank(tp_rank, dp_rank)
                 tensors = [
-                    tensor_plan(param, source, tp, tp_rank, model.dtype, experts, moe_rank)
+                    tensor_plan(
+                        param, source, tp, tp_rank, model.dtype, experts, moe_rank, kinds[id(param)]
+                    )
                     for param in stacks
                 ]
                 files += _split_parts(
@@ -254,16 +263,18 @@ def tensor_plan(
     model_dtype: str,
     experts: ExpertSplit,
     moe_rank: int,
+    kinds: StackKinds | None = None,
 ) -> TensorPlan:
-    """One parameter of tp rank `rank`; an expert stack holds the experts of `moe_rank`."""
+    """One parameter of tp rank `rank`; an expert stack holds the experts of `moe_rank`
+    (`kinds`: its pieces' kinds, when worked out already for the other ranks)."""
     source_dtype = source.tensors[param.pieces[0].source][0]
     dtype = param.dtype or (model_dtype if source_dtype in FLOAT_DTYPES else source_dtype)
     if dtype == MODEL_DTYPE:
         dtype = model_dtype
     if is_expert_stack(param.pieces):
-        shapes = {p.source: source.tensors[p.source][1] for p in param.pieces}
         try:
-            stack, shape = expert_stack_blocks(param.pieces, shapes, experts, moe_rank)
+            kinds = kinds or StackKinds.of(param.pieces, source.shapes)
+            stack, shape = expert_stack(param.name, kinds, source.shapes, experts, moe_rank)
         except PlanError as exc:
             raise PlanError(f"{param.name}: {exc}") from None
         return TensorPlan(param.name, dtype, shape, stack, experts=shape[0])

@@ -4,6 +4,7 @@ so a test feeds header dicts and a 1 TB model plans in milliseconds."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from shardprep.format.headers import TensorSpec
 from shardprep.format.records import Topology
 from shardprep.plan.cuts import Block, Piece
+from shardprep.plan.experts import StackBlocks
 from shardprep.plan.topology import ExpertSplit
 
 
@@ -21,14 +23,26 @@ class SourceModel:
     config: Mapping[str, Any]
     tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
 
+    @functools.cached_property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """name -> shape, made once (every expert stack of every rank looks shapes up)."""
+        return {name: shape for name, (_, shape) in self.tensors.items()}
+
 
 @dataclass(frozen=True)
 class TensorPlan:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    blocks: tuple[Block, ...]  # stacked along dim 0; zero blocks where source is None
+    # Stacked along dim 0; zero blocks where source is None. An expert stack's are made
+    # when asked (`blocks`), from its recipe.
+    made_of: tuple[Block, ...] | StackBlocks
     experts: int = 0  # an expert stack [experts, rows per expert, ...] when > 0
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        made_of = self.made_of
+        return made_of if isinstance(made_of, tuple) else made_of.blocks()
 
     @property
     def spec(self) -> TensorSpec:
@@ -40,9 +54,15 @@ class TensorPlan:
         expert stack [experts, rows per expert, ...] is [experts x rows, ...] unless each
         block is one expert's row already (gpt-oss's vectors per expert, [experts, values])."""
         stacked = self.experts and len(self.shape) > 1
-        if stacked and sum(block.height for block in self.blocks) != self.shape[0]:
+        if stacked and self._height() != self.shape[0]:
             return (self.shape[0] * self.shape[1], *self.shape[2:])
         return self.shape
+
+    def _height(self) -> int:
+        made_of = self.made_of
+        if isinstance(made_of, tuple):
+            return sum(block.height for block in made_of)
+        return made_of.height
 
 
 @dataclass(frozen=True)

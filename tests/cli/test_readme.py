@@ -166,10 +166,12 @@ def test_drift_is_caught(old: str, new: str) -> None:
 
 def supported_table(text: str) -> tuple[dict[str, set[str]], set[str]]:
     """The README's table of supported architectures ({architecture: its internal draft
-    methods}) and the drafts it says any target takes with --draft."""
-    section = text.split("### Supported architectures and drafts", 1)[1].split("\n### ", 1)[0]
+    methods}; an architecture may link to its reference) and the drafts it says any target
+    takes with --draft."""
+    section = text.split("### Supported architectures and drafts", 1)[1]
+    section = re.split(r"\n#{1,6} ", section, maxsplit=1)[0]
     table: dict[str, set[str]] = {}
-    for row in re.findall(r"^\| (`.*) \|$", section, re.M):
+    for row in re.findall(r"^\| (\[?`.*) \|$", section, re.M):
         architectures, drafts = row.split(" | ")
         for name in re.findall(r"`(\w+)`", architectures):
             table[name] = set(re.findall(r"`(\w+)`", drafts))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardprep.format import jsonio
+from shardprep.format import headers, jsonio
 
 KEYS = st.sampled_from(["a", "b", 'q":', "\\", "dtype", " x", "é", "\u2028", "a\nb"])
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=4), KEYS)
@@ -31,13 +31,32 @@ def _documents(depth: int = 2) -> st.SearchStrategy[str]:
     return objects | st.lists(objects, max_size=3).map(lambda items: f"[{','.join(items)}]")
 
 
+def _all_pairs(value: object) -> int:
+    """Every key-value pair of every object of a parsed document."""
+    if isinstance(value, dict):
+        return len(value) + sum(map(_all_pairs, value.values()))
+    if isinstance(value, list):
+        return sum(map(_all_pairs, value))
+    return 0
+
+
+def _top_pairs(value: object) -> int:
+    """Only the outer object's pairs: a count that misses any inner object's."""
+    return len(value) if isinstance(value, dict) else -1
+
+
+COUNTS = [None, _all_pairs, _top_pairs, headers._pairs]
+
+
 @settings(max_examples=300, deadline=None)
-@given(_documents())
-def test_any_document_reads_as_json_does_or_names_its_repeated_key(text: str) -> None:
+@given(_documents(), st.sampled_from(COUNTS))
+def test_any_document_reads_as_json_does_or_names_its_repeated_key(text: str, count) -> None:
+    """Also when the caller counts the pairs of the document's objects (the colons then
+    vouch that no key repeats), whether the count sees every object or not."""
     pairs: list[list[tuple[str, object]]] = []
     plain = json.loads(text, object_pairs_hook=lambda p: pairs.append(p) or dict(p))
     try:
-        assert jsonio.parse(text, limit=10**6) == plain
+        assert jsonio.parse(text, limit=10**6, pairs=count) == plain
         assert all(len({k for k, _ in p}) == len(p) for p in pairs)
     except jsonio.JSONProblem as exc:
         assert "twice" in str(exc)
@@ -54,9 +73,10 @@ def test_any_document_reads_as_json_does_or_names_its_repeated_key(text: str) ->
         '{"a": "\\":", "a": 1}',
     ],
 )
-def test_a_key_given_twice_is_named(text: str) -> None:
+@pytest.mark.parametrize("count", COUNTS)
+def test_a_key_given_twice_is_named(text: str, count) -> None:
     with pytest.raises(jsonio.JSONProblem, match="twice in one object"):
-        jsonio.parse(text, limit=10**6)
+        jsonio.parse(text, limit=10**6, pairs=count)
 
 
 def test_a_lone_surrogate_is_refused_only_where_escaped() -> None:

@@ -1,6 +1,7 @@
 """Writes reach the file whole, in pieces of at most WRITE_PIECE bytes per call (larger
 single writes were measured to cost far more kernel time on a virtual machine that hands
-free memory back to its host: BENCHMARKS.md, "Writes of at most 256 KiB")."""
+free memory back to its host: docs/benchmarks-history.md, "Writes of at most
+256 KiB")."""
 
 from __future__ import annotations
 

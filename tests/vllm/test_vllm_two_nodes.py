@@ -214,7 +214,8 @@ def test_a_draft_of_its_own_from_the_folder_each_node_fetched(tmp_path: Path) ->
 def readme_nodes() -> list[list[str]]:
     """The README's two-node `vllm serve` commands (node 0, node 1), as argument lists."""
     section = README.read_text().split("### Two nodes, one stage each", 1)[1]
-    joined = re.sub(r"\\\n\s*", " ", section.split("\n### ", 1)[0])
+    section = re.split(r"\n#{1,6} ", section, maxsplit=1)[0]
+    joined = re.sub(r"\\\n\s*", " ", section)
     return [shlex.split(line) for line in re.findall(r"^ {4}(vllm serve .*)$", joined, re.M)]
 
 

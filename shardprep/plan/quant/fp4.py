@@ -82,12 +82,13 @@ class Mxfp4PackQuant(PackQuant):
         """`w13_weight_packed`/`w2_weight_packed` and their group scales, uint8."""
 
         def packed(suffix: str, per: int) -> tuple[Piece, ...]:
+            scales: dict[tuple, ScaleOf] = {}  # one per shape: a layer's experts share it
             return tuple(
                 Piece(
                     p.source + suffix,
                     Cut.PACKED,
                     expert=p.expert,
-                    scale_of=ScaleOf(tuple(shapes[p.source]), p.cut, (1, per), None, p.heads),  # type: ignore[arg-type]
+                    scale_of=_scale_of(scales, tuple(shapes[p.source]), p.cut, (1, per), p.heads),
                 )
                 for p in pieces
             )
@@ -205,6 +206,15 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
         if layer.kind == "experts":
             return super().refusals(layer, tp, moe_ways)
         return linear_group_refusals(layer, tp, self.group, self.kind)
+
+
+def _scale_of(
+    made: dict[tuple, ScaleOf], shape: tuple[int, ...], cut: Cut, block: tuple[int, int], heads: int
+) -> ScaleOf:
+    key = (shape, cut, heads)
+    if key not in made:
+        made[key] = ScaleOf(shape, cut, block, None, heads)  # type: ignore[arg-type]
+    return made[key]
 
 
 def linear_group_refusals(layer: Quantized, tp: int, group: int, kind: str) -> list[str]:
