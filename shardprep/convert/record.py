@@ -7,8 +7,9 @@ from shardprep.constants import FORMAT
 from shardprep.convert.checkpoint import Checkpoint, known_sha256
 from shardprep.format import manifest as mf
 from shardprep.format.headers import encode_header
-from shardprep.format.vllm_layout import MOE_ASSUMPTIONS, current_layout
+from shardprep.format.vllm_layout import MOE_ASSUMPTIONS, current_layout, derived_layout
 from shardprep.plan.cuts import Piece
+from shardprep.plan.derived import DERIVED, installed_vllm
 from shardprep.plan.records import FilePlan, ModelPlan, Plan
 
 
@@ -71,12 +72,15 @@ def manifest_of(
         plan.topology.partition,
         expert_parallel=any(m.experts and m.experts.split.expert_parallel for m in plan.models),
     )
+    layout = current_layout(
+        {m.family for m in plan.models} | {m.scheme for m in plan.models if m.scheme}
+    )
+    if DERIVED in layout.revisions:  # derived from the vLLM installed here, and only it
+        layout = derived_layout(layout, installed_vllm())
     return mf.Manifest(
         format=FORMAT,
         shardprep_version=shardprep.__version__,
-        vllm_layout=current_layout(
-            {m.family for m in plan.models} | {m.scheme for m in plan.models if m.scheme}
-        ),
+        vllm_layout=layout,
         topology=topology,
         stages=plan.stages,
         models=tuple(models),

@@ -61,6 +61,7 @@ RANGES: tuple[VllmRange, ...] = (
             "fp8_block": 1, "fp8_tensor": 1, "fp8_ct": 1, "int4_pack": 1,
             "mxfp4": 1, "mxfp4_pack": 1, "nvfp4_pack": 1, "modelopt_fp4": 1,
             "fp8_e8m0_mxfp4": 1,
+            "derived": 1,
         },
     ),
 )  # fmt: skip
@@ -83,6 +84,15 @@ def current_layout(names: set[str]) -> VllmLayout:
     newest = RANGES[-1]
     verified = tuple(_text(v) for v in VERIFIED if v >= newest.first)
     return VllmLayout(LAYOUT_ID, {n: newest.revisions[n] for n in sorted(names)}, verified)
+
+
+def derived_layout(layout: VllmLayout, derived_from: str) -> VllmLayout:
+    """`layout` for an artifact whose layout was derived from vLLM `derived_from` itself
+    (plan/derived): verified with that release only, so the loader refuses a newer vLLM
+    unless told otherwise."""
+    return VllmLayout(
+        layout.id, layout.revisions, (_text(release(derived_from)),), layout.assumptions
+    )
 
 
 def legacy_layout() -> VllmLayout:

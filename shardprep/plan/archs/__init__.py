@@ -77,10 +77,18 @@ def _instance(module: str, cls: str) -> Family:
 
 
 def target_family(config: Config) -> tuple[str, Family]:
+    """The family of the first architecture named; one no family names gets the layout
+    derived from vLLM's own model definition (plan/derived), when vLLM is installed."""
     names = config.get("architectures") or []
     for name in names:
         if name in _TARGETS:
             return name, _instance(*_TARGETS[name])
+    if names and isinstance(names, list) and isinstance(names[0], str):
+        from shardprep.plan import derived
+
+        if not derived.available():
+            raise derived.unavailable(names[0], summarize(sorted(_TARGETS), limit=20))
+        return names[0], derived.DerivedFamily()
     raise ConfigError(
         f"architecture {summarize(names) or '(none in config.json)'} is not supported; "
         f"shardprep supports {summarize(sorted(_TARGETS), limit=20)}"

@@ -1,0 +1,69 @@
+"""Time and peak memory of deriving a flagship layout from vLLM (plan/derived), headers
+only: DeepSeek-V3's shapes (61 layers, 256 experts, MLA) in bfloat16, no MTP layer.
+
+    python scripts/bench_derive.py [--tp 8 --pp 2] [--layers 61]
+
+Nothing is read or written but config.json: the checkpoint is its tensor table. The
+derived layout is then compared with the hand-written DeepSeek family's, piece for piece.
+Prints one JSON line: seconds, this process's and the deriving child's peak RSS, ranks,
+parameters, and how many differ from the hand-written layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+from shardprep.demo.tiny import tiny_config
+from shardprep.plan import archs
+from shardprep.plan.archs import quantized
+from shardprep.plan.derived import DerivedFamily
+from shardprep.plan.topology import make_topology
+
+
+def deepseek_v3_config(layers: int) -> dict:
+    return tiny_config(
+        "DeepseekV3ForCausalLM", hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=128,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
+        topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+        num_nextn_predict_layers=0, torch_dtype="bfloat16",
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=61)
+    args = parser.parse_args()
+    config = archs.read_config(deepseek_v3_config(args.layers))
+    family = archs.target_family(config)[1]
+    shapes = quantized.expected_shapes(family, config)
+    topology = make_topology(args.layers, args.tp, args.pp, None, "")
+    context = {"with_draft": False, "draft_method": None, "pp": args.pp,
+               "expert_parallel": False, "dp": 1, "mxfp4_pad": None}  # fmt: skip
+    start = time.perf_counter()
+    derived = DerivedFamily().layout(config, shapes, topology, **context)
+    seconds = time.perf_counter() - start
+    written = {
+        p.name: p for p in quantized.layout(family, config, shapes, topology, **context).params
+    }
+    differ = [p.name for p in derived.params if written.get(p.name) != p]
+    own = [line for line in Path("/proc/self/status").read_text().splitlines() if "VmHWM" in line]
+    print(json.dumps({
+        "model": "DeepSeek-V3 shapes, bf16", "tensors": len(shapes), "tp": args.tp,
+        "pp": args.pp, "ranks": args.tp * args.pp, "seconds": round(seconds, 1),
+        "peak_rss_parent": own[0].split(":")[1].strip(),
+        "peak_rss_child_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+        "params": len(derived.params), "differ_from_hand_written": len(differ),
+        "first_differences": differ[:3],
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

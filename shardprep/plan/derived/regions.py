@@ -1,0 +1,72 @@
+"""The one form both sides of a derived layout are compared in: a region of a tensor as
+(offset, sizes, strides) with unit dimensions dropped and contiguous ones merged. A
+recorded copy `parameter[region] <- source[region]` and a plan `Block` of a source of
+known shape reduce to the same form exactly when they read the same elements in the
+same order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shardprep.errors import PlanError
+from shardprep.plan.cuts import Block
+
+Region = tuple[int, tuple[int, ...], tuple[int, ...]]
+# What fills one span of a parameter: a source's region, or (None, n elements) for zeros.
+Fill = tuple[str | None, Region]
+
+
+def normal(offset: int, sizes: Sequence[int], strides: Sequence[int]) -> Region:
+    """The region with unit dimensions dropped and adjacent contiguous ones merged; an
+    empty region is (0, (0,), (1,))."""
+    if any(size == 0 for size in sizes):
+        return (0, (0,), (1,))
+    dims = [(size, stride) for size, stride in zip(sizes, strides, strict=True) if size != 1]
+    merged: list[tuple[int, int]] = []
+    for size, stride in dims:
+        if merged and merged[-1][1] == size * stride:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    if not merged:
+        return (offset, (1,), (1,))
+    return (offset, tuple(s for s, _ in merged), tuple(st for _, st in merged))
+
+
+def numel(region: Region) -> int:
+    count = 1
+    for size in region[1]:
+        count *= size
+    return count
+
+
+def contiguous_span(region: Region, what: str) -> tuple[int, int]:
+    """[start, end) of a region that is one contiguous run of a tensor's elements."""
+    _, sizes, strides = region
+    if len(sizes) != 1 or strides[0] != 1:
+        raise PlanError(
+            f"vLLM's load_weights writes {what} in a strided region (sizes {list(sizes)}, "
+            f"strides {list(strides)}), which a plan of whole rows cannot express"
+        )
+    return region[0], region[0] + sizes[0]
+
+
+def zeros(count: int) -> Fill:
+    return None, (0, (count,), (1,))
+
+
+def block_region(block: Block, shape: tuple[int, ...], row_width: int) -> Fill:
+    """What a plan block reads from a source of `shape`, in the normal form; a zero block
+    of a parameter whose rows hold `row_width` elements is that many zeros per row."""
+    if block.source is None:
+        return zeros((block.rows[1] - block.rows[0]) * row_width)
+    if block.repeat != (1, 1) or block.matrix is not None or block.slab is not None:
+        raise PlanError(f"{block.source}: a block of this kind has no derived form")
+    width = 1
+    for size in shape[1:]:
+        width *= size
+    rows = block.rows[1] - block.rows[0]
+    if block.cols is None:
+        return block.source, normal(block.rows[0] * width, (rows, width), (width, 1))
+    cols = block.cols[1] - block.cols[0]
+    return block.source, normal(block.rows[0] * width + block.cols[0], (rows, cols), (width, 1))

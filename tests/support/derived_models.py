@@ -1,0 +1,69 @@
+"""Tiny random models of architectures vLLM registers and no shardprep family names,
+built by transformers itself (its config classes and modules, its tensor names), for the
+derived layout's tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COMMON: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,  # vLLM's CPU attention takes 32, not 16
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "vocab_size": 1000,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+# architecture -> (transformers model_type, overrides)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    # a fused qkv_proj and gate_up_proj in the checkpoint (equal q, k, v parts)
+    "Phi3ForCausalLM": ("phi3", {"num_key_value_heads": 4, "pad_token_id": 0}),
+    "Gemma2ForCausalLM": ("gemma2", {"tie_word_embeddings": True}),
+    "Gemma3ForCausalLM": ("gemma3_text", {"tie_word_embeddings": True, "sliding_window": 64}),
+    "GraniteForCausalLM": ("granite", {"vocab_size": 1001}),
+    "StableLmForCausalLM": ("stablelm", {"num_key_value_heads": 4}),
+    # routed experts and a shared expert behind a gate
+    "Qwen2MoeForCausalLM": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+        },
+    ),
+    "OlmoeForCausalLM": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # vLLM's load_weights computes A = -exp(A_log): no plan of copies expresses it
+    "MambaForCausalLM": ("mamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
+}
+
+
+def make_transformers_model(
+    folder: Path, architecture: str, seed: int = 0, **overrides: Any
+) -> Path:
+    """config.json, generation_config.json and model.safetensors of a tiny random model
+    of `architecture`, in float32, as transformers saves it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, own = MODELS[architecture]
+    config = AutoConfig.for_model(model_type, **{**COMMON, **own, **overrides})
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # random values everywhere, norms included
+        for param in model.parameters():
+            param.normal_(0, 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(generation) + "\n")
+    return folder
