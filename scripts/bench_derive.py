@@ -19,8 +19,10 @@ from pathlib import Path
 
 from shardprep.demo.tiny import tiny_config
 from shardprep.plan import archs
-from shardprep.plan.archs import quantized
+from shardprep.plan.archs.base import PlanContext
+from shardprep.plan.archs.parts import quantized
 from shardprep.plan.derived import DerivedFamily
+from shardprep.plan.drafts import with_target_rules
 from shardprep.plan.topology import make_topology
 
 
@@ -45,14 +47,13 @@ def main() -> None:
     family = archs.target_family(config)[1]
     shapes = quantized.expected_shapes(family, config)
     topology = make_topology(args.layers, args.tp, args.pp, None, "")
-    context = {"with_draft": False, "draft_method": None, "pp": args.pp,
-               "expert_parallel": False, "dp": 1, "mxfp4_pad": None}  # fmt: skip
+    context = PlanContext(pp=args.pp)
     start = time.perf_counter()
-    derived = DerivedFamily().layout(config, shapes, topology, **context)
+    derived = DerivedFamily().layout(config, shapes, topology, context)
     seconds = time.perf_counter() - start
-    written = {
-        p.name: p for p in quantized.layout(family, config, shapes, topology, **context).params
-    }
+    layout = quantized.layout(family, config, shapes, topology, context)
+    layout = with_target_rules(family, config, shapes, topology, layout, context)
+    written = {p.name: p for p in layout.params}
     differ = [p.name for p in derived.params if written.get(p.name) != p]
     own = [line for line in Path("/proc/self/status").read_text().splitlines() if "VmHWM" in line]
     print(json.dumps({

@@ -18,10 +18,13 @@ from derived_models import make_transformers_model
 from shardprep.demo.tiny import tiny_config
 from shardprep.errors import PlanError
 from shardprep.format.headers import read_header
+from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
-from shardprep.plan.archs import quantized
+from shardprep.plan.archs.base import PlanContext
+from shardprep.plan.archs.parts import quantized
 from shardprep.plan.derived import DerivedFamily, available
 from shardprep.plan.derived.infer import Inference
+from shardprep.plan.drafts import with_target_rules
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 from shardprep.plan.topology import make_topology
@@ -42,9 +45,8 @@ CASES = {
 }
 
 
-def _context(pp: int) -> dict[str, Any]:
-    return {"with_draft": False, "draft_method": None, "pp": pp, "expert_parallel": False,
-            "dp": 1, "mxfp4_pad": None}  # fmt: skip
+def _context(pp: int) -> PlanContext:
+    return PlanContext(pp=pp)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -56,8 +58,9 @@ def test_derived_plan_equals_the_hand_written_plan(case: str) -> None:
     _, family = archs.target_family(config)
     shapes = quantized.expected_shapes(family, config)
     topology = make_topology(config["num_hidden_layers"], tp, pp, None, "")
-    written = quantized.layout(family, config, shapes, topology, **_context(pp))
-    derived = DerivedFamily().layout(config, shapes, topology, **_context(pp))
+    written = quantized.layout(family, config, shapes, topology, _context(pp))
+    written = with_target_rules(family, config, shapes, topology, written, _context(pp))
+    derived = DerivedFamily().layout(config, shapes, topology, _context(pp))
     assert {p.name: p for p in derived.params} == {p.name: p for p in written.params}
     assert set(derived.skipped) == set(written.skipped)
     assert derived.num_experts == written.num_experts
@@ -74,7 +77,7 @@ def test_value_arithmetic_in_load_weights_is_refused_naming_the_parameter(
     tensors = {name: (info.dtype, info.shape) for name, info in header.tensors.items()}
     config = json.loads((model / "config.json").read_text())
     with pytest.raises(PlanError) as info:
-        make_plan(SourceModel(config, tensors), tp=2, pp=1)
+        make_plan(SourceModel(config, tensors), ConversionRequest(tp=2, pp=1))
     assert str(info.value) == (
         "cannot derive the layout from vLLM: backbone.layers.0.mixer.A: vLLM's load_weights "
         "computes it from backbone.layers.0.mixer.A_log (cast, exp, neg), value arithmetic a "
@@ -89,7 +92,10 @@ def test_an_architecture_vllm_does_not_register_either_is_one_line() -> None:
     shapes = archs.target_family(config)[1].expected_shapes(config)
     config["architectures"] = ["NoSuchForCausalLM"]
     with pytest.raises(PlanError) as info:
-        make_plan(SourceModel(config, {n: ("F32", s) for n, s in shapes.items()}), tp=2, pp=1)
+        make_plan(
+            SourceModel(config, {n: ("F32", s) for n, s in shapes.items()}),
+            ConversionRequest(tp=2, pp=1),
+        )
     assert str(info.value) == (
         "cannot derive the layout from vLLM: architecture NoSuchForCausalLM is not registered "
         "in vLLM 0.32.0 either, so there is no model definition to derive its layout from; "
@@ -131,12 +137,14 @@ NO_VLLM_IMPORT = """
 import sys
 from shardprep.demo.tiny import tiny_config
 from shardprep.plan import archs
+from shardprep.format.request import ConversionRequest
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 import shardprep.convert.record  # the manifest's layout record knows the derived revision
 config = tiny_config()
 shapes = archs.target_family(config)[1].expected_shapes(config)
-make_plan(SourceModel(config, {n: ("BF16", s) for n, s in shapes.items()}), tp=2, pp=2)
+tensors = {n: ("BF16", s) for n, s in shapes.items()}
+make_plan(SourceModel(config, tensors), ConversionRequest(tp=2, pp=2))
 print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
 """
 

@@ -13,7 +13,6 @@ import importlib.metadata
 import importlib.util
 import json
 from functools import lru_cache
-from typing import Any
 
 from shardprep.errors import ConfigError
 from shardprep.format.dtypes import MODEL_DTYPES
