@@ -11,9 +11,10 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import chain
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -105,8 +106,9 @@ def _parse(where: Path | str, raw: bytes, length: int, file_size: int) -> Header
     metadata = _metadata(where, entries.pop("__metadata__", None))
     data_start = 8 + length
     data_size = file_size - data_start
+    counted = _all_counts(entries.values())
     tensors = {
-        name: _tensor_info(where, name, entry, data_start, data_size)
+        name: _tensor_info(where, name, entry, data_start, data_size, counted)
         for name, entry in entries.items()
     }
     _check_tiling(where, tensors, data_start, file_size)
@@ -135,9 +137,27 @@ def _are_counts(values: list[Any]) -> bool:
     return not values or (set(map(type, values)) == {int} and min(values) >= 0)
 
 
+def _all_counts(entries: Iterable[Any]) -> bool:
+    """Whether every value in the entries' shapes and data_offsets is an integer >= 0,
+    asked of them all at once (in C); False, to ask entry by entry, for any other form."""
+    try:
+        values = [*chain.from_iterable(map(itemgetter("shape"), entries))]
+        values += chain.from_iterable(map(itemgetter("data_offsets"), entries))
+    except (TypeError, KeyError, IndexError):
+        return False
+    return _are_counts(values)
+
+
 def _tensor_info(
-    where: Path | str, name: str, entry: object, data_start: int, data_size: int
+    where: Path | str,
+    name: str,
+    entry: object,
+    data_start: int,
+    data_size: int,
+    counted: bool = False,
 ) -> TensorInfo:
+    """`counted`: every value of every entry's lists is an integer >= 0 (`_all_counts`),
+    so only each list itself is looked at."""
     # Runs once per tensor (half a million in a flagship's headers): the checks are
     # written to stay in C where they can.
     shown = jsonio.shorten(name)
@@ -152,9 +172,9 @@ def _tensor_info(
             f"uses dtype {jsonio.shorten(str(dtype))!r} for {shown!r}, which shardprep "
             f"does not know ({', '.join(DTYPE_SIZES)})",
         )
-    if type(shape) is not list or not _are_counts(shape):
+    if type(shape) is not list or not (counted or _are_counts(shape)):
         raise _corrupt(where, f"gives {shown!r} a shape that is not a list of integers >= 0")
-    if type(offsets) is not list or len(offsets) != 2 or not _are_counts(offsets):
+    if type(offsets) is not list or len(offsets) != 2 or not (counted or _are_counts(offsets)):
         raise _corrupt(
             where, f"gives {shown!r} data_offsets that are not two integers >= 0 [begin, end]"
         )
