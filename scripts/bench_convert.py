@@ -59,9 +59,9 @@ from pathlib import Path
 
 import torch
 
+from shardprep.cli.sizes import parse_size
 from shardprep.demo.tiny import tiny_config
 from shardprep.format.headers import TensorSpec, encode_header
-from shardprep.sizes import parse_size
 
 THIS_CHECKOUT = Path(__file__).resolve().parents[1]
 

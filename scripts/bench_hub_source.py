@@ -51,11 +51,11 @@ from bench_convert import write_checkpoint  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 from huggingface_hub import HfApi, constants, snapshot_download  # noqa: E402
 
+from shardprep.cli.sizes import parse_size  # noqa: E402
 from shardprep.constants import SOURCE_DOWNLOAD_DIR  # noqa: E402
 from shardprep.convert import hub_budget, hub_source, run, scatter  # noqa: E402
 from shardprep.convert.hub_source import files_for_plan  # noqa: E402
 from shardprep.convert.run import Options, convert, load_and_plan  # noqa: E402
-from shardprep.sizes import parse_size  # noqa: E402
 
 REPO = "bench/synthetic"
 

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_convert import drop_caches, write_checkpoint
 
+from shardprep.cli.sizes import parse_size
 from shardprep.convert.run import Options, convert
-from shardprep.sizes import parse_size
 
 METHODS = ("sharded-fast", "default", "fastsafetensors", "raw")
 TIMES_ENV = "SHARDPREP_LOAD_TIMES"  # the timing plugin's (tests/vllm_dump_plugin)

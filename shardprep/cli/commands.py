@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from shardprep import report
+from shardprep.cli.sizes import flag_size
 from shardprep.errors import ConfigError, printable
-from shardprep.sizes import flag_size
 
 
 def _source_budget(args: argparse.Namespace) -> int | None:

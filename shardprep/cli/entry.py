@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 from shardprep.cli.commands import cmd_inspect, cmd_plan, cmd_verify
 from shardprep.cli.parser import build_parser
+from shardprep.cli.terminal import Terminated, error_line, quiet_output, terminate
 from shardprep.constants import debug_enabled
 from shardprep.errors import ShardprepError
-from shardprep.terminal import Terminated, error_line, quiet_output, terminate
 
 
 def _resume(args: argparse.Namespace) -> str:

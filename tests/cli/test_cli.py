@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardprep.cli import main
-from shardprep.sizes import parse_size
+from shardprep.cli.sizes import parse_size
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
