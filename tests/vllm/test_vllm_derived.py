@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import vllm_env
+from canary import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
 from derived_models import make_transformers_model
-from test_vllm_moe import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
 
 from shardprep.convert.run import Options, convert
 from shardprep.format.manifest import read_manifest
