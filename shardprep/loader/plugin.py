@@ -147,6 +147,11 @@ class ShardedFastLoader(BaseModelLoader):
         if role == "target":
             check_layers(artifact, manifest, place, built, vllm_partition)
         check_moe(artifact, manifest, entry, model, place)
+        family = draft_family(manifest, entry) or target_family(entry)
+        if family is not None:  # it may drop parts (DSpark's absent confidence head): first
+            family.before_fill(
+                model, set(entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank))
+            )
         into = Destinations(model)
         tensors = read_rank(
             artifact, role, place.pp_rank, place.tp_rank, manifest=manifest,
@@ -154,11 +159,6 @@ class ShardedFastLoader(BaseModelLoader):
             dp_rank=place.dp_rank, gds=GdsRequest(self.options.gds, place.processes),
         )  # fmt: skip
         where = f"{artifact} ({role}, rank pp{place.pp_rank} tp{place.tp_rank})"
-        family = draft_family(manifest, entry) or target_family(entry)
-        if family is not None:
-            family.before_fill(
-                model, set(entry.rank_params(place.pp_rank, place.tp_rank, place.dp_rank))
-            )
         filled = fill_parameters(
             model, tensors, ignorable=_ignorable(entry, place),
             may_lack=_may_lack(manifest, entry, model), where=where,
