@@ -50,7 +50,7 @@ from shardprep.plan.archs.base import (
     Shapes,
     config_int,
 )
-from shardprep.plan.archs.parts.mla import F32, Tensor, fused_params, mlp_tensors
+from shardprep.plan.archs.parts.mla import F32, Tensor, fused_params, mla_sizes, mlp_tensors
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import Topology
 
@@ -99,11 +99,7 @@ class DraftDims:
             intermediate=config_int(config, "intermediate_size"),
             layers=config_int(config, "num_hidden_layers"),
             heads=config_int(config, "num_attention_heads"),
-            q_lora=config_int(config, "q_lora_rank"),
-            kv_lora=config_int(config, "kv_lora_rank"),
-            nope=config_int(config, "qk_nope_head_dim"),
-            rope=config_int(config, "qk_rope_head_dim"),
-            v=config_int(config, "v_head_dim"),
+            **mla_sizes(config),
             vocab=config_int(config, "vocab_size"),
             markov_rank=config_int(config, "markov_rank"),
             target_hidden=config_int(config, "target_hidden_size"),

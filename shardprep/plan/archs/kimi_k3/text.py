@@ -10,7 +10,7 @@ from typing import Any
 
 from shardprep.errors import ConfigError
 from shardprep.plan.archs.base import Config, Count, config_count, config_int, moe_layers
-from shardprep.plan.archs.parts.mla import F32, Tensor, mlp_tensors
+from shardprep.plan.archs.parts.mla import F32, Tensor, mla_sizes, mlp_tensors
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.experts import w2_pieces, w13_pieces
 
@@ -68,11 +68,7 @@ class K3Dims:
             vocab=config_int(config, "vocab_size"),
             layers=config_int(config, "num_hidden_layers"),
             heads=config_int(config, "num_attention_heads"),
-            q_lora=config_int(config, "q_lora_rank"),
-            kv_lora=config_int(config, "kv_lora_rank"),
-            nope=config_int(config, "qk_nope_head_dim"),
-            rope=config_int(config, "qk_rope_head_dim"),
-            v=config_int(config, "v_head_dim"),
+            **mla_sizes(config),
             output_gate=bool(config.get("mla_use_output_gate", False)),
             intermediate=config_int(config, "intermediate_size"),
             moe_intermediate=int(config.get("moe_intermediate_size") or 0),

@@ -14,11 +14,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shardprep.plan.archs.base import Config, Param, moe_layers
+from shardprep.plan.archs.base import Config, Param, config_int, moe_layers
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.topology import pad_vocab
 
 F32 = "F32"
+
+
+# The MLA sizes by their field names, under config.json's keys.
+MLA_KEYS = {
+    "q_lora": "q_lora_rank",
+    "kv_lora": "kv_lora_rank",
+    "nope": "qk_nope_head_dim",
+    "rope": "qk_rope_head_dim",
+    "v": "v_head_dim",
+}
+
+
+def mla_sizes(config: Config) -> dict[str, int]:
+    """The MLA sizes of a model that needs every one of them (a low-rank query too), each
+    a required count of config.json (DeepSeek's `Dims` allows no `q_lora_rank`)."""
+    return {field: config_int(config, key) for field, key in MLA_KEYS.items()}
 
 
 @dataclass(frozen=True)
