@@ -21,6 +21,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 DTYPES = {
@@ -159,6 +160,7 @@ def engine_config(request: dict[str, Any]) -> Any:
         skip_tokenizer_init=True,
         enforce_eager=True,
         enable_expert_parallel=bool(request.get("expert_parallel")),
+        enable_prefix_caching=False,  # nothing is cached; some models refuse it (Kimi-K3)
     )
     return args.create_engine_config()
 
@@ -202,6 +204,46 @@ def set_rank(config: Any, tp: int, pp: int, p: int, t: int) -> None:
     parallel_state.initialize_model_parallel(tp, pp, backend="fake")
 
 
+def on_meta(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's parameters, those a layer builds on a device of its own choosing
+    (Qwen3-Next's gated norm, DeepSeek-V4's compressor positions) replaced by meta ones
+    like the rest: a placeholder is copied into none but a meta tensor. Integer tensors
+    (expert maps) stay real."""
+    for name, param in list(model.named_parameters()):
+        if param.is_meta or not param.is_floating_point() or type(param) is not Parameter:
+            continue
+        owner, _, attr = name.rpartition(".")
+        meta = Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+        meta.__dict__.update(param.__dict__)  # its weight_loader and other attributes
+        setattr(model.get_submodule(owner), attr, meta)
+    return dict(model.named_parameters())
+
+
+@contextmanager
+def kept_on_meta() -> Iterator[None]:
+    """A module built on meta stays there when a model moves it to its device while it
+    is built (Kimi-K2.5's vision tower); a cast to a dtype still applies."""
+    real_to = torch.nn.Module.to
+
+    def to(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        if not any(param.is_meta for param in module.parameters()):
+            return real_to(module, *args, **kwargs)
+        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]  # type: ignore[attr-defined]
+        return module if dtype is None else real_to(module, dtype=dtype)
+
+    with mock.patch.object(torch.nn.Module, "to", to):
+        yield
+
+
+def as_cpu_worker() -> None:
+    """What vLLM's CPU worker sets up before it builds a model (stand-ins for CUDA events
+    and streams that some layers create while they are built); nothing elsewhere."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import vllm.v1.worker.cpu.shm  # noqa: F401 (its import is the set-up)
+
+
 def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[str, Any]:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -212,9 +254,9 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
     with set_current_vllm_config(config), no_peers():
         set_rank(config, request["tp"], request["pp"], p, t)
         dtype = set_default_torch_dtype(config.model_config.dtype)
-        with dtype, torch.device("meta"):  # as vLLM's loaders build a model
+        with dtype, torch.device("meta"), kept_on_meta():  # as vLLM's loaders build a model
             model = initialize_model(vllm_config=config, model_config=config.model_config)
-        params = dict(model.named_parameters())
+        params = on_meta(model)
         placeholders = {
             name: torch.empty(shape, dtype=DTYPES[dtype], device="meta")
             for name, (dtype, shape) in request["tensors"].items()
@@ -244,12 +286,15 @@ def main() -> int:
     request = json.load(sys.stdin)
     import vllm
 
+    from shardprep.plan.derived import choices
     from shardprep.progress import Progress, Silent
 
     out = Path(request["out"])
     bar = Progress if request.get("progress") else Silent
     try:
         check_registered(request["architecture"], vllm.__version__)
+        as_cpu_worker()
+        choices.install()
         config = engine_config(request)
         for p, t in bar(request["ranks"], desc="derive layout from vLLM", unit="rank"):
             record = derive_rank(config, request, p, t)
