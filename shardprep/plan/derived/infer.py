@@ -95,6 +95,7 @@ class Inference:
         self.hints = Hints.of(config)
         self.params: dict[str, _ParamState] = {}
         self.read: set[str] = set()
+        self.unloaded: set[str] = set()  # parameters vLLM's load_weights leaves as built
         self.model_dtype = ""
 
     def add(self, record: Mapping[str, Any]) -> None:
@@ -120,6 +121,9 @@ class Inference:
                 self.read.add(source)
             writes[param].append((start, end, fill))
         for name, (dtype, shape) in record["params"].items():
+            if not writes[name]:  # vLLM loads nothing into it (fp8's KV-cache scales)
+                self.unloaded.add(name)
+                continue
             self._add_param(name, dtype, tuple(shape), writes[name], p, t)
 
     def _add_param(
@@ -141,10 +145,12 @@ class Inference:
                     expert if stacked else None,
                     candidates(
                         source, self.sources[source][1], expert if stacked else None, self.hints
-                    ),
+                    )
+                    + _qkv_candidates(source, self.sources[source][1], fills, self.tp, t),
                 )
-                for source, expert, _ in groups
+                for source, expert, fills in groups
             ]
+            _kv_heads_beside_queries(pieces, self.sources)
             state = self.params[name] = _ParamState(dtype, shape, pieces)
         if (dtype, shape) != (state.dtype, state.shape) or [g[0] for g in groups] != [
             piece.source for piece in state.pieces
@@ -187,6 +193,10 @@ class Inference:
             params.append(
                 Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state))
             )
+        problems += [
+            f"{name}: vLLM's load_weights fills it on some ranks and leaves it as built on others"
+            for name in sorted(self.unloaded & set(self.params))
+        ]
         if problems:
             raise PlanError(
                 f"cannot derive the layout: {len(problems)} parameter(s): {summarize(problems)}"
@@ -240,6 +250,42 @@ def _groups(
             f"unwritten on rank (pp {p}, tp {t}); this architecture cannot be derived yet"
         )
     return groups
+
+
+def _kv_heads_beside_queries(
+    pieces: list[_PieceState], sources: Mapping[str, tuple[str, tuple[int, ...]]]
+) -> None:
+    """A source of the KV heads' rows is attention's k or v beside a part of more rows
+    (the queries'): there KV_HEADS goes first (before REPLICATE, which it equals for one
+    KV head, and ROWS, which it equals where tp divides the heads); elsewhere (an MLP of
+    as many rows) after ROWS."""
+    rows = [sources[piece.source][1][:1] for piece in pieces]
+    for piece, own in zip(pieces, rows, strict=True):
+        kv = next((c for c in piece.candidates if c.cut is Cut.KV_HEADS), None)
+        if kv is None:
+            continue
+        rest = [c for c in piece.candidates if c is not kv]
+        if any(other > own for other in rows):
+            piece.candidates = [kv, *rest]
+            continue
+        after = next((i + 1 for i, c in enumerate(rest) if c.cut is Cut.ROWS), len(rest))
+        piece.candidates = [*rest[:after], kv, *rest[after:]]
+
+
+def _qkv_candidates(
+    source: str, shape: tuple[int, ...], fills: list[Fill], tp: int, rank: int
+) -> list[Piece]:
+    """QKV_ROWS for a source a rank reads in three runs (its q rows, its k rows, its v
+    rows: a gated DeltaNet's conv1d), its k part as long as q, told by where the rank's
+    second run starts (k's start plus the rank's share of k): the other ranks confirm it."""
+    runs = [region for name, region in _merged(fills) if name is not None]
+    width = math.prod(shape[1:])
+    if len(runs) != 3 or not width or runs[1][0] % width:
+        return []
+    part, extra = divmod(runs[1][0] // width * tp, tp + rank)
+    if extra or part <= 0 or 2 * part >= shape[0]:
+        return []
+    return [Piece(source, Cut.QKV_ROWS, heads=part)]
 
 
 def _row_width(shape: tuple[int, ...], stacked: bool) -> int:
