@@ -25,6 +25,7 @@ from shardprep.plan.archs.base import (
     PlanContext,
     Shapes,
 )
+from shardprep.plan.quant import scheme_of
 
 DERIVED = "derived"  # the family name, which keys the layout revision
 INSTALL = "pip install shardprep[vllm]"
@@ -60,6 +61,9 @@ class DerivedFamily(Family):
     """Any architecture vLLM registers: every hook answers from what vLLM does."""
 
     name = DERIVED
+    # The schemes whose derived layout equals every family module's that takes them
+    # (tests/plan/test_derived.py); the others are refused until they do.
+    quant_schemes = frozenset({"fp8_block"})
     expert_parallel_refusal = (
         "a derived layout of experts under expert parallelism is not proven against vLLM yet"
     )
@@ -81,7 +85,13 @@ class DerivedFamily(Family):
         dtype = _serving_dtype(config)
         tensors = tuple(sorted((name, (dtype, tuple(shape))) for name, shape in shapes.items()))
         text = json.dumps(dict(config), sort_keys=True, default=repr)
-        return _derived(text, tensors, topology, dtype)[0]
+        layout = _derived(text, tensors, topology, dtype)[0]
+        scheme = scheme_of(config, ctx.mxfp4_pad)
+        if scheme is None or scheme.problem:
+            return layout
+        from shardprep.plan.derived.quant import in_scheme_terms
+
+        return in_scheme_terms(layout, self.quant_scheme(scheme), shapes, topology.tp)
 
 
 def _serving_dtype(config: Config) -> str:

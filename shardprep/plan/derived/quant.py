@@ -1,0 +1,73 @@
+"""A derived layout of a quantized checkpoint in its scheme's own terms (plan/quant).
+
+The derivation finds, for a quantized weight's parameter and for its scales, cuts of
+rows or columns that give the regions vLLM copied. The scheme says the same thing in its
+own words (an fp8 block scale is cut with its weight, in whole blocks), which is what
+plans, checks and the manifest's records read. Each parameter the scheme would make of a
+derived weight replaces the derived one only where, on every rank, it reads exactly the
+regions the derived one does: nothing is taken from the scheme that vLLM did not show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from shardprep.errors import PlanError
+from shardprep.plan.archs.base import Layout, Param
+from shardprep.plan.cuts import Piece
+from shardprep.plan.derived.regions import Fill, block_region
+from shardprep.plan.layout import piece_blocks
+from shardprep.plan.quant import Scheme
+
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> Layout:
+    """`layout` with the parameters `scheme` makes of each derived weight in its pieces,
+    where they read what the derived ones read on every rank."""
+    derived = {param.name: param for param in layout.params}
+    replaced: dict[str, Param] = {}
+    for param in layout.params:
+        if param.name in replaced:
+            continue
+        try:
+            made, _ = scheme.params(param.name, param.pieces, shapes, tp, tp)
+        except (PlanError, KeyError, ValueError):  # not a weight the scheme quantizes
+            continue
+        found = [derived.get(name) for name, _, _ in made]
+        if len(made) < 2 or any(p is None for p in found):
+            continue
+        mine = [Param(name, pieces, param.stages, dtype) for name, pieces, dtype in made]
+        if all(_same_reads(a, b, shapes, tp) for a, b in zip(mine, found, strict=True)):
+            replaced |= {p.name: p for p in mine}
+    if not replaced:
+        return layout
+    params = tuple(replaced.get(param.name, param) for param in layout.params)
+    return dataclasses.replace(layout, params=params)
+
+
+def _same_reads(mine: Param, derived: Param | None, shapes: Shapes, tp: int) -> bool:
+    if derived is None or (mine.dtype, mine.stages) != (derived.dtype, derived.stages):
+        return False
+    if len(mine.pieces) != len(derived.pieces):
+        return False
+    for a, b in zip(mine.pieces, derived.pieces, strict=True):
+        for rank in range(tp):
+            reads = _reads(a, shapes, tp, rank)
+            if reads is None or reads != _reads(b, shapes, tp, rank):
+                return False
+    return True
+
+
+def _reads(piece: Piece, shapes: Shapes, tp: int, rank: int) -> list[Fill] | None:
+    """What a piece reads on one rank, in the normal form; None where it has none."""
+    shape = tuple(shapes.get(piece.source, ()))
+    if not shape:
+        return None
+    try:
+        blocks = piece_blocks(piece, shape, tp, rank)
+        return [block_region(block, shape, math.prod(shape[1:])) for block in blocks]
+    except PlanError:
+        return None
