@@ -150,7 +150,7 @@ class Inference:
                 )
                 for source, expert, fills in groups
             ]
-            _kv_heads_beside_queries(pieces, self.sources)
+            _kv_heads_beside_queries(pieces, self.sources, self.hints.rows)
             state = self.params[name] = _ParamState(dtype, shape, pieces)
         if (dtype, shape) != (state.dtype, state.shape) or [g[0] for g in groups] != [
             piece.source for piece in state.pieces
@@ -253,16 +253,16 @@ def _groups(
 
 
 def _kv_heads_beside_queries(
-    pieces: list[_PieceState], sources: Mapping[str, tuple[str, tuple[int, ...]]]
+    pieces: list[_PieceState], sources: Mapping[str, tuple[str, tuple[int, ...]]], kv_rows: int
 ) -> None:
-    """A source of the KV heads' rows is attention's k or v beside a part of more rows
-    (the queries'): there KV_HEADS goes first (before REPLICATE, which it equals for one
-    KV head, and ROWS, which it equals where tp divides the heads); elsewhere (an MLP of
-    as many rows) after ROWS."""
+    """A source of exactly the KV heads' rows is attention's k or v beside a part of more
+    rows (the queries'): there KV_HEADS goes first (before REPLICATE, which it equals for
+    one KV head, and ROWS, which it equals where tp divides the heads); elsewhere (an MLP
+    of as many rows) after ROWS."""
     rows = [sources[piece.source][1][:1] for piece in pieces]
     for piece, own in zip(pieces, rows, strict=True):
         kv = next((c for c in piece.candidates if c.cut is Cut.KV_HEADS), None)
-        if kv is None:
+        if kv is None or not kv_rows or own != (kv_rows,) or piece.expert is not None:
             continue
         rest = [c for c in piece.candidates if c is not kv]
         if any(other > own for other in rows):
