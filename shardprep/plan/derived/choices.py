@@ -119,4 +119,4 @@ def _sparse_attention() -> None:
             return AttentionBackendEnum.CPU_MLA.get_path()
 
     setattr(choose, WRAPPED, True)
-    platform.get_attn_backend_cls = classmethod(choose)  # type: ignore[method-assign]
+    platform.get_attn_backend_cls = classmethod(choose)  # type: ignore[method-assign,assignment]

@@ -228,7 +228,7 @@ def kept_on_meta() -> Iterator[None]:
     def to(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
         if not any(param.is_meta for param in module.parameters()):
             return real_to(module, *args, **kwargs)
-        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]  # type: ignore[attr-defined]
+        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
         return module if dtype is None else real_to(module, dtype=dtype)
 
     with mock.patch.object(torch.nn.Module, "to", to):
