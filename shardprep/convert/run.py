@@ -7,11 +7,9 @@ they are written, then renamed); the extra files are copied and the manifest
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +49,7 @@ from shardprep.hashing import sha256_file
 from shardprep.plan import archs
 from shardprep.plan.checks import counts_fit
 from shardprep.plan.make import make_plan
+from shardprep.plan.many import no_cycle_collection
 from shardprep.plan.records import Plan, SourceModel
 
 
@@ -92,22 +91,8 @@ def read_source(checkpoint: Checkpoint) -> SourceModel:
 def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpoint]]:
     """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
     nothing is written."""
-    with _without_cycle_collection():
+    with no_cycle_collection():
         return _load_and_plan(model, options)
-
-
-@contextlib.contextmanager
-def _without_cycle_collection() -> Iterator[None]:
-    """Headers and plan of a flagship are millions of small objects and no reference
-    cycle: the cyclic collector would walk them all, again and again, for nothing (a
-    quarter of `plan`'s time at Kimi-K3 scale). Reference counting still frees them."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpoint]]:
@@ -333,9 +318,12 @@ def execute(
     if arrivals is not None:
         arrivals.finish()
     extra = [e for role, cp in checkpoints.items() for e in _copy_extras(cp, out, role)]
-    manifest = manifest_of(plan, checkpoints, sources, journal.done, source_hashes, extra)
-    manifest = dataclasses.replace(manifest, request=request, plan_fingerprint=journal.fingerprint)
-    mf.write_manifest(out, manifest)
+    with no_cycle_collection():
+        manifest = manifest_of(plan, checkpoints, sources, journal.done, source_hashes, extra)
+        manifest = dataclasses.replace(
+            manifest, request=request, plan_fingerprint=journal.fingerprint
+        )
+        mf.write_manifest(out, manifest)
     journal.remove()
     return manifest
 
