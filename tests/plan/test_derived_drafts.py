@@ -7,12 +7,17 @@ tested on records made by hand."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm_env
+from derived_mtp import QWEN35, make_mtp_model
 
 from shardprep.demo.tiny import tiny_config
 from shardprep.errors import PlanError
+from shardprep.format.headers import read_header
 from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
 from shardprep.plan.archs.base import Layout, PlanContext
@@ -96,6 +101,28 @@ def test_a_target_no_family_names_plans_its_mtp_draft_as_the_hand_written_plan(
     assert dict(derived.models[0].skipped)["model.layers.3.eh_proj.weight"] == MTP_HELD
     assert {f.pp for f in derived.files if f.role == "draft"} == {pp - 1}
     assert [f.path for f in derived.files] == [f.path for f in written.files]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_qwen3_5_moe_text_mtp_draft_no_family_names_follows_the_qwen3_next_mtp_rules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's `Qwen3_5MoeMTP` (of `Qwen3_5MoeForCausalLM`, which no family names) loads
+    the `mtp.*` tensors as `Qwen3NextMTP` does: the hand-written Qwen3-Next MTP rules,
+    given the MTP layer count under their own key, place them piece for piece alike."""
+    model = make_mtp_model(tmp_path / "model", QWEN35)
+    monkeypatch.setenv("PYTHONPATH", vllm_env.with_torchvision()["PYTHONPATH"])
+    config = json.loads((model / "config.json").read_text())
+    header = read_header(model / "model.safetensors")
+    shapes = {name: tuple(info.shape) for name, info in header.tensors.items()}
+    topology = make_topology(config["num_hidden_layers"], 2, 2, None, "")
+    derived = DerivedMtpDraft().layout(config, shapes, topology, PlanContext(pp=2))
+    qwen3_next = archs.draft_family("mtp", "qwen3_next")
+    rules = qwen3_next.read_config({**config, "num_nextn_predict_layers": 1})
+    ctx = PlanContext(pp=2, target_config=rules, draft_names=tuple(sorted(shapes)))
+    _same(derived, quantized.layout(qwen3_next, rules, shapes, topology, ctx))
+    assert derived.shared_with_target == {"lm_head.weight"}
 
 
 @pytest.mark.vllm

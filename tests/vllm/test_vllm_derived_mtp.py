@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import vllm_env
 from canary import MTP, TRAP, assert_same_dumps, assert_same_state, rank_dumps
-from derived_mtp import LAYERS, make_mtp_model
+from derived_mtp import GLM, LAYERS, make_mtp_model
 
 from shardprep.convert.run import Options, convert
 from shardprep.format.manifest import read_manifest
@@ -32,7 +32,7 @@ RUN = {"dtype": "bfloat16", "speculative_config": MTP, "allow_engine_failure": T
 def test_derived_mtp_draft_rank_files_equal_vllm_and_sharded_fast_leaves_them(
     tmp_path: Path,
 ) -> None:
-    model = make_mtp_model(tmp_path / "model")
+    model = make_mtp_model(tmp_path / "model", GLM)
     artifact = tmp_path / "artifact"
     convert(str(model), artifact, Options(tp=2, pp=2, dtype="bfloat16"), progress=False)
     manifest = read_manifest(artifact)
