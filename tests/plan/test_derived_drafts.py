@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import vllm_env
-from derived_mtp import QWEN35, make_mtp_model
+from derived_mtp import GLM, QWEN35, make_mtp_model
 
 from shardprep.demo.tiny import tiny_config
 from shardprep.errors import PlanError
@@ -138,6 +138,30 @@ def test_an_mtp_draft_vllm_does_not_build_is_one_line() -> None:
         "MTP draft: cannot derive the layout from vLLM: vLLM raised NotImplementedError: "
         "Unsupported speculative method: 'mtp'; --no-mtp converts the target alone"
     )
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_mtp_layers_config_json_promises_and_the_checkpoint_lacks_are_one_line(
+    tmp_path: Path,
+) -> None:
+    """As transformers saves GLM-4.7-Flash: no MTP layer. vLLM's loader names what its
+    draft lacks; the target alone plans."""
+    model = make_mtp_model(tmp_path / "model", GLM, with_mtp=False)
+    config = json.loads((model / "config.json").read_text())
+    header = read_header(model / "model.safetensors")
+    source = SourceModel(config, {n: (i.dtype, i.shape) for n, i in header.tensors.items()})
+    with pytest.raises(PlanError) as info:
+        make_plan(source, ConversionRequest(tp=2, pp=1, draft_method="mtp"), source)
+    message = str(info.value)
+    assert message.startswith(
+        "MTP draft: cannot derive the layout from vLLM: vLLM raised ValueError: Following "
+        "weights were not initialized from checkpoint: {"
+    )
+    assert "'model.layers.3.eh_proj.weight'" in message
+    assert message.endswith("}; --no-mtp converts the target alone")
+    alone = make_plan(source, ConversionRequest(tp=2, pp=1))
+    assert [m.role for m in alone.models] == ["target"]
 
 
 def test_a_derived_target_takes_its_mtp_draft_and_refuses_another_in_one_line() -> None:

@@ -47,15 +47,19 @@ QWEN35_CONFIG: dict[str, Any] = COMMON | {
 }  # fmt: skip
 
 
-def make_mtp_model(folder: Path, architecture: str = GLM, seed: int = 0) -> Path:
+def make_mtp_model(
+    folder: Path, architecture: str = GLM, seed: int = 0, *, with_mtp: bool = True
+) -> Path:
     """config.json, generation_config.json and model.safetensors (float32) of the tiny
-    model of `architecture`, its MTP layer included."""
+    model of `architecture`, its MTP layer included (`with_mtp`; else as transformers
+    saves it: config.json promises an MTP layer the checkpoint lacks)."""
     model_type, config, mtp = MODELS[architecture]
     _save_random(folder, model_type, architecture, config, seed)
-    weights = folder / "model.safetensors"
-    tensors = load_file(weights)
-    generator = torch.Generator().manual_seed(seed + 1)
-    save_file(tensors | mtp(tensors, generator), weights, metadata={"format": "pt"})
+    if with_mtp:
+        weights = folder / "model.safetensors"
+        tensors = load_file(weights)
+        generator = torch.Generator().manual_seed(seed + 1)
+        save_file(tensors | mtp(tensors, generator), weights, metadata={"format": "pt"})
     generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation) + "\n")
     return folder

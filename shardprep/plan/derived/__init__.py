@@ -92,7 +92,7 @@ class DerivedFamily(Family):
         layout = derived_layout(config, shapes, topology)
         if ctx.draft_method != drafts.MTP:
             return layout
-        return drafts.held_by_draft(layout, derived_layout(config, shapes, topology, drafts.MTP))
+        return drafts.held_by_draft(layout, mtp_draft_layout(config, shapes, topology))
 
 
 class DerivedMtpDraft(DraftFamily):
@@ -101,6 +101,7 @@ class DerivedMtpDraft(DraftFamily):
 
     name = DERIVED  # one layout revision for what is derived, the draft included
     standalone = False  # it comes inside its target, never with --draft
+    expert_parallel_refusal = DerivedFamily.expert_parallel_refusal
 
     def expected_shapes(
         self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
@@ -115,10 +116,16 @@ class DerivedMtpDraft(DraftFamily):
     def layout(
         self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
     ) -> Layout:
-        try:
-            return derived_layout(config, shapes, topology, drafts.MTP)
-        except PlanError as exc:
-            raise PlanError(f"MTP draft: {exc}; --no-mtp converts the target alone") from None
+        return mtp_draft_layout(config, shapes, topology)
+
+
+def mtp_draft_layout(config: Config, shapes: Shapes, topology: Topology) -> Layout:
+    """The layout of the MTP draft vLLM builds from the checkpoint; what keeps it from
+    being derived is one line that says how to convert the target alone."""
+    try:
+        return derived_layout(config, shapes, topology, drafts.MTP)
+    except PlanError as exc:
+        raise PlanError(f"MTP draft: {exc}; --no-mtp converts the target alone") from None
 
 
 def derived_layout(
