@@ -112,8 +112,8 @@ def _load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkp
         # The draft's tensors are in the target checkpoint, which is read once for both.
         family = archs.draft_family(internal, archs.target_family(target.config)[1].name)
         # Counts beyond the headers are not enumerated here: planning the draft names them.
-        if not counts_fit(family, read_source(target)) or (
-            set(family.expected_shapes(target.config)) & set(target.tensors)
+        if not counts_fit(family, read_source(target)) or family.carried_by(
+            target.config, target.tensors
         ):
             checkpoints["draft"], method = target, internal
         else:  # e.g. a DeepSeek-V3 re-saved by transformers, which drops the MTP layers

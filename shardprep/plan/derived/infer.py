@@ -182,6 +182,7 @@ class Inference:
                     )
                     continue
                 chosen.append(piece.candidates[0])
+            chosen = _rows_unless_beside_queries(state.pieces, chosen)
             if state.pieces and state.pieces[0].expert is not None:
                 experts = max(experts, state.shape[0])
             params.append(
@@ -201,6 +202,19 @@ class Inference:
         source = self.sources[state.pieces[0].source][0]
         follows = self.model_dtype if source in FLOAT_DTYPES else source
         return None if state.dtype == follows else state.dtype
+
+
+def _rows_unless_beside_queries(pieces: list[_PieceState], chosen: list[Piece]) -> list[Piece]:
+    """KV_HEADS is preferred for a source as tall as the KV heads only beside a piece cut
+    otherwise (its queries, in a fused qkv): where every piece chose it (a fused gate and
+    up projection that happen to be as tall), each takes ROWS where that gives the same
+    regions."""
+    if len(chosen) != len(pieces) or any(piece.cut is not Cut.KV_HEADS for piece in chosen):
+        return chosen
+    return [
+        next((c for c in state.candidates if c.cut is Cut.ROWS), piece)
+        for state, piece in zip(pieces, chosen, strict=True)
+    ]
 
 
 def _groups(

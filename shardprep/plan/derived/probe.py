@@ -23,6 +23,8 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardprep.plan.derived import draft_probe
+
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -159,6 +161,7 @@ def engine_config(request: dict[str, Any]) -> Any:
         skip_tokenizer_init=True,
         enforce_eager=True,
         enable_expert_parallel=bool(request.get("expert_parallel")),
+        speculative_config=draft_probe.speculative(request),
     )
     return args.create_engine_config()
 
@@ -211,9 +214,10 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
     config.compilation_config.static_forward_context.clear()
     with set_current_vllm_config(config), no_peers():
         set_rank(config, request["tp"], request["pp"], p, t)
+        model_config = draft_probe.model_config(config, request)
         dtype = set_default_torch_dtype(config.model_config.dtype)
         with dtype, torch.device("meta"):  # as vLLM's loaders build a model
-            model = initialize_model(vllm_config=config, model_config=config.model_config)
+            model = initialize_model(vllm_config=config, model_config=model_config)
         params = dict(model.named_parameters())
         placeholders = {
             name: torch.empty(shape, dtype=DTYPES[dtype], device="meta")
@@ -231,12 +235,15 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         loader = Placeholders(config.load_config)
         loader.counter_before_loading_weights = 0.0
         with set_default_torch_dtype(config.model_config.dtype), recorder:
-            loader.load_weights(model, config.model_config)
+            loader.load_weights(model, model_config)
+        shared = draft_probe.shared(model, config) if request.get("draft") else []
+    ops = draft_probe.last_writes(recorder.ops) if request.get("draft") else recorder.ops
     return {
         "rank": [p, t],
         "model_dtype": NAMES[config.model_config.dtype],
         "params": {k: [NAMES.get(v.dtype, str(v.dtype)), list(v.shape)] for k, v in params.items()},
-        "ops": recorder.ops,
+        "ops": ops,
+        "shared": shared,
     }
 
 
