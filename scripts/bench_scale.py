@@ -118,6 +118,7 @@ measure(start)
 
 WORKER_TP4 = """
 from shardprep.format.manifest import read_manifest, read_regions, rank_key
+from shardprep.plan.many import no_cycle_collection
 from shardprep.plan.regions import tp_ranks_for
 from shardprep.plan.regroup import plan_regroup
 from shardprep.plan.topology import ExpertSplit
@@ -140,7 +141,8 @@ def start():
         reads[role] = sum(len(made.reads) for made in planned)
     return reads
 
-measure(start)
+with no_cycle_collection():  # as the loader regroups
+    measure(start)
 """
 
 CLI = """

@@ -49,6 +49,7 @@ from shardprep.hashing import sha256_file
 from shardprep.plan import archs
 from shardprep.plan.checks import counts_fit
 from shardprep.plan.make import make_plan
+from shardprep.plan.many import no_cycle_collection
 from shardprep.plan.records import Plan, SourceModel
 
 
@@ -90,6 +91,11 @@ def read_source(checkpoint: Checkpoint) -> SourceModel:
 def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpoint]]:
     """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
     nothing is written."""
+    with no_cycle_collection():
+        return _load_and_plan(model, options)
+
+
+def _load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpoint]]:
     target = open_source(model, options.revision, endpoint=options.endpoint)
     target = with_dequantized(target)
     checkpoints = {"target": target}
@@ -106,8 +112,8 @@ def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpo
         # The draft's tensors are in the target checkpoint, which is read once for both.
         family = archs.draft_family(internal, archs.target_family(target.config)[1].name)
         # Counts beyond the headers are not enumerated here: planning the draft names them.
-        if not counts_fit(family, read_source(target)) or (
-            set(family.expected_shapes(target.config)) & set(target.tensors)
+        if not counts_fit(family, read_source(target)) or family.carried_by(
+            target.config, target.tensors
         ):
             checkpoints["draft"], method = target, internal
         else:  # e.g. a DeepSeek-V3 re-saved by transformers, which drops the MTP layers
@@ -312,9 +318,12 @@ def execute(
     if arrivals is not None:
         arrivals.finish()
     extra = [e for role, cp in checkpoints.items() for e in _copy_extras(cp, out, role)]
-    manifest = manifest_of(plan, checkpoints, sources, journal.done, source_hashes, extra)
-    manifest = dataclasses.replace(manifest, request=request, plan_fingerprint=journal.fingerprint)
-    mf.write_manifest(out, manifest)
+    with no_cycle_collection():
+        manifest = manifest_of(plan, checkpoints, sources, journal.done, source_hashes, extra)
+        manifest = dataclasses.replace(
+            manifest, request=request, plan_fingerprint=journal.fingerprint
+        )
+        mf.write_manifest(out, manifest)
     journal.remove()
     return manifest
 

@@ -78,6 +78,7 @@ def load_regrouped(
 ) -> None:
     """Fill the model from an artifact of another topology (vLLM's layer `partition`):
     the draft family's hooks around the copy, as at the artifact's own topology."""
+    from shardprep.plan.many import no_cycle_collection
     from shardprep.plan.regions import worker_stages
 
     wanted = _wanted(model, entry)
@@ -102,10 +103,11 @@ def load_regrouped(
     )  # fmt: skip
     if entry.experts is not None:
         tensors = _device_layout_checked(artifact, entry, model, tensors, stacks)
-    filled = fill_parameters(
-        model, tensors, ignorable=set(), may_lack=may_lack, where=where,
-        layout=manifest.vllm_layout.id, padded=padded, stacks=stacks,
-    )  # fmt: skip
+    with no_cycle_collection():  # the regions and the regroup plan are made as it fills
+        filled = fill_parameters(
+            model, tensors, ignorable=set(), may_lack=may_lack, where=where,
+            layout=manifest.vllm_layout.id, padded=padded, stacks=stacks,
+        )  # fmt: skip
     if family is not None:
         family.after_fill(model, set(filled))
     ratio = count.read / count.own if count.own else 1.0

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shardprep.errors import PlanError
-from shardprep.plan.cuts import EXPERT_VECTORS, Block, Cut, Piece, ScaleOf
+from shardprep.plan.cuts import EXPERT_INDEXED, EXPERT_VECTORS, Block, Cut, Piece, ScaleOf
 from shardprep.plan.layout import block_shape, check_expert_row, piece_geometry, placed_blocks
 from shardprep.plan.topology import ExpertSplit
 
@@ -50,11 +50,18 @@ class StackKinds:
         kinds: dict[int | None, list[Kind]] = {}
         named: dict[Kind, Piece] = {}
         for piece in pieces:
-            shape = shapes[piece.source]
-            check_expert_row(piece, shape)
-            kind = (piece.cut, piece.heads, piece.scale_of, shape)
-            named.setdefault(kind, piece)
-            kinds.setdefault(piece.expert, []).append(kind)
+            source, cut, heads, expert, scale_of = piece
+            shape = shapes[source]
+            if expert and cut in EXPERT_INDEXED and expert >= shape[0]:
+                check_expert_row(piece, shape)  # names the missing row
+            kind = (cut, heads, scale_of, shape)
+            if kind not in named:
+                named[kind] = piece
+            of_expert = kinds.get(expert)
+            if of_expert is None:
+                kinds[expert] = [kind]
+            else:
+                of_expert.append(kind)
         groups: dict[tuple[Kind, ...], set[int | None]] = {}
         for expert, of_expert in kinds.items():
             groups.setdefault(tuple(of_expert), set()).add(expert)

@@ -50,6 +50,8 @@ _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
     ("mtp", "kimi_k3"): (".kimi_k3.mtp", "KimiK3MtpDraft"),
     ("mtp", "qwen3_next"): (".qwen3_next.mtp", "Qwen3NextMtpDraft"),
     ("mtp", "qwen3_5_moe"): (".qwen3_next.qwen3_5_moe", "Qwen35MoeMtpDraft"),
+    # the MTP draft of a target whose layout is derived from vLLM (plan/derived)
+    ("mtp", "derived"): ("shardprep.plan.derived", "DerivedMtpDraft"),
 }
 
 

@@ -10,7 +10,7 @@ default here, so the callers never probe for one.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -238,6 +238,11 @@ class DraftFamily(Family):
     # Whether vLLM's draft shares the target's embedding, so that at pp > 1 the target
     # builds it on the last stage too (`Family.draft_embedding`).
     shares_target_embedding: ClassVar[bool] = False
+
+    def carried_by(self, config: Config, names: Collection[str]) -> bool:
+        """Whether a target checkpoint whose tensors are `names` carries this built-in
+        draft: whether it holds a tensor `expected_shapes` names."""
+        return not set(self.expected_shapes(config)).isdisjoint(names)
 
     def shared_copies(self, config: Config) -> dict[str, str]:
         """Draft tensors that are copies of target tensors (draft name -> target name),

@@ -12,19 +12,22 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+from collections.abc import Collection
 from functools import lru_cache
 
-from shardprep.errors import ConfigError
+from shardprep.errors import ConfigError, PlanError
 from shardprep.format.dtypes import MODEL_DTYPES
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import (
     DEFAULT_CONTEXT,
     Config,
+    DraftFamily,
     Family,
     Layout,
     PlanContext,
     Shapes,
 )
+from shardprep.plan.derived import drafts
 from shardprep.plan.quant import scheme_of
 
 DERIVED = "derived"  # the family name, which keys the layout revision
@@ -75,23 +78,80 @@ class DerivedFamily(Family):
         return {}
 
     def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
-        if ctx.draft_method is not None:
-            return ["a draft beside a derived layout is not supported yet; convert without it"]
+        method = ctx.draft_method
+        if method is not None and method != drafts.MTP:
+            return [
+                f"a {method} draft beside a derived layout is not supported yet (the MTP "
+                "draft a checkpoint carries is); convert without --draft"
+            ]
         return []
+
+    def internal_draft(self, config: Config) -> str | None:
+        """MTP, when config.json promises MTP layers: vLLM's `method: mtp` draft."""
+        return drafts.MTP if drafts.mtp_layers(config) else None
 
     def layout(
         self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
     ) -> Layout:
-        dtype = _serving_dtype(config)
-        tensors = tuple(sorted((name, (dtype, tuple(shape))) for name, shape in shapes.items()))
-        text = json.dumps(dict(config), sort_keys=True, default=repr)
-        layout = _derived(text, tensors, topology, dtype)[0]
-        scheme = scheme_of(config, ctx.mxfp4_pad)
-        if scheme is None or scheme.problem:
+        layout = derived_layout(config, shapes, topology)
+        if ctx.draft_method != drafts.MTP:
             return layout
-        from shardprep.plan.derived.quant import in_scheme_terms
+        return drafts.held_by_draft(layout, mtp_draft_layout(config, shapes, topology))
 
-        return in_scheme_terms(layout, self.quant_scheme(scheme), shapes, topology.tp)
+
+class DerivedMtpDraft(DraftFamily):
+    """The MTP draft of a target whose layout is derived (or of any target, as a check):
+    every hook answers from what vLLM's MTP draft does (plan/derived/drafts.py)."""
+
+    name = DERIVED  # one layout revision for what is derived, the draft included
+    standalone = False  # it comes inside its target, never with --draft
+    expert_parallel_refusal = DerivedFamily.expert_parallel_refusal
+
+    def expected_shapes(
+        self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> dict[str, tuple[int, ...]]:
+        """Nothing implied by shardprep: vLLM's loader says which tensor is missing."""
+        return {}
+
+    def carried_by(self, config: Config, names: Collection[str]) -> bool:
+        """Taken as carried: deriving the draft says which tensors it lacks, if any."""
+        return True
+
+    def layout(
+        self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
+    ) -> Layout:
+        return mtp_draft_layout(config, shapes, topology)
+
+
+def mtp_draft_layout(config: Config, shapes: Shapes, topology: Topology) -> Layout:
+    """The layout of the MTP draft vLLM builds from the checkpoint; what keeps it from
+    being derived is one line that says how to convert the target alone."""
+    try:
+        return derived_layout(config, shapes, topology, drafts.MTP)
+    except PlanError as exc:
+        raise PlanError(f"MTP draft: {exc}; --no-mtp converts the target alone") from None
+
+
+def derived_layout(
+    config: Config, shapes: Shapes, topology: Topology, draft: str | None = None
+) -> Layout:
+    """The layout vLLM gives the checkpoint's tensors at `topology`: its target's, or
+    (`draft`: a speculative method) the draft's it builds from the same checkpoint."""
+    dtype = _serving_dtype(config)
+    tensors = tuple(sorted((name, (dtype, tuple(shape))) for name, shape in shapes.items()))
+    text = json.dumps(dict(config), sort_keys=True, default=repr)
+    layout = _derived(text, tensors, topology, dtype, draft)[0]
+    return _in_scheme_terms(config, layout, shapes, topology.tp)
+
+
+def _in_scheme_terms(config: Config, layout: Layout, shapes: Shapes, tp: int) -> Layout:
+    """A quantized checkpoint's derived layout in its scheme's own pieces (derived/quant.py)."""
+    scheme = scheme_of(config)
+    if scheme is None or scheme.problem:
+        return layout
+    from shardprep.plan.derived.quant import in_scheme_terms
+
+    return in_scheme_terms(layout, scheme, shapes, tp)
 
 
 def _serving_dtype(config: Config) -> str:
@@ -111,8 +171,9 @@ def _derived(
     tensors: tuple[tuple[str, tuple[str, tuple[int, ...]]], ...],
     topology: Topology,
     dtype: str,
+    draft: str | None = None,
 ) -> tuple[Layout, str]:
     from shardprep.plan.derived.run import derive
 
     names = {v: k for k, v in MODEL_DTYPES.items()}
-    return derive(json.loads(config), dict(tensors), topology, names[dtype])
+    return derive(json.loads(config), dict(tensors), topology, names[dtype], draft=draft)

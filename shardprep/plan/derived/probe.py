@@ -24,6 +24,8 @@ import torch
 from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardprep.plan.derived import draft_probe
+
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -161,6 +163,7 @@ def engine_config(request: dict[str, Any]) -> Any:
         enforce_eager=True,
         enable_expert_parallel=bool(request.get("expert_parallel")),
         enable_prefix_caching=False,  # nothing is cached; some models refuse it (Kimi-K3)
+        speculative_config=draft_probe.speculative(request),
     )
     return args.create_engine_config()
 
@@ -253,9 +256,10 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
     config.compilation_config.static_forward_context.clear()
     with set_current_vllm_config(config), no_peers():
         set_rank(config, request["tp"], request["pp"], p, t)
+        model_config = draft_probe.model_config(config, request)
         dtype = set_default_torch_dtype(config.model_config.dtype)
         with dtype, torch.device("meta"), kept_on_meta():  # as vLLM's loaders build a model
-            model = initialize_model(vllm_config=config, model_config=config.model_config)
+            model = initialize_model(vllm_config=config, model_config=model_config)
         params = on_meta(model)
         placeholders = {
             name: torch.empty(shape, dtype=DTYPES[dtype], device="meta")
@@ -273,12 +277,15 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         loader = Placeholders(config.load_config)
         loader.counter_before_loading_weights = 0.0
         with set_default_torch_dtype(config.model_config.dtype), recorder:
-            loader.load_weights(model, config.model_config)
+            loader.load_weights(model, model_config)
+        shared = draft_probe.shared(model, config) if request.get("draft") else []
+    ops = draft_probe.last_writes(recorder.ops) if request.get("draft") else recorder.ops
     return {
         "rank": [p, t],
         "model_dtype": NAMES[config.model_config.dtype],
         "params": {k: [NAMES.get(v.dtype, str(v.dtype)), list(v.shape)] for k, v in params.items()},
-        "ops": recorder.ops,
+        "ops": ops,
+        "shared": shared,
     }
 
 

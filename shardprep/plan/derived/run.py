@@ -16,6 +16,7 @@ from typing import Any
 from shardprep.errors import PlanError, printable
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import Layout
+from shardprep.plan.derived.drafts import split_shared, with_shared
 from shardprep.plan.derived.infer import Inference
 
 
@@ -25,17 +26,22 @@ def derive(
     topology: Topology,
     dtype: str,
     *,
+    draft: str | None = None,
     progress: bool = True,
 ) -> tuple[Layout, str]:
     """The layout vLLM's own `load_weights` gives `tensors` at `topology`, every rank of
     every stage derived, and the vLLM release it came from; a write no plan can express
-    is one PlanError naming it."""
+    is one PlanError naming it. `draft`: the speculative method of the draft to derive
+    instead of the target (MTP: the draft the checkpoint carries), on the last stage."""
     inference = Inference(config, tensors, topology.tp)
+    shared: set[str] = set()
+    shared_sources: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="shardprep-derive-") as folder:
         work = Path(folder)
         (work / "model").mkdir()
         (work / "model" / "config.json").write_text(json.dumps(dict(config)))
-        ranks = [(p, t) for p in range(topology.pp) for t in range(topology.tp)]
+        stages = range(topology.pp) if draft is None else [topology.last_stage]
+        ranks = [(p, t) for p in stages for t in range(topology.tp)]
         request = {
             "architecture": str((config.get("architectures") or [""])[0]),
             "folder": str(work / "model"),
@@ -46,6 +52,7 @@ def derive(
             "ranks": [list(rank) for rank in ranks],
             "tensors": {name: [d, list(shape)] for name, (d, shape) in tensors.items()},
             "progress": progress,
+            "draft": draft,
         }
         done = subprocess.run(
             [sys.executable, "-m", "shardprep.plan.derived.probe"],
@@ -57,9 +64,13 @@ def derive(
         )
         answer = _answer(done)
         for p, t in ranks:
-            inference.add(json.loads((work / f"rank-{p}-{t}.json").read_text()))
+            record = json.loads((work / f"rank-{p}-{t}.json").read_text())
+            shared |= set(record.get("shared", ()))
+            record, sources = split_shared(record)
+            shared_sources |= sources
+            inference.add(record)
     layout = inference.layout(_int(config.get("n_group")))
-    return layout, answer["vllm"]
+    return with_shared(layout, shared, shared_sources), answer["vllm"]
 
 
 def _answer(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:

@@ -88,18 +88,16 @@ class Mxfp4PackQuant(PackQuant):
         """`w13_weight_packed`/`w2_weight_packed` and their group scales, uint8."""
 
         def packed(suffix: str, per: int) -> tuple[Piece, ...]:
-            scales: dict[tuple, ScaleOf] = {}  # one per shape: a layer's experts share it
-            return tuple(
-                Piece(
-                    p.source + suffix,
-                    Cut.PACKED,
-                    expert=p.expert,
-                    scale_of=_scale_of(
-                        scales, matrix(shapes[p.source], p.source), p.cut, (1, per), p.heads
-                    ),
-                )
-                for p in pieces
-            )
+            scales: dict[tuple, ScaleOf] = {}  # one per kind: a layer's experts share it
+            made = []
+            for p in pieces:
+                kind = (shapes[p.source], p.cut, p.heads)
+                scale = scales.get(kind)
+                if scale is None:
+                    shape = matrix(kind[0], p.source)
+                    scale = scales[kind] = ScaleOf(shape, p.cut, (1, per), None, p.heads)
+                made.append(Piece(p.source + suffix, Cut.PACKED, 0, p.expert, scale))
+            return tuple(made)
 
         return [
             (name + "_packed", packed("_packed", PER_BYTE), BYTE),
@@ -224,15 +222,6 @@ class Nvfp4PackQuant(Mxfp4PackQuant):
         if layer.kind == "experts":
             return super().refusals(layer, tp, moe_ways)
         return linear_group_refusals(layer, tp, self.group, self.kind)
-
-
-def _scale_of(
-    made: dict[tuple, ScaleOf], shape: tuple[int, int], cut: Cut, block: tuple[int, int], heads: int
-) -> ScaleOf:
-    key = (shape, cut, heads)
-    if key not in made:
-        made[key] = ScaleOf(shape, cut, block, None, heads)
-    return made[key]
 
 
 def linear_group_refusals(layer: Quantized, tp: int, group: int, kind: str) -> list[str]:

@@ -18,7 +18,6 @@ and the loader pads them for the backend that runs.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -93,18 +92,15 @@ class Fp8Mxfp4Quant(BlockQuant):
             parts, unplaced = super().params(name, pieces, shapes, tp, moe_ways)
             (weight, scales) = parts
             renamed = tuple(
-                dataclasses.replace(s, source=scale_of(p.source))
+                s._replace(source=scale_of(p.source))
                 for s, p in zip(scales[1], pieces, strict=True)
             )
             return [weight, (scales[0], renamed, E8M0)], unplaced
         parts, unplaced = self.experts.params(name, pieces, shapes, tp, moe_ways)
         (stack, packed, _), (scale, grouped, _) = parts
-        packed = tuple(
-            dataclasses.replace(s, source=p.source) for s, p in zip(packed, pieces, strict=True)
-        )
+        packed = tuple(s._replace(source=p.source) for s, p in zip(packed, pieces, strict=True))
         grouped = tuple(
-            dataclasses.replace(s, source=scale_of(p.source))
-            for s, p in zip(grouped, pieces, strict=True)
+            s._replace(source=scale_of(p.source)) for s, p in zip(grouped, pieces, strict=True)
         )
         return [(stack, packed, BYTE), (scale, grouped, BYTE)], unplaced
 

@@ -244,7 +244,7 @@ class KimiK25Family(DeepseekFamily):
             dataclasses.replace(
                 param,
                 name=TEXT + param.name,
-                pieces=tuple(dataclasses.replace(p, source=TEXT + p.source) for p in param.pieces),
+                pieces=tuple(p._replace(source=TEXT + p.source) for p in param.pieces),
             )
             for param in text.params
         ]

@@ -222,7 +222,7 @@ def read_dequantized(layout: Layout, shapes: Shapes) -> Layout:
         dataclasses.replace(
             param,
             pieces=tuple(
-                dataclasses.replace(piece, source=swap.get(piece.source, piece.source))
+                piece._replace(source=swap.get(piece.source, piece.source))
                 for piece in param.pieces
             ),
         )

@@ -221,7 +221,7 @@ def _weight_piece(piece: Piece, weight: str) -> Piece:
     if piece.cut is Cut.PACKED and piece.scale_of is not None:
         of = piece.scale_of
         return Piece(weight, of.cut, of.heads, piece.expert)
-    return dataclasses.replace(piece, source=weight)
+    return piece._replace(source=weight)
 
 
 def quantization_problems(

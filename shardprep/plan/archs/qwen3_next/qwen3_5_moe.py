@@ -313,9 +313,7 @@ class Qwen35MoeFamily(Qwen3NextFamily):
             dataclasses.replace(
                 param,
                 name=_to_vllm(param.name),
-                pieces=tuple(
-                    dataclasses.replace(p, source=_to_published(p.source)) for p in param.pieces
-                ),
+                pieces=tuple(p._replace(source=_to_published(p.source)) for p in param.pieces),
                 # `Qwen3_5ForCausalLMBase` builds lm_head on the last stage only.
                 stages=(topology.last_stage,) if param.name == HEAD else param.stages,
             )

@@ -1,0 +1,218 @@
+"""The MTP draft derived from vLLM's own model definition (plan/derived/drafts.py): for
+the MTP drafts shardprep writes by hand, the derived draft plan equals the hand-written
+one piece for piece at tp2 x pp2 (no weights: headers only), the parameters vLLM's
+proposer replaces with the target's included; a derived target plans its MTP draft on the
+last stage. The record's rules (a later write over a region, the shared parameters) are
+tested on records made by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm_env
+from derived_mtp import GLM, QWEN35, make_mtp_model
+
+from shardprep.demo.tiny import tiny_config
+from shardprep.errors import PlanError
+from shardprep.format.headers import read_header
+from shardprep.format.request import ConversionRequest
+from shardprep.plan import archs
+from shardprep.plan.archs.base import Layout, PlanContext
+from shardprep.plan.archs.parts import quantized
+from shardprep.plan.derived import DerivedFamily, DerivedMtpDraft, available
+from shardprep.plan.derived.draft_probe import last_writes
+from shardprep.plan.derived.drafts import MTP_HELD, mtp_layers, split_shared
+from shardprep.plan.derived.infer import Inference
+from shardprep.plan.make import make_plan
+from shardprep.plan.records import SourceModel
+from shardprep.plan.topology import make_topology
+
+needs_vllm = pytest.mark.skipif(not available(), reason="deriving needs vLLM installed")
+
+CASES = {
+    # name: (architecture, tp, pp, config overrides)
+    # MLA and experts in the MTP layer, its own embedding copy loaded over the target's
+    "deepseek-v3-tp2-pp2": (
+        "DeepseekV3ForCausalLM", 2, 2, {"num_hidden_layers": 3, "num_nextn_predict_layers": 1}
+    ),
+    # at pp=1 vLLM shares the target's embedding with the draft too
+    "deepseek-v3-tp2": (
+        "DeepseekV3ForCausalLM", 2, 1, {"num_hidden_layers": 3, "num_nextn_predict_layers": 1}
+    ),
+    # mtp.* renamed to model.*, fc split by rows, gated attention, a gated shared expert
+    "qwen3-next-tp2-pp2": ("Qwen3NextForCausalLM", 2, 2, {}),
+}  # fmt: skip
+
+
+def _hand_written(arch: str, tp: int, pp: int, overrides: dict[str, Any]) -> tuple:
+    config = archs.read_config(tiny_config(arch, **overrides))
+    _, family = archs.target_family(config)
+    draft = archs.draft_family("mtp", family.name)
+    shapes = quantized.expected_shapes(family, config) | quantized.expected_shapes(draft, config)
+    topology = make_topology(config["num_hidden_layers"], tp, pp, None, "")
+    ctx = PlanContext(pp=pp, target_config=config, draft_names=tuple(sorted(shapes)))
+    return config, shapes, topology, quantized.layout(draft, config, shapes, topology, ctx)
+
+
+def _same(derived: Layout, written: Layout) -> None:
+    assert {p.name: p for p in derived.params} == {p.name: p for p in written.params}
+    assert set(derived.skipped) == set(written.skipped)
+    assert derived.shared_with_target == written.shared_with_target
+    assert derived.num_experts == written.num_experts
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.vllm
+@needs_vllm
+def test_derived_mtp_draft_plan_equals_the_hand_written_one(case: str) -> None:
+    arch, tp, pp, overrides = CASES[case]
+    config, shapes, topology, written = _hand_written(arch, tp, pp, overrides)
+    derived = DerivedMtpDraft().layout(config, shapes, topology, PlanContext(pp=pp))
+    _same(derived, written)
+    assert {stage for p in derived.params for stage in p.stages} == {pp - 1}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_target_no_family_names_plans_its_mtp_draft_as_the_hand_written_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepSeek-V3 planned as if no family named it: target and MTP draft derived, the
+    same pieces as the hand-written plan, the draft's files on the last stage only."""
+    arch, tp, pp, overrides = CASES["deepseek-v3-tp2-pp2"]
+    config, shapes, _, _ = _hand_written(arch, tp, pp, overrides)
+    source = SourceModel(config, {name: ("BF16", shape) for name, shape in shapes.items()})
+    request = ConversionRequest(tp=tp, pp=pp, draft_method="mtp")
+    written = make_plan(source, request, source)
+    monkeypatch.delitem(archs._TARGETS, arch)
+    assert archs.internal_draft_method(config) == "mtp"
+    derived = make_plan(source, request, source)
+    assert [(m.role, m.family) for m in derived.models] == [
+        ("target", "derived"),
+        ("draft", "derived"),
+    ]
+    for mine, theirs in zip(derived.models, written.models, strict=True):
+        assert mine.pieces == theirs.pieces, mine.role
+        assert mine.shared_with_target == theirs.shared_with_target
+        assert {n for n, _ in mine.skipped} == {n for n, _ in theirs.skipped}
+    assert dict(derived.models[0].skipped)["model.layers.3.eh_proj.weight"] == MTP_HELD
+    assert {f.pp for f in derived.files if f.role == "draft"} == {pp - 1}
+    assert [f.path for f in derived.files] == [f.path for f in written.files]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_qwen3_5_moe_text_mtp_draft_no_family_names_follows_the_qwen3_next_mtp_rules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's `Qwen3_5MoeMTP` (of `Qwen3_5MoeForCausalLM`, which no family names) loads
+    the `mtp.*` tensors as `Qwen3NextMTP` does: the hand-written Qwen3-Next MTP rules,
+    given the MTP layer count under their own key, place them piece for piece alike."""
+    model = make_mtp_model(tmp_path / "model", QWEN35)
+    monkeypatch.setenv("PYTHONPATH", vllm_env.with_torchvision()["PYTHONPATH"])
+    config = json.loads((model / "config.json").read_text())
+    header = read_header(model / "model.safetensors")
+    shapes = {name: tuple(info.shape) for name, info in header.tensors.items()}
+    topology = make_topology(config["num_hidden_layers"], 2, 2, None, "")
+    derived = DerivedMtpDraft().layout(config, shapes, topology, PlanContext(pp=2))
+    qwen3_next = archs.draft_family("mtp", "qwen3_next")
+    rules = qwen3_next.read_config({**config, "num_nextn_predict_layers": 1})
+    ctx = PlanContext(pp=2, target_config=rules, draft_names=tuple(sorted(shapes)))
+    _same(derived, quantized.layout(qwen3_next, rules, shapes, topology, ctx))
+    assert derived.shared_with_target == {"lm_head.weight"}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_an_mtp_draft_vllm_does_not_build_is_one_line() -> None:
+    """Llama has no MTP layers: vLLM's speculative config refuses the method."""
+    config = tiny_config("LlamaForCausalLM")
+    shapes = archs.target_family(config)[1].expected_shapes(config)
+    topology = make_topology(config["num_hidden_layers"], 2, 1, None, "")
+    with pytest.raises(PlanError) as info:
+        DerivedMtpDraft().layout(config, shapes, topology, PlanContext())
+    assert str(info.value) == (
+        "MTP draft: cannot derive the layout from vLLM: vLLM raised NotImplementedError: "
+        "Unsupported speculative method: 'mtp'; --no-mtp converts the target alone"
+    )
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_mtp_layers_config_json_promises_and_the_checkpoint_lacks_are_one_line(
+    tmp_path: Path,
+) -> None:
+    """As transformers saves GLM-4.7-Flash: no MTP layer. vLLM's loader names what its
+    draft lacks; the target alone plans."""
+    model = make_mtp_model(tmp_path / "model", GLM, with_mtp=False)
+    config = json.loads((model / "config.json").read_text())
+    header = read_header(model / "model.safetensors")
+    source = SourceModel(config, {n: (i.dtype, i.shape) for n, i in header.tensors.items()})
+    with pytest.raises(PlanError) as info:
+        make_plan(source, ConversionRequest(tp=2, pp=1, draft_method="mtp"), source)
+    message = str(info.value)
+    assert message.startswith(
+        "MTP draft: cannot derive the layout from vLLM: vLLM raised ValueError: Following "
+        "weights were not initialized from checkpoint: {"
+    )
+    assert "'model.layers.3.eh_proj.weight'" in message
+    assert message.endswith("}; --no-mtp converts the target alone")
+    alone = make_plan(source, ConversionRequest(tp=2, pp=1))
+    assert [m.role for m in alone.models] == ["target"]
+
+
+def test_a_derived_target_takes_its_mtp_draft_and_refuses_another_in_one_line() -> None:
+    family = DerivedFamily()
+    assert family.check({}, 2, PlanContext(draft_method="mtp")) == []
+    assert family.check({}, 2, PlanContext(draft_method="eagle3")) == [
+        "a eagle3 draft beside a derived layout is not supported yet (the MTP draft a "
+        "checkpoint carries is); convert without --draft"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("config", "layers"),
+    [
+        ({"num_nextn_predict_layers": 1}, 1),
+        ({"text_config": {"mtp_num_hidden_layers": 2}}, 2),
+        ({"num_nextn_predict_layers": 0}, 0),
+        ({"mtp_num_hidden_layers": True}, 0),
+        ({}, 0),
+    ],
+)
+def test_the_mtp_layers_config_json_promises(config: dict[str, Any], layers: int) -> None:
+    assert mtp_layers(config) == layers
+    assert DerivedFamily().internal_draft(config) == ("mtp" if layers else None)
+
+
+def _copy(param: str, start: int, source: str) -> list[Any]:
+    return ["copy", param, [start, [2, 4], [4, 1]], source, [0, [2, 4], [4, 1]], "F32"]
+
+
+def test_a_write_a_later_one_covers_whole_is_dropped_a_partial_one_is_kept() -> None:
+    """DeepSeek's MTP loads the embedding from the target's tensor, then from the first
+    MTP layer's copy: what vLLM leaves is the copy."""
+    first, second = _copy("embed", 0, "model.embed"), _copy("embed", 0, "layer.embed")
+    assert last_writes([first, _copy("other", 0, "x"), second]) == [_copy("other", 0, "x"), second]
+    partial = ["copy", "embed", [4, [2, 4], [4, 1]], "layer.embed", [0, [2, 4], [4, 1]], "F32"]
+    assert last_writes([first, partial]) == [first, partial]
+    sources = {"model.embed": ("F32", (2, 4)), "layer.embed": ("F32", (2, 4))}
+    record = {"rank": [0, 0], "model_dtype": "F32", "params": {"embed": ["F32", [2, 4]]}}
+    with pytest.raises(PlanError, match="writes twice into embed"):
+        Inference({}, sources, 1).add({**record, "ops": last_writes([first, partial])})
+
+
+def test_shared_parameters_leave_the_record_and_their_only_sources_say_why() -> None:
+    record = {
+        "rank": [1, 0],
+        "params": {"head": ["F32", [2, 4]], "norm": ["F32", [2, 4]]},
+        "ops": [_copy("head", 0, "lm_head.weight"), _copy("norm", 0, "norm.weight")],
+        "shared": ["head"],
+    }
+    kept, sources = split_shared(record)
+    assert kept["params"] == {"norm": ["F32", [2, 4]]}
+    assert kept["ops"] == [_copy("norm", 0, "norm.weight")]
+    assert sources == {"lm_head.weight": "head"}
