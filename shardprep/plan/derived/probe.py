@@ -3,15 +3,17 @@ meta device, feeds its own `DefaultModelLoader.load_weights` placeholder tensors
 checkpoint's names, shapes and dtypes, and records every operation that writes a
 parameter. Nothing here reads a weight: the placeholders hold no bytes.
 
-Input (JSON on stdin): the model folder (config.json only),
-tp, pp, the serving dtype, the ranks to derive and the checkpoint's tensors. Output: a
-JSON file per rank in the request's `out` folder, `{"rank": [p, t], "params": {...},
-"ops": [...]}`, then one line on stdout: `{"vllm": its version}`, or `{"error": "..."}`.
+Input: requests, one JSON line each on stdin: the model folder (config.json only), tp,
+pp, the serving dtype, the ranks to derive, the checkpoint's tensors and the environment.
+Output: a JSON file per rank in the request's `out` folder, `{"rank": [p, t], "params":
+{...}, "ops": [...]}`, then one line on stdout: `{"vllm": its version}`, or
+`{"error": "..."}`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -290,30 +292,42 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
 
 
 def main() -> int:
-    request = json.load(sys.stdin)
+    """Answer each request (one JSON line on stdin) with one line on stdout, until stdin
+    closes: vLLM is imported once for every derivation of the parent process. After a
+    failed one the child stops, so that no half-built state meets the next."""
     import vllm
 
     from shardprep.plan.derived import choices
+
+    as_cpu_worker()
+    choices.install()
+    for line in sys.stdin:
+        answer = serve(json.loads(line), vllm.__version__)
+        print(json.dumps(answer), flush=True)
+        if "error" in answer:
+            return 1
+    return 0
+
+
+def serve(request: dict[str, Any], version: str) -> dict[str, str]:
+    """Derive the request's ranks, a file each in its `out` folder, under its environment."""
     from shardprep.progress import Progress, Silent
 
+    os.environ.clear()
+    os.environ.update(request["env"])  # the parent's now, vLLM's partition among them
     out = Path(request["out"])
     bar = Progress if request.get("progress") else Silent
     try:
-        check_registered(request["architecture"], vllm.__version__)
-        as_cpu_worker()
-        choices.install()
+        check_registered(request["architecture"], version)
         config = engine_config(request)
         for p, t in bar(request["ranks"], desc="derive layout from vLLM", unit="rank"):
             record = derive_rank(config, request, p, t)
             (out / f"rank-{p}-{t}.json").write_text(json.dumps(record))
     except Refused as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
-        return 1
+        return {"error": str(exc)}
     except Exception as exc:  # one line for the parent, whatever vLLM raised
-        print(json.dumps({"error": f"vLLM raised {type(exc).__name__}: {exc}"}), flush=True)
-        return 1
-    print(json.dumps({"vllm": vllm.__version__}), flush=True)
-    return 0
+        return {"error": f"vLLM raised {type(exc).__name__}: {exc}"}
+    return {"vllm": version}
 
 
 if __name__ == "__main__":

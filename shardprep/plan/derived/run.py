@@ -4,6 +4,7 @@ dropped as it comes (infer.py). The child shows a progress bar over the ranks.""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -53,16 +54,9 @@ def derive(
             "tensors": {name: [d, list(shape)] for name, (d, shape) in tensors.items()},
             "progress": progress,
             "draft": draft,
+            "env": _environment(topology),
         }
-        done = subprocess.run(
-            [sys.executable, "-m", "shardprep.plan.derived.probe"],
-            input=json.dumps(request),
-            stdout=subprocess.PIPE,
-            text=True,
-            env=_environment(topology),
-            check=False,
-        )
-        answer = _answer(done)
+        answer = _PROBE.ask(request)
         for p, t in ranks:
             record = json.loads((work / f"rank-{p}-{t}.json").read_text())
             shared |= set(record.get("shared", ()))
@@ -73,17 +67,60 @@ def derive(
     return with_shared(layout, shared, shared_sources), answer["vllm"]
 
 
-def _answer(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    answer = json.loads(lines[-1]) if lines else {}
-    if "error" in answer:
-        raise PlanError(f"cannot derive the layout from vLLM: {printable(answer['error'], 600)}")
-    if done.returncode or "vllm" not in answer:
-        raise PlanError(
-            f"deriving the layout from vLLM stopped (exit status {done.returncode}) before "
-            "it finished; its messages are above"
-        )
-    return answer
+class _Probe:
+    """The child process that derives (probe.py), started at the first request and kept
+    for the next ones: importing vLLM costs seconds that every derivation would pay
+    again. One that failed has stopped; the next request starts another."""
+
+    def __init__(self) -> None:
+        self.child: subprocess.Popen[str] | None = None
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.child is None or self.child.poll() is not None:
+            self.child = subprocess.Popen(
+                [sys.executable, "-m", "shardprep.plan.derived.probe"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=request["env"],
+            )
+            atexit.register(self.close)
+        child = self.child
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            child.stdin.write(json.dumps(request) + "\n")
+            child.stdin.flush()
+        except BrokenPipeError:
+            pass  # it stopped: said below
+        for line in child.stdout:  # what vLLM prints there too, then the answer
+            answer = json.loads(line) if line.startswith("{") else None
+            if isinstance(answer, dict) and answer.keys() & {"vllm", "error"}:
+                break
+        else:
+            answer = {}
+        if "error" in answer:
+            self.close()
+            raise PlanError(
+                f"cannot derive the layout from vLLM: {printable(answer['error'], 600)}"
+            )
+        if "vllm" not in answer:
+            status = self.close()
+            raise PlanError(
+                f"deriving the layout from vLLM stopped (exit status {status}) before it "
+                "finished; its messages are above"
+            )
+        return answer
+
+    def close(self) -> int | None:
+        child, self.child = self.child, None
+        if child is None:
+            return None
+        if child.stdin is not None:
+            child.stdin.close()
+        return child.wait()
+
+
+_PROBE = _Probe()
 
 
 def _environment(topology: Topology) -> dict[str, str]:
