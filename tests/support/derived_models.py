@@ -26,7 +26,8 @@ COMMON: dict[str, Any] = {
 }
 # architecture -> (transformers model_type, overrides)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    # a fused qkv_proj and gate_up_proj in the checkpoint (equal q, k, v parts)
+    # a fused qkv_proj and gate_up_proj in the checkpoint (equal q, k, v parts; fewer KV
+    # heads than query heads where num_key_value_heads is given, as Phi-3-medium has)
     "Phi3ForCausalLM": ("phi3", {"num_key_value_heads": 4, "pad_token_id": 0}),
     "Gemma2ForCausalLM": ("gemma2", {"tie_word_embeddings": True}),
     "Gemma3ForCausalLM": ("gemma3_text", {"tie_word_embeddings": True, "sliding_window": 64}),

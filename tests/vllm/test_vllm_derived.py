@@ -7,6 +7,7 @@ default run and one sharded-fast run serve every check of a case."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import vllm_env
@@ -14,7 +15,7 @@ from canary import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
 from derived_models import make_transformers_model
 
 from shardprep.convert.run import Options, convert
-from shardprep.format.manifest import read_manifest
+from shardprep.format.manifest import read_manifest, read_regions
 
 pytestmark = [
     pytest.mark.vllm,
@@ -22,15 +23,19 @@ pytestmark = [
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
 
-ARCHITECTURES = {
-    "phi3-fused-qkv": "Phi3ForCausalLM",
-    "qwen2-moe-shared-expert": "Qwen2MoeForCausalLM",
-    "gemma2-tied": "Gemma2ForCausalLM",
-    "gemma3-text": "Gemma3ForCausalLM",
-    "granite-odd-vocab": "GraniteForCausalLM",
-    "stablelm": "StableLmForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
+# case -> (architecture, what its tiny model changes in tests/support/derived_models.py)
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3-fused-qkv": ("Phi3ForCausalLM", {}),
+    "phi3-fused-gqa-qkv": ("Phi3ForCausalLM", {"num_key_value_heads": 2}),
+    "qwen2-moe-shared-expert": ("Qwen2MoeForCausalLM", {}),
+    "gemma2-tied": ("Gemma2ForCausalLM", {}),
+    "gemma3-text": ("Gemma3ForCausalLM", {}),
+    "granite-odd-vocab": ("GraniteForCausalLM", {}),
+    "stablelm": ("StableLmForCausalLM", {}),
+    "olmoe": ("OlmoeForCausalLM", {}),
 }
+# the cut a case is there to prove, which its artifact must name
+PROVES = {"phi3-fused-qkv": "parts_rows", "phi3-fused-gqa-qkv": "qkv_heads"}
 
 
 def converted(model: Path, artifact: Path, tp: int, pp: int) -> Path:
@@ -45,8 +50,12 @@ def converted(model: Path, artifact: Path, tp: int, pp: int) -> Path:
 def test_derived_rank_files_equal_vllm_and_sharded_fast_gives_its_tokens(
     case: str, tmp_path: Path
 ) -> None:
-    model = make_transformers_model(tmp_path / "model", ARCHITECTURES[case])
+    architecture, overrides = ARCHITECTURES[case]
+    model = make_transformers_model(tmp_path / "model", architecture, **overrides)
     artifact = converted(model, tmp_path / "artifact", 2, 2)
+    if case in PROVES:
+        (target,) = read_regions(artifact, read_manifest(artifact)).models
+        assert PROVES[case] in {p.cut for pieces in target.pieces.values() for p in pieces}
     default = vllm_env.generate(model, 2, 2, "dump-default", dump_dir=tmp_path / "default")
     default_dumps = vllm_env.dump_files(tmp_path / "default")
     assert sorted(default_dumps) == [("target", p, t) for p in range(2) for t in range(2)]

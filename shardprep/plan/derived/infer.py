@@ -49,7 +49,8 @@ class _ParamState:
 def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hints) -> list[Piece]:
     """The cuts to try for a source, preferred first. A source of exactly the KV heads'
     rows (GQA's k and v) prefers KV_HEADS, which ROWS equals while tp divides the heads; a
-    source of the vocabulary's rows prefers VOCAB."""
+    source of the vocabulary's rows prefers VOCAB; a source of query, key and value heads
+    (a fused GQA qkv) is tried as one (QKV_HEADS)."""
     found = [Piece(source, cut, expert=expert) for cut in SIMPLE_CUTS]
     if shape and shape[0] == hints.vocab:  # VOCAB, which ROWS equals for a vocabulary of 64s
         found.insert(1, found.pop(3))
@@ -57,17 +58,22 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
         place = 1 if shape[0] == hints.rows and expert is None else 2
         found.insert(place, Piece(source, Cut.KV_HEADS, heads=hints.heads, expert=expert))
     found += [Piece(source, Cut.PARTS_ROWS, heads=parts, expert=expert) for parts in PARTS]
+    if hints.rows and shape and shape[0] % (hints.q_heads + 2 * hints.heads) == 0:
+        qkv = Piece(source, Cut.QKV_HEADS, hints.heads, expert, q_heads=hints.q_heads)
+        found.append(qkv)
     return found
 
 
 @dataclass(frozen=True)
 class Hints:
     """What config.json says that tells equal cuts apart: the KV heads, their rows where
-    they are fewer than the query heads, the vocabulary (0: no hint)."""
+    they are fewer than the query heads, the vocabulary (0: no hint); and the query heads
+    (which cut a fused GQA qkv)."""
 
     heads: int
     rows: int
     vocab: int
+    q_heads: int = 0
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> Hints:
@@ -81,7 +87,7 @@ class Hints:
             whole("hidden_size"),
         )
         head_dim = whole("head_dim") or (hidden // heads if heads else 0)
-        return cls(kv, kv * head_dim if 0 < kv < heads else 0, whole("vocab_size"))
+        return cls(kv, kv * head_dim if 0 < kv < heads else 0, whole("vocab_size"), heads)
 
 
 class Inference:
