@@ -44,6 +44,16 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "OlmoeForCausalLM": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # q and k norms after the projections, norms after attention and MLP, sliding windows
+    "Exaone4ForCausalLM": ("exaone4", {"sliding_window": 64}),
+    # LayerNorm, attention and MLP in parallel from one norm, a logit scale, tied
+    "CohereForCausalLM": ("cohere", {"tie_word_embeddings": True}),
+    # experts stacked in one tensor per layer (input_linear [E, 2I, H]), a shared MLP,
+    # Granite's multipliers
+    "GraniteMoeSharedForCausalLM": (
+        "granitemoeshared",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 128},
+    ),
     # vLLM's load_weights computes A = -exp(A_log): no plan of copies expresses it
     "MambaForCausalLM": ("mamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
 }

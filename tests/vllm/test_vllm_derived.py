@@ -33,6 +33,9 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite-odd-vocab": ("GraniteForCausalLM", {}),
     "stablelm": ("StableLmForCausalLM", {}),
     "olmoe": ("OlmoeForCausalLM", {}),
+    "exaone4": ("Exaone4ForCausalLM", {}),
+    "cohere-tied": ("CohereForCausalLM", {}),
+    "granitemoe-shared-stacked-experts": ("GraniteMoeSharedForCausalLM", {}),
 }
 # the cut a case is there to prove, which its artifact must name
 PROVES = {"phi3-fused-qkv": "parts_rows", "phi3-fused-gqa-qkv": "qkv_heads"}
