@@ -58,6 +58,22 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "MambaForCausalLM": ("mamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
 }
 
+# The cases tests/vllm/test_vllm_derived.py proves against a real vLLM, and
+# docs/families.md names: case -> (architecture, what its tiny model changes).
+PROVEN: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3-fused-qkv": ("Phi3ForCausalLM", {}),
+    "phi3-fused-gqa-qkv": ("Phi3ForCausalLM", {"num_key_value_heads": 2}),
+    "qwen2-moe-shared-expert": ("Qwen2MoeForCausalLM", {}),
+    "gemma2-tied": ("Gemma2ForCausalLM", {}),
+    "gemma3-text": ("Gemma3ForCausalLM", {}),
+    "granite-odd-vocab": ("GraniteForCausalLM", {}),
+    "stablelm": ("StableLmForCausalLM", {}),
+    "olmoe": ("OlmoeForCausalLM", {}),
+    "exaone4": ("Exaone4ForCausalLM", {}),
+    "cohere-tied": ("CohereForCausalLM", {}),
+    "granitemoe-shared-stacked-experts": ("GraniteMoeSharedForCausalLM", {}),
+}
+
 
 def make_transformers_model(
     folder: Path, architecture: str, seed: int = 0, **overrides: Any

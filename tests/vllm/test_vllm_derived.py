@@ -7,12 +7,11 @@ default run and one sharded-fast run serve every check of a case."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import vllm_env
 from canary import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
-from derived_models import make_transformers_model
+from derived_models import PROVEN, make_transformers_model
 
 from shardprep.convert.run import Options, convert
 from shardprep.format.manifest import read_manifest, read_regions
@@ -23,20 +22,6 @@ pytestmark = [
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
 
-# case -> (architecture, what its tiny model changes in tests/support/derived_models.py)
-ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
-    "phi3-fused-qkv": ("Phi3ForCausalLM", {}),
-    "phi3-fused-gqa-qkv": ("Phi3ForCausalLM", {"num_key_value_heads": 2}),
-    "qwen2-moe-shared-expert": ("Qwen2MoeForCausalLM", {}),
-    "gemma2-tied": ("Gemma2ForCausalLM", {}),
-    "gemma3-text": ("Gemma3ForCausalLM", {}),
-    "granite-odd-vocab": ("GraniteForCausalLM", {}),
-    "stablelm": ("StableLmForCausalLM", {}),
-    "olmoe": ("OlmoeForCausalLM", {}),
-    "exaone4": ("Exaone4ForCausalLM", {}),
-    "cohere-tied": ("CohereForCausalLM", {}),
-    "granitemoe-shared-stacked-experts": ("GraniteMoeSharedForCausalLM", {}),
-}
 # the cut a case is there to prove, which its artifact must name
 PROVES = {"phi3-fused-qkv": "parts_rows", "phi3-fused-gqa-qkv": "qkv_heads"}
 
@@ -49,11 +34,11 @@ def converted(model: Path, artifact: Path, tp: int, pp: int) -> Path:
     return artifact
 
 
-@pytest.mark.parametrize("case", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("case", sorted(PROVEN))
 def test_derived_rank_files_equal_vllm_and_sharded_fast_gives_its_tokens(
     case: str, tmp_path: Path
 ) -> None:
-    architecture, overrides = ARCHITECTURES[case]
+    architecture, overrides = PROVEN[case]
     model = make_transformers_model(tmp_path / "model", architecture, **overrides)
     artifact = converted(model, tmp_path / "artifact", 2, 2)
     if case in PROVES:
