@@ -94,7 +94,9 @@ def _piece_entry(piece: Piece) -> mf.PieceEntry:
     scale = (
         None if of is None else mf.ScaleEntry(of.shape, of.cut.value, of.block, of.grid, of.heads)
     )
-    return mf.PieceEntry(piece.source, piece.cut.value, piece.heads, piece.expert, scale)
+    return mf.PieceEntry(
+        piece.source, piece.cut.value, piece.heads, piece.expert, scale, piece.q_heads
+    )
 
 
 def _known_sha256(checkpoint: Checkpoint, file: str) -> str | None:

@@ -19,6 +19,9 @@ CUTS += MX_CUTS
 CUTS += ("parts_rows",)
 # ... of a tensor whose rows are q, k and v parts, each split evenly (a DeltaNet's conv1d).
 CUTS += ("qkv_rows",)
+# ... of a fused GQA q, k, v: the rank's query heads' rows and its KV heads' (replicated
+# where tp exceeds them), given the query heads (`q_heads`) and the KV heads (`heads`).
+CUTS += ("qkv_heads",)
 # ... of a per-tensor scale, one value per part of a fused layer (fp8 per tensor), and of
 # one value held 0-d (a KV-cache scale).
 CUTS += ("per_tensor", "scalar")

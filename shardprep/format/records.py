@@ -57,10 +57,11 @@ class PieceEntry:
 
     source: str
     cut: str
-    heads: int = 0  # KV heads (kv_heads); parts (parts_rows); rows of q (qkv_rows); the
-    # multiple of rows (align_rows); zero rows (zero_rows)
+    heads: int = 0  # KV heads (kv_heads, qkv_heads); parts (parts_rows); rows of q
+    # (qkv_rows); the multiple of rows (align_rows); zero rows (zero_rows)
     expert: int | None = None  # the global expert id, for a piece of an expert stack
     scale_of: ScaleEntry | None = None  # for the block_scale cut
+    q_heads: int = 0  # query heads (qkv_heads)
 
 
 @dataclass(frozen=True)
@@ -337,9 +338,9 @@ def mx_pieces(models: Sequence[ModelEntry]) -> tuple[PieceEntry, ...]:
 
 
 def piece_json(piece: dict[str, Any]) -> list[Any]:
-    """A piece as `[source, cut]`, with `{heads, expert, scale_of}` third where any is
-    set: a 1 TB model has hundreds of thousands of pieces."""
-    extra = {k: piece[k] for k in ("heads", "scale_of") if piece[k]}
+    """A piece as `[source, cut]`, with `{heads, expert, scale_of, q_heads}` third where
+    any is set: a 1 TB model has hundreds of thousands of pieces."""
+    extra = {k: piece[k] for k in ("heads", "scale_of", "q_heads") if piece.get(k)}
     if piece["expert"] is not None:
         extra["expert"] = piece["expert"]
     if extra.get("scale_of") and extra["scale_of"]["grid"] is None:
@@ -357,7 +358,8 @@ def piece_of_json(value: list[Any]) -> PieceEntry:
         grid = tuple(of["grid"]) if of.get("grid") is not None else None
         shape, block = tuple(of["shape"]), tuple(of["block"])
         scale = ScaleEntry(shape, of["cut"], block, grid, of.get("heads", 0))
-    return PieceEntry(value[0], value[1], extra.get("heads", 0), extra.get("expert"), scale)
+    heads, q_heads = extra.get("heads", 0), extra.get("q_heads", 0)
+    return PieceEntry(value[0], value[1], heads, extra.get("expert"), scale, q_heads)
 
 
 def rank_key(pp: int, tp: int, dp: int | None = None) -> str:

@@ -179,12 +179,12 @@ _SCALE = _object(
 )
 _PIECE_EXTRA = _object(
     "PieceEntry",
-    {"heads": _integer(1), "expert": _COUNT, "scale_of": _SCALE},
-    optional=frozenset({"heads", "expert", "scale_of"}),
+    {"heads": _integer(1), "expert": _COUNT, "scale_of": _SCALE, "q_heads": _integer(1)},
+    optional=frozenset({"heads", "expert", "scale_of", "q_heads"}),
 )
 
 
-_WITH_HEADS = ("kv_heads", "parts_rows", "qkv_rows", "align_rows", "zero_rows")
+_WITH_HEADS = ("kv_heads", "parts_rows", "qkv_rows", "qkv_heads", "align_rows", "zero_rows")
 
 
 def _piece(value: Any, field: str) -> None:
@@ -202,6 +202,8 @@ def _piece(value: Any, field: str) -> None:
             f"{field}: a {', '.join(_WITH_HEADS[:-1])} or {_WITH_HEADS[-1]} piece, and only "
             "one, names its heads",
         )
+    if (value[1] == "qkv_heads") != ("q_heads" in extra):
+        raise _Bad(field, f"{field}: a qkv_heads piece, and only one, names its q_heads")
     if (value[1] in ("block_scale", "packed", *MX_CUTS)) != ("scale_of" in extra):
         raise _Bad(
             field,

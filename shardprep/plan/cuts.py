@@ -28,6 +28,11 @@ class Cut(Enum):
     # split evenly: a rank holds its q rows, then its k rows, then its v rows (a gated
     # DeltaNet's conv1d, vLLM's `mamba_v2_sharded_weight_loader`)
     QKV_ROWS = "qkv_rows"
+    # dim 0 is q (`q_heads` heads), then k and v (the piece's `heads` KV heads each), all
+    # of one head size: a rank holds its q rows, then the k rows and the v rows of its KV
+    # heads, replicated where tp exceeds them (vLLM's QKVParallelLinear given a fused GQA
+    # qkv, Phi-3-medium's `qkv_proj`)
+    QKV_HEADS = "qkv_heads"
     VOCAB = "vocab"  # dim 0 padded to a multiple of 64, split, padding zero-filled
     PADDED_VOCAB = "padded_vocab"  # dim 0 padded to a multiple of 64, not split
     BLOCK_SCALE = "block_scale"  # fp8 block scales of a weight: its cut, in whole blocks
@@ -113,9 +118,10 @@ class Piece(NamedTuple):
 
     source: str
     cut: Cut
-    heads: int = 0  # KV heads (KV_HEADS); parts (PARTS_ROWS); rows of q (QKV_ROWS)
+    heads: int = 0  # KV heads (KV_HEADS, QKV_HEADS); parts (PARTS_ROWS); rows of q (QKV_ROWS)
     expert: int | None = None  # global expert id, for a piece of an expert stack
     scale_of: ScaleOf | None = None  # for Cut.BLOCK_SCALE and Cut.PACKED
+    q_heads: int = 0  # query heads (QKV_HEADS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ class StackKinds:
         kinds: dict[int | None, list[Kind]] = {}
         named: dict[Kind, Piece] = {}
         for piece in pieces:
-            source, cut, heads, expert, scale_of = piece
+            source, cut, heads, expert, scale_of, _ = piece
             shape = shapes[source]
             if expert and cut in EXPERT_INDEXED and expert >= shape[0]:
                 check_expert_row(piece, shape)  # names the missing row

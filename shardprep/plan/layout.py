@@ -43,7 +43,7 @@ def piece_blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tu
 def piece_geometry(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[Block, ...]:
     """The blocks of `piece_blocks` before they are given the piece's source and moved to
     its expert: the same for every piece of the same cut, heads, scale and shape."""
-    anonymous = Piece("", piece.cut, piece.heads, scale_of=piece.scale_of)
+    anonymous = Piece("", piece.cut, piece.heads, scale_of=piece.scale_of, q_heads=piece.q_heads)
     try:
         return _cached_blocks(anonymous, tuple(shape), tp, rank)
     except PlanError:
@@ -124,6 +124,8 @@ def _blocks(piece: Piece, shape: tuple[int, ...], tp: int, rank: int) -> tuple[B
         )
     if piece.cut is Cut.QKV_ROWS:
         return _qkv_blocks(piece.source, rows, piece.heads, tp, rank)
+    if piece.cut is Cut.QKV_HEADS:
+        return _qkv_head_blocks(piece.source, rows, piece.q_heads, piece.heads, tp, rank)
     if piece.cut is Cut.PADDED_VOCAB:
         return _vocab_blocks(piece.source, rows, 1, 0)
     if piece.cut in MX_CUTS:
@@ -249,6 +251,26 @@ def _qkv_blocks(source: str, rows: int, qk: int, tp: int, rank: int) -> tuple[Bl
         blocks.append(Block(source, (start + first, start + end)))
         start += size
     return tuple(blocks)
+
+
+def _qkv_head_blocks(
+    source: str, rows: int, q_heads: int, kv_heads: int, tp: int, rank: int
+) -> tuple[Block, ...]:
+    """The rank's q rows, then the k rows and the v rows of its KV heads, of a tensor whose
+    dim 0 is `q_heads` query heads, then `kv_heads` key heads and as many value heads."""
+    heads = q_heads + 2 * kv_heads
+    if q_heads < 1 or kv_heads < 1 or rows % heads:
+        raise PlanError(
+            f"{source} has {rows} rows, not {q_heads} query heads and {kv_heads} key and "
+            "value heads each of one size; the checkpoint does not match config.json"
+        )
+    size = rows // heads
+    _check_divisible(source, q_heads, tp, "query heads")
+    q = rank_range(q_heads * size, tp, rank)
+    first, end = kv_heads_of_rank(kv_heads, tp, rank)
+    k = (q_heads + first) * size, (q_heads + end) * size
+    v = k[0] + kv_heads * size, k[1] + kv_heads * size
+    return Block(source, q), Block(source, k), Block(source, v)
 
 
 def _vocab_blocks(source: str, vocab: int, tp: int, rank: int) -> tuple[Block, ...]:

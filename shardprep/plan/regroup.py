@@ -128,7 +128,7 @@ def _holders(entry: ModelEntry) -> dict[str, dict[str, ParamSpec]]:
 def _piece(p: PieceEntry) -> Piece:
     of = p.scale_of
     scale = None if of is None else ScaleOf(of.shape, Cut(of.cut), of.block, of.grid, of.heads)
-    return Piece(p.source, Cut(p.cut), p.heads, p.expert, scale)
+    return Piece(p.source, Cut(p.cut), p.heads, p.expert, scale, p.q_heads)
 
 
 @dataclass(frozen=True)

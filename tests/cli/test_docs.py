@@ -1,7 +1,8 @@
 """The documentation is checked against itself and the code: every relative link of the
 README, BENCHMARKS.md and docs/ reaches a file and, where it names one, a heading there;
 docs/quantization.md's table of every family against every scheme is the families'
-declarations, and the README's scheme table names every scheme of the layout contract.
+declarations, the README's scheme table names every scheme of the layout contract, and
+docs/families.md's table of derived architectures is what the real-vLLM test proves.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from derived_models import PROVEN
 
 from shardprep.format.vllm_layout import RANGES
 from shardprep.plan import archs
@@ -19,6 +21,7 @@ from shardprep.plan.derived import DERIVED
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 QUANTIZATION = ROOT / "docs" / "quantization.md"
+FAMILIES = ROOT / "docs" / "families.md"
 PAGES = [README, ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^]]*]\(([^)\s]+)\)")
 TABLE_HEADING = "## Every family against every scheme"
@@ -120,3 +123,13 @@ def test_the_readme_names_every_scheme() -> None:
     header, *rows = table_rows(README.read_text(), "### Quantization schemes")
     assert header[0] == "scheme"
     assert sorted(names(row[0])[0] for row in rows) == sorted(contract_schemes())
+
+
+def test_the_derived_table_names_what_the_vllm_test_proves() -> None:
+    """docs/families.md lists as proven exactly the architectures that
+    tests/vllm/test_vllm_derived.py proves byte for byte, none of them a family's."""
+    header, *rows = table_rows(FAMILIES.read_text(), "Proven against a real vLLM")
+    assert header == ["architecture", "what it exercises"]
+    documented = sorted(n for row in rows for n in names(row[0]))
+    assert documented == sorted({architecture for architecture, _ in PROVEN.values()})
+    assert not set(documented) & set(archs.supported()[0])

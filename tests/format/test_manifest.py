@@ -258,7 +258,16 @@ def _first(data: dict, role: str = "target") -> dict:
         ),
         (
             lambda d: _first(d)["pieces"].update(x=[["y", "kv_heads"]]),
-            "a kv_heads, parts_rows, qkv_rows, align_rows or zero_rows piece, and only one, names",
+            "a kv_heads, parts_rows, qkv_rows, qkv_heads, align_rows or zero_rows piece, and "
+            "only one, names",
+        ),
+        (
+            lambda d: _first(d)["pieces"].update(x=[["y", "qkv_heads", {"heads": 2}]]),
+            "pieces['x'][0]: a qkv_heads piece, and only one, names its q_heads",
+        ),
+        (
+            lambda d: _first(d)["pieces"].update(x=[["y", "rows", {"q_heads": 2}]]),
+            "pieces['x'][0]: a qkv_heads piece, and only one, names its q_heads",
         ),
         (
             lambda d: _first(d)["pieces"].update(x=[["y", "rows", {"expert": -1}]]),

@@ -94,6 +94,19 @@ def test_any_pieces_round_trip_through_the_regions_file(pieces: list[PieceEntry]
     assert parse_regions(regions_document([model])) == {"target": ({"p": tuple(pieces)}, shapes)}
 
 
+def test_a_fused_gqa_qkv_piece_keeps_its_query_and_kv_heads() -> None:
+    from shardprep.format.records import ModelEntry, Source
+
+    piece = PieceEntry("qkv", "qkv_heads", heads=2, q_heads=8)
+    model = ModelEntry(
+        "target", "X", "BF16", "", 1, Source("m", None, None, ()),
+        pieces={"p": (piece,)}, source_shapes={"qkv": (36, 4)},
+    )  # fmt: skip
+    document = regions_document([model])
+    assert b'["qkv","qkv_heads",{"heads":2,"q_heads":8}]' in document
+    assert parse_regions(document) == {"target": ({"p": (piece,)}, {"qkv": (36, 4)})}
+
+
 def test_a_run_of_experts_with_a_scale_folds_with_it() -> None:
     from shardprep.format.records import ModelEntry, Source
 

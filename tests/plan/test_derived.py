@@ -24,6 +24,7 @@ from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
 from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.archs.parts import quantized
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived import DerivedFamily, available
 from shardprep.plan.derived.infer import Inference
 from shardprep.plan.drafts import with_target_rules
@@ -274,6 +275,38 @@ def test_rows_that_follow_no_cut_are_refused_naming_the_parameter() -> None:
         inference.add(_record(ops, params, rank))
     with pytest.raises(PlanError, match=r"1 parameter\(s\): p <- w: vLLM's load_weights copies"):
         inference.layout()
+
+
+def test_a_parameter_reshaped_from_its_source_is_refused_naming_it() -> None:
+    """vLLM squeezes a [1, 4] routing bias to [4]: the same values, a shape no cut gives."""
+    sources = {"bias": ("F32", (1, 4))}
+    inference = Inference({}, sources, 1)
+    ops = [["copy", "p", [0, [4], [1]], "bias", [0, [4], [1]], "F32"]]
+    inference.add(_record(ops, {"p": ["F32", [4]]}))
+    with pytest.raises(PlanError, match=r"p <- bias: vLLM holds \[4\] where the checkpoint's re"):
+        inference.layout()
+
+
+def _row(offset: int) -> list[Any]:
+    """One row of 3 values, as a region (offset, sizes, strides)."""
+    return [offset, [1, 3], [3, 1]]
+
+
+def test_experts_stacked_in_one_source_are_read_each_from_its_own_matrix() -> None:
+    """A [2 experts, 2 x 2 rows, 3] gate-up stack into vLLM's [2, 2, 3] w13 at tp 2: each
+    rank copies its row of each half of each expert; each expert is a piece of its own."""
+    inference = Inference({}, {"gu": ("F32", (2, 4, 3))}, 2)
+    for rank in (0, 1):
+        ops = [
+            ["copy", "w13", _row((2 * e + h) * 3), "gu", _row((4 * e + 2 * h + rank) * 3), "F32"]
+            for e in (0, 1)
+            for h in (0, 1)
+        ]
+        inference.add(_record(ops, {"w13": ["F32", [2, 2, 3]]}, rank))
+    layout = inference.layout()
+    (param,) = layout.params
+    assert param.pieces == tuple(Piece("gu", Cut.EXPERT_HALVES_ROWS, expert=e) for e in (0, 1))
+    assert layout.num_experts == 2
 
 
 NO_VLLM_IMPORT = """

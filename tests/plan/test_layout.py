@@ -41,6 +41,30 @@ def test_kv_heads_replicated_when_tp_exceeds_them() -> None:
     ]
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_a_fused_gqa_qkv_is_cut_as_its_q_k_and_v_would_be(tp: int) -> None:
+    """8 query heads, 2 KV heads of 3 rows: each rank's rows of the fused tensor are its
+    rows of q, k and v apart (ROWS, KV_HEADS), KV heads replicated past tp 2."""
+    q_rows, kv_rows = 8 * 3, 2 * 3
+    fused = Piece("qkv", Cut.QKV_HEADS, heads=2, q_heads=8)
+    for rank in range(tp):
+        (q,) = piece_blocks(Piece("q", Cut.ROWS), (q_rows, 16), tp, rank)
+        (k,) = piece_blocks(Piece("k", Cut.KV_HEADS, heads=2), (kv_rows, 16), tp, rank)
+        assert piece_blocks(fused, (q_rows + 2 * kv_rows, 16), tp, rank) == (
+            Block("qkv", q.rows),
+            Block("qkv", (q_rows + k.rows[0], q_rows + k.rows[1])),
+            Block("qkv", (q_rows + kv_rows + k.rows[0], q_rows + kv_rows + k.rows[1])),
+        )
+
+
+def test_a_fused_gqa_qkv_that_does_not_match_its_heads_is_refused() -> None:
+    fused = Piece("qkv", Cut.QKV_HEADS, heads=2, q_heads=8)
+    with pytest.raises(PlanError, match="qkv has 37 rows, not 8 query heads and 2 key and"):
+        piece_blocks(fused, (37, 16), 2, 0)
+    with pytest.raises(PlanError, match="qkv has 8 query heads, not divisible by 3"):
+        piece_blocks(fused, (36, 16), 3, 0)
+
+
 def test_divisibility_is_checked() -> None:
     with pytest.raises(PlanError, match="q has 10 rows, not divisible by 4"):
         piece_blocks(Piece("q", Cut.ROWS), (10, 4), 4, 0)

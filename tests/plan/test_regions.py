@@ -54,6 +54,7 @@ def test_dense_cuts_at_every_coarser_tp(tp: int, new_tp: int) -> None:
         "norm": _random(hidden),
         "bias": _random(48),
         "wqkv": _random(3 * 48, hidden),  # MoonViT's fused q, k, v
+        "gqa": _random(48 + 2 * 2 * heads_dim, hidden),  # a fused q, k, v of 16 and 2 heads
     }
     cases = {
         "qkv": (
@@ -67,6 +68,7 @@ def test_dense_cuts_at_every_coarser_tp(tp: int, new_tp: int) -> None:
         "norm": (Piece("norm", Cut.REPLICATE),),
         "bias": (Piece("bias", Cut.ROWS),),
         "wqkv": (Piece("wqkv", Cut.PARTS_ROWS, heads=3),),
+        "gqa": (Piece("gqa", Cut.QKV_HEADS, heads=2, q_heads=16),),
     }
     for name, pieces in cases.items():
         for rank in range(new_tp):

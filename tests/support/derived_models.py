@@ -26,7 +26,8 @@ COMMON: dict[str, Any] = {
 }
 # architecture -> (transformers model_type, overrides)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    # a fused qkv_proj and gate_up_proj in the checkpoint (equal q, k, v parts)
+    # a fused qkv_proj and gate_up_proj in the checkpoint (equal q, k, v parts; fewer KV
+    # heads than query heads where num_key_value_heads is given, as Phi-3-medium has)
     "Phi3ForCausalLM": ("phi3", {"num_key_value_heads": 4, "pad_token_id": 0}),
     "Gemma2ForCausalLM": ("gemma2", {"tie_word_embeddings": True}),
     "Gemma3ForCausalLM": ("gemma3_text", {"tie_word_embeddings": True, "sliding_window": 64}),
@@ -43,8 +44,34 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "OlmoeForCausalLM": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # q and k norms after the projections, norms after attention and MLP, sliding windows
+    "Exaone4ForCausalLM": ("exaone4", {"sliding_window": 64}),
+    # LayerNorm, attention and MLP in parallel from one norm, a logit scale, tied
+    "CohereForCausalLM": ("cohere", {"tie_word_embeddings": True}),
+    # experts stacked in one tensor per layer (input_linear [E, 2I, H]), a shared MLP,
+    # Granite's multipliers
+    "GraniteMoeSharedForCausalLM": (
+        "granitemoeshared",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 128},
+    ),
     # vLLM's load_weights computes A = -exp(A_log): no plan of copies expresses it
     "MambaForCausalLM": ("mamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}),
+}
+
+# The cases tests/vllm/test_vllm_derived.py proves against a real vLLM, and
+# docs/families.md names: case -> (architecture, what its tiny model changes).
+PROVEN: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3-fused-qkv": ("Phi3ForCausalLM", {}),
+    "phi3-fused-gqa-qkv": ("Phi3ForCausalLM", {"num_key_value_heads": 2}),
+    "qwen2-moe-shared-expert": ("Qwen2MoeForCausalLM", {}),
+    "gemma2-tied": ("Gemma2ForCausalLM", {}),
+    "gemma3-text": ("Gemma3ForCausalLM", {}),
+    "granite-odd-vocab": ("GraniteForCausalLM", {}),
+    "stablelm": ("StableLmForCausalLM", {}),
+    "olmoe": ("OlmoeForCausalLM", {}),
+    "exaone4": ("Exaone4ForCausalLM", {}),
+    "cohere-tied": ("CohereForCausalLM", {}),
+    "granitemoe-shared-stacked-experts": ("GraniteMoeSharedForCausalLM", {}),
 }
 
 

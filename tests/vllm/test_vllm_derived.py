@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import vllm_env
 from canary import TRAP, assert_rank_files_equal_dumps, assert_same_dumps
-from derived_models import make_transformers_model
+from derived_models import PROVEN, make_transformers_model
 
 from shardprep.convert.run import Options, convert
-from shardprep.format.manifest import read_manifest
+from shardprep.format.manifest import read_manifest, read_regions
 
 pytestmark = [
     pytest.mark.vllm,
@@ -22,15 +22,8 @@ pytestmark = [
     pytest.mark.skipif(vllm_env.vllm_python() is None, reason="needs the vLLM environment"),
 ]
 
-ARCHITECTURES = {
-    "phi3-fused-qkv": "Phi3ForCausalLM",
-    "qwen2-moe-shared-expert": "Qwen2MoeForCausalLM",
-    "gemma2-tied": "Gemma2ForCausalLM",
-    "gemma3-text": "Gemma3ForCausalLM",
-    "granite-odd-vocab": "GraniteForCausalLM",
-    "stablelm": "StableLmForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
+# the cut a case is there to prove, which its artifact must name
+PROVES = {"phi3-fused-qkv": "parts_rows", "phi3-fused-gqa-qkv": "qkv_heads"}
 
 
 def converted(model: Path, artifact: Path, tp: int, pp: int) -> Path:
@@ -41,12 +34,16 @@ def converted(model: Path, artifact: Path, tp: int, pp: int) -> Path:
     return artifact
 
 
-@pytest.mark.parametrize("case", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("case", sorted(PROVEN))
 def test_derived_rank_files_equal_vllm_and_sharded_fast_gives_its_tokens(
     case: str, tmp_path: Path
 ) -> None:
-    model = make_transformers_model(tmp_path / "model", ARCHITECTURES[case])
+    architecture, overrides = PROVEN[case]
+    model = make_transformers_model(tmp_path / "model", architecture, **overrides)
     artifact = converted(model, tmp_path / "artifact", 2, 2)
+    if case in PROVES:
+        (target,) = read_regions(artifact, read_manifest(artifact)).models
+        assert PROVES[case] in {p.cut for pieces in target.pieces.values() for p in pieces}
     default = vllm_env.generate(model, 2, 2, "dump-default", dump_dir=tmp_path / "default")
     default_dumps = vllm_env.dump_files(tmp_path / "default")
     assert sorted(default_dumps) == [("target", p, t) for p in range(2) for t in range(2)]

@@ -22,13 +22,14 @@ from shardprep.plan.derived.regions import (
     normal,
     zeros,
 )
-from shardprep.plan.layout import piece_blocks
+from shardprep.plan.layout import block_shape, piece_blocks
 
 UNREAD = "vLLM's load_weights does not read it"
 # The cuts a derived piece may have, in the order they are preferred where several give
 # the same regions at the derived tp (ROWS over KV_HEADS while tp divides the heads).
 SIMPLE_CUTS = (Cut.REPLICATE, Cut.ROWS, Cut.COLS, Cut.VOCAB, Cut.PADDED_VOCAB)
 PARTS = (2, 3)
+STACKED_CUTS = (Cut.EXPERT_HALVES_ROWS, Cut.EXPERT_COLS)
 
 
 @dataclass
@@ -49,7 +50,9 @@ class _ParamState:
 def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hints) -> list[Piece]:
     """The cuts to try for a source, preferred first. A source of exactly the KV heads'
     rows (GQA's k and v) prefers KV_HEADS, which ROWS equals while tp divides the heads; a
-    source of the vocabulary's rows prefers VOCAB."""
+    source of the vocabulary's rows prefers VOCAB; a source of query, key and value heads
+    (a fused GQA qkv) is tried as one (QKV_HEADS); an expert's piece of a source that
+    stacks the experts (dim 0) reads its expert's matrix (EXPERT_HALVES_ROWS, ...)."""
     found = [Piece(source, cut, expert=expert) for cut in SIMPLE_CUTS]
     if shape and shape[0] == hints.vocab:  # VOCAB, which ROWS equals for a vocabulary of 64s
         found.insert(1, found.pop(3))
@@ -57,17 +60,24 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
         place = 1 if shape[0] == hints.rows and expert is None else 2
         found.insert(place, Piece(source, Cut.KV_HEADS, heads=hints.heads, expert=expert))
     found += [Piece(source, Cut.PARTS_ROWS, heads=parts, expert=expert) for parts in PARTS]
+    if expert is not None and len(shape) == 3:  # the expert's matrix of a stacked source
+        found += [Piece(source, cut, expert=expert) for cut in STACKED_CUTS]
+    if hints.rows and shape and shape[0] % (hints.q_heads + 2 * hints.heads) == 0:
+        qkv = Piece(source, Cut.QKV_HEADS, hints.heads, expert, q_heads=hints.q_heads)
+        found.append(qkv)
     return found
 
 
 @dataclass(frozen=True)
 class Hints:
     """What config.json says that tells equal cuts apart: the KV heads, their rows where
-    they are fewer than the query heads, the vocabulary (0: no hint)."""
+    they are fewer than the query heads, the vocabulary (0: no hint); and the query heads
+    (which cut a fused GQA qkv)."""
 
     heads: int
     rows: int
     vocab: int
+    q_heads: int = 0
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> Hints:
@@ -81,7 +91,7 @@ class Hints:
             whole("hidden_size"),
         )
         head_dim = whole("head_dim") or (hidden // heads if heads else 0)
-        return cls(kv, kv * head_dim if 0 < kv < heads else 0, whole("vocab_size"))
+        return cls(kv, kv * head_dim if 0 < kv < heads else 0, whole("vocab_size"), heads)
 
 
 class Inference:
@@ -190,6 +200,8 @@ class Inference:
                 chosen.append(piece.candidates[0])
             if state.pieces and state.pieces[0].expert is not None:
                 experts = max(experts, state.shape[0])
+            elif chosen and len(chosen) == len(state.pieces):
+                problems += self._reshaped(name, state.shape, chosen)
             params.append(
                 Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state))
             )
@@ -205,6 +217,19 @@ class Inference:
         return Layout(
             tuple(params), skipped, num_experts=experts, num_expert_group=num_expert_group
         )
+
+    def _reshaped(self, name: str, shape: tuple[int, ...], pieces: list[Piece]) -> list[str]:
+        """A parameter whose shape differs from the one its pieces give (the same values
+        viewed otherwise, e.g. a source's leading unit dim squeezed away): one problem."""
+        first = self.sources[pieces[0].source][1]
+        blocks = [b for p in pieces for b in piece_blocks(p, self.sources[p.source][1], self.tp, 0)]
+        planned = (sum(b.height for b in blocks), *block_shape(blocks[0], first)[1:])
+        if not first or planned == shape:
+            return []
+        return [
+            f"{name} <- {pieces[0].source}: vLLM holds {list(shape)} where the checkpoint's "
+            f"regions give {list(planned)}, a reshape a plan of rows does not record"
+        ]
 
     def _dtype(self, state: _ParamState) -> str | None:
         """None where the parameter follows the model's dtype (or its source's)."""
@@ -238,7 +263,7 @@ def _groups(
                 raise PlanError(f"vLLM's load_weights starts {name} with zeros; cannot derive it")
             groups[-1][2].append(fill)
             continue
-        if groups and groups[-1][0] == source:
+        if groups and groups[-1][0] == source and not _next_expert(shape, groups[-1][1], index):
             groups[-1][2].append(fill)
             if groups[-1][1] != index:
                 groups[-1] = (source, None, groups[-1][2])
@@ -286,6 +311,12 @@ def _qkv_candidates(
     if extra or part <= 0 or 2 * part >= shape[0]:
         return []
     return [Piece(source, Cut.QKV_ROWS, heads=part)]
+
+
+def _next_expert(shape: tuple[int, ...], last: int | None, index: int | None) -> bool:
+    """Whether a write into the next dim-0 row of a stack (its next expert) begins a
+    group of its own though its source is the same (a checkpoint that stacks experts)."""
+    return len(shape) == 3 and last is not None and index is not None and index != last
 
 
 def _row_width(shape: tuple[int, ...], stacked: bool) -> int:

@@ -55,11 +55,24 @@ def zeros(count: int) -> Fill:
     return None, (0, (count,), (1,))
 
 
+def _slab_region(block: Block, shape: tuple[int, ...]) -> Region:
+    """The part of one dim-0 row (an expert's matrix) of a 3-D source a slab block reads,
+    where it fills its slab whole (no padding around it)."""
+    assert block.slab is not None
+    (r0, r1), (c0, c1), size = block.slab
+    if len(shape) != 3 or size != (r1 - r0, c1 - c0):
+        raise PlanError(f"{block.source}: a padded block has no derived form")
+    offset = (block.rows[0] * shape[1] + r0) * shape[2] + c0
+    return normal(offset, (r1 - r0, c1 - c0), (shape[2], 1))
+
+
 def block_region(block: Block, shape: tuple[int, ...], row_width: int) -> Fill:
     """What a plan block reads from a source of `shape`, in the normal form; a zero block
     of a parameter whose rows hold `row_width` elements is that many zeros per row."""
     if block.source is None:
         return zeros((block.rows[1] - block.rows[0]) * row_width)
+    if block.slab is not None and block.repeat == (1, 1) and block.matrix is None:
+        return block.source, _slab_region(block, shape)
     if block.repeat != (1, 1) or block.matrix is not None or block.slab is not None:
         raise PlanError(f"{block.source}: a block of this kind has no derived form")
     width = 1
