@@ -20,7 +20,8 @@ same for every loader: the timing plugin of tests/vllm_dump_plugin
 dropped just before the engine starts; `warm`: dropped, then the contender's weight
 files read once and held in the page cache (locked by a helper process) until the
 engine stops. The engine is stopped once every rank has reported (`--ready`: run to
-the first token and report the time to ready too). Printed: each run's ranks, then per
+the first token and report the time to ready too). The measured checkouts' bytecode is
+written first, as installing shardprep does. Printed: each run's ranks, then per
 cell the best round's ranks and its slowest rank against the default loader's slowest,
 each round's slowest rank against the default loader's of the same round (the spread),
 and the git revision of the code measured. It holds the harness lock (one vLLM at a
@@ -161,7 +162,8 @@ ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 ROOT_CAUSE = re.compile(r"\b(?!EngineCore)\w*(Error|Exception): (?!Engine core initialization).*")
 TOPOLOGIES = {"tp2": (2, 1), "tp2xpp2": (2, 2)}
 FORMATS = ("default", "sharded-fast", "sharded_state")
-TESTS = Path(__file__).resolve().parents[1] / "tests"
+THIS_CHECKOUT = Path(__file__).resolve().parents[1]
+TESTS = THIS_CHECKOUT / "tests"
 TIMING_PLUGIN = TESTS / "vllm_dump_plugin"
 
 
@@ -340,6 +342,18 @@ def read_times(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def compile_bytecode(python: str, checkout: Path) -> None:
+    """Write the bytecode of `checkout`'s package with the workers' Python, as installing
+    it does. Without it (a checkout under PYTHONDONTWRITEBYTECODE) every worker compiles
+    the modules sharded-fast imports during `load_weights` from source again, at each start:
+    10 ms or more of its load phase that no installed shardprep spends."""
+    subprocess.run(
+        [python, "-m", "compileall", "-q", str(checkout / "shardprep")], check=True,
+        stdout=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+    )  # fmt: skip
+
+
 def revision(checkout: Path) -> str:
     """The commit of a checkout, marked `+dirty` when it has changes not committed."""
     git = ["git", "-C", str(checkout)]
@@ -365,6 +379,8 @@ def vllm_load_times(args: argparse.Namespace) -> dict:
     # One vLLM (and one long benchmark) at a time on this machine: building the model
     # also runs under the lock, so as not to disturb another benchmark.
     with vllm_env.one_vllm_at_a_time():
+        for checkout in [THIS_CHECKOUT] + ([Path(args.before)] if args.before else []):
+            compile_bytecode(vllm_env.require_python(), checkout)
         try:
             model = vllm_model(root, args.layers)
             chosen = {(tp, pp): vllm_contenders(args, model, root, tp, pp) for tp, pp in topologies}
@@ -381,7 +397,7 @@ def vllm_load_times(args: argparse.Namespace) -> dict:
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
-    revisions = {"this": revision(Path(__file__).resolve().parents[1])}
+    revisions = {"this": revision(THIS_CHECKOUT)}
     if args.before:
         revisions["before"] = revision(Path(args.before))
     return {"source_bytes": size, "revisions": revisions, "runs": runs}
