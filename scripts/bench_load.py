@@ -41,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -440,9 +441,12 @@ def print_vllm(results: dict) -> None:
 
 
 def print_cpu(results: dict) -> None:
-    """Per cell, each round's CPU seconds of its busiest rank during `load_weights`, and
-    its ratio to the default loader's of the same round: the work each loader does, which
-    other jobs on a shared machine disturb less than they disturb wall time."""
+    """Per cell, the CPU seconds of every rank's `load_weights`, over all rounds (least and
+    median, and the median against the default loader's); then each round's busiest rank
+    and its ratio to the default loader's of the same round. The work each loader does,
+    which other jobs on a shared machine disturb less than they disturb wall time; but the
+    figure counts every thread of the worker, and on a loaded machine a last-stage rank's
+    grows with its wall time whatever the loader, so the median is the steadier one."""
     cells: dict[tuple, list[dict]] = {}
     for run in results["runs"]:
         if "error" not in run and run.get("cpu"):
@@ -450,12 +454,17 @@ def print_cpu(results: dict) -> None:
             cells.setdefault(key, []).append(run | {"slowest": max(run["cpu"].values())})
     if not cells:
         return
-    print("\nCPU seconds of the busiest rank in load_weights (all threads of its process)")
-    print(f"{'cache':<6} {'layout':<9} {'loader':<22} each round (vs default)")
+    print("\nCPU seconds in load_weights (all threads of a rank's process): every rank of")
+    print("every round (least, median, median vs default), and the busiest rank of each round")
+    print(f"{'cache':<6} {'layout':<9} {'loader':<22} {'least':>6} {'median':>6} "
+          f"{'vs default':>10}  busiest, each round (vs default)")  # fmt: skip
     for (cache, tp, pp, label), runs in cells.items():
         layout = f"tp{tp}" if pp == 1 else f"tp{tp}xpp{pp}"
         base = cells.get((cache, tp, pp, "default"), [])
-        print(f"{cache:<6} {layout:<9} {label:<22} {each_round(runs, base)}")
+        every = [seconds for r in runs for seconds in r["cpu"].values()]
+        ratio = f"{median(every) / median(s for r in base for s in r['cpu'].values()):.2f}x"
+        print(f"{cache:<6} {layout:<9} {label:<22} {min(every):>6.3f} {median(every):>6.3f} "
+              f"{ratio if base else '-':>10}  {each_round(runs, base)}")  # fmt: skip
 
 
 def each_round(runs: list[dict], base: list[dict]) -> str:
