@@ -20,7 +20,8 @@ same for every loader: the timing plugin of tests/vllm_dump_plugin
 dropped just before the engine starts; `warm`: dropped, then the contender's weight
 files read once and held in the page cache (locked by a helper process) until the
 engine stops. The engine is stopped once every rank has reported (`--ready`: run to
-the first token and report the time to ready too). Printed: each run's ranks, then per
+the first token and report the time to ready too). The measured checkouts' bytecode is
+written first, as installing shardprep does. Printed: each run's ranks, then per
 cell the best round's ranks and its slowest rank against the default loader's slowest,
 each round's slowest rank against the default loader's of the same round (the spread),
 and the git revision of the code measured. It holds the harness lock (one vLLM at a
@@ -40,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -161,7 +163,8 @@ ATTENTION_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 ROOT_CAUSE = re.compile(r"\b(?!EngineCore)\w*(Error|Exception): (?!Engine core initialization).*")
 TOPOLOGIES = {"tp2": (2, 1), "tp2xpp2": (2, 2)}
 FORMATS = ("default", "sharded-fast", "sharded_state")
-TESTS = Path(__file__).resolve().parents[1] / "tests"
+THIS_CHECKOUT = Path(__file__).resolve().parents[1]
+TESTS = THIS_CHECKOUT / "tests"
 TIMING_PLUGIN = TESTS / "vllm_dump_plugin"
 
 
@@ -340,6 +343,18 @@ def read_times(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def compile_bytecode(python: str, checkout: Path) -> None:
+    """Write the bytecode of `checkout`'s package with the workers' Python, as installing
+    it does. Without it (a checkout under PYTHONDONTWRITEBYTECODE) every worker compiles
+    the modules sharded-fast imports during `load_weights` from source again, at each start:
+    10 ms or more of its load phase that no installed shardprep spends."""
+    subprocess.run(
+        [python, "-m", "compileall", "-q", str(checkout / "shardprep")], check=True,
+        stdout=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+    )  # fmt: skip
+
+
 def revision(checkout: Path) -> str:
     """The commit of a checkout, marked `+dirty` when it has changes not committed."""
     git = ["git", "-C", str(checkout)]
@@ -365,6 +380,8 @@ def vllm_load_times(args: argparse.Namespace) -> dict:
     # One vLLM (and one long benchmark) at a time on this machine: building the model
     # also runs under the lock, so as not to disturb another benchmark.
     with vllm_env.one_vllm_at_a_time():
+        for checkout in [THIS_CHECKOUT] + ([Path(args.before)] if args.before else []):
+            compile_bytecode(vllm_env.require_python(), checkout)
         try:
             model = vllm_model(root, args.layers)
             chosen = {(tp, pp): vllm_contenders(args, model, root, tp, pp) for tp, pp in topologies}
@@ -381,7 +398,7 @@ def vllm_load_times(args: argparse.Namespace) -> dict:
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
-    revisions = {"this": revision(Path(__file__).resolve().parents[1])}
+    revisions = {"this": revision(THIS_CHECKOUT)}
     if args.before:
         revisions["before"] = revision(Path(args.before))
     return {"source_bytes": size, "revisions": revisions, "runs": runs}
@@ -424,9 +441,12 @@ def print_vllm(results: dict) -> None:
 
 
 def print_cpu(results: dict) -> None:
-    """Per cell, each round's CPU seconds of its busiest rank during `load_weights`, and
-    its ratio to the default loader's of the same round: the work each loader does, which
-    other jobs on a shared machine disturb less than they disturb wall time."""
+    """Per cell, the CPU seconds of every rank's `load_weights`, over all rounds (least and
+    median, and the median against the default loader's); then each round's busiest rank
+    and its ratio to the default loader's of the same round. The work each loader does,
+    which other jobs on a shared machine disturb less than they disturb wall time; but the
+    figure counts every thread of the worker, and on a loaded machine a last-stage rank's
+    grows with its wall time whatever the loader, so the median is the steadier one."""
     cells: dict[tuple, list[dict]] = {}
     for run in results["runs"]:
         if "error" not in run and run.get("cpu"):
@@ -434,12 +454,17 @@ def print_cpu(results: dict) -> None:
             cells.setdefault(key, []).append(run | {"slowest": max(run["cpu"].values())})
     if not cells:
         return
-    print("\nCPU seconds of the busiest rank in load_weights (all threads of its process)")
-    print(f"{'cache':<6} {'layout':<9} {'loader':<22} each round (vs default)")
+    print("\nCPU seconds in load_weights (all threads of a rank's process): every rank of")
+    print("every round (least, median, median vs default), and the busiest rank of each round")
+    print(f"{'cache':<6} {'layout':<9} {'loader':<22} {'least':>6} {'median':>6} "
+          f"{'vs default':>10}  busiest, each round (vs default)")  # fmt: skip
     for (cache, tp, pp, label), runs in cells.items():
         layout = f"tp{tp}" if pp == 1 else f"tp{tp}xpp{pp}"
         base = cells.get((cache, tp, pp, "default"), [])
-        print(f"{cache:<6} {layout:<9} {label:<22} {each_round(runs, base)}")
+        every = [seconds for r in runs for seconds in r["cpu"].values()]
+        ratio = f"{median(every) / median(s for r in base for s in r['cpu'].values()):.2f}x"
+        print(f"{cache:<6} {layout:<9} {label:<22} {min(every):>6.3f} {median(every):>6.3f} "
+              f"{ratio if base else '-':>10}  {each_round(runs, base)}")  # fmt: skip
 
 
 def each_round(runs: list[dict], base: list[dict]) -> str:
