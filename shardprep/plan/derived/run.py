@@ -67,6 +67,11 @@ def derive(
     return with_shared(layout, shared, shared_sources), answer["vllm"]
 
 
+PARTITION = "VLLM_PP_LAYER_PARTITION"  # set by the child for each request
+# What a child reads as it starts (the rest it reads from each request's environment).
+AT_START = ("PYTHON", "LD_", "VLLM_", "TORCH", "CUDA")
+
+
 class _Probe:
     """The child process that derives (probe.py), started at the first request and kept
     for the next ones: importing vLLM costs seconds that every derivation would pay
@@ -74,9 +79,16 @@ class _Probe:
 
     def __init__(self) -> None:
         self.child: subprocess.Popen[str] | None = None
+        self.started_in: dict[str, str] = {}
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        environment = {
+            k: v for k, v in request["env"].items() if k.startswith(AT_START) and k != PARTITION
+        }
+        if environment != self.started_in:  # a new PYTHONPATH, say: what it imports differs
+            self.close()
         if self.child is None or self.child.poll() is not None:
+            self.started_in = environment
             self.child = subprocess.Popen(
                 [sys.executable, "-m", "shardprep.plan.derived.probe"],
                 stdin=subprocess.PIPE,
@@ -126,7 +138,7 @@ _PROBE = _Probe()
 def _environment(topology: Topology) -> dict[str, str]:
     """vLLM's own reading of the partition, quiet logs, nothing fetched from a network."""
     env = dict(os.environ)
-    env["VLLM_PP_LAYER_PARTITION"] = ",".join(map(str, topology.partition))
+    env[PARTITION] = ",".join(map(str, topology.partition))
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     env["HF_HUB_OFFLINE"] = "1"
     return env
