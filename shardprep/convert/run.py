@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 from shardprep import safefs
 from shardprep.constants import (
@@ -88,6 +91,9 @@ def read_source(checkpoint: Checkpoint) -> SourceModel:
     return SourceModel(archs.read_config(source.config), source.tensors)
 
 
+T = TypeVar("T")
+
+
 def load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkpoint]]:
     """Open the checkpoints (headers only: a Hub repo's by range request) and plan;
     nothing is written."""
@@ -130,10 +136,35 @@ def _load_and_plan(model: str, options: Options) -> tuple[Plan, dict[str, Checkp
         dataclasses.replace(options, draft_method=method, partition=partition),
         source_model(checkpoints["draft"]) if "draft" in checkpoints else None,
         partition_origin="" if options.partition else f"the environment ({ENV_PP_PARTITION})",
-        distinct_copies=distinct_copies(checkpoints, method),
+        distinct_copies=in_background(lambda: distinct_copies(checkpoints, method)),
     )
     plan = dataclasses.replace(plan, notes=tuple(notes))
     return plan, checkpoints
+
+
+def in_background(work: Callable[[], T]) -> Callable[[], T]:
+    """`work` started on a thread of its own (reads, which leave the interpreter free);
+    the call returned waits for its result, or raises what it raised. A thread nobody
+    waits for does not keep the process from ending."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as exc:  # handed to the one who waits
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="shardprep-compare", daemon=True)
+    thread.start()
+
+    def result() -> T:
+        thread.join()
+        finished, value = outcome[0]
+        if not finished:
+            raise value
+        return cast(T, value)
+
+    return result
 
 
 def distinct_copies(checkpoints: dict[str, Checkpoint], method: str | None) -> frozenset[str]:
@@ -145,13 +176,16 @@ def distinct_copies(checkpoints: dict[str, Checkpoint], method: str | None) -> f
     family = archs.draft_family(method, archs.target_family(target.config)[1].name)
     if not counts_fit(family, read_source(draft)):
         return frozenset()  # planning refuses the draft's counts
-    return frozenset(
-        copy
+    pairs = [
+        (copy, original)
         for copy, original in family.shared_copies(draft.config).items()
-        if copy in draft.tensors
-        and original in target.tensors
-        and not same_bytes(draft, copy, target, original)
-    )
+        if copy in draft.tensors and original in target.tensors
+    ]
+    if not pairs:
+        return frozenset()
+    with ThreadPoolExecutor(min(len(pairs), 4), thread_name_prefix="shardprep-compare") as pool:
+        same = pool.map(lambda pair: same_bytes(draft, pair[0], target, pair[1]), pairs)
+        return frozenset(copy for (copy, _), alike in zip(pairs, same, strict=True) if not alike)
 
 
 def same_bytes(a: Checkpoint, a_name: str, b: Checkpoint, b_name: str) -> bool:

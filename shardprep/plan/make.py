@@ -6,7 +6,7 @@ and every check runs before the first write.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -80,14 +80,15 @@ def make_plan(
     draft: SourceModel | None = None,
     *,
     partition_origin: str = "",
-    distinct_copies: frozenset[str] = frozenset(),
+    distinct_copies: frozenset[str] | Callable[[], frozenset[str]] = frozenset(),
 ) -> Plan:
     """Validate everything, then lay out every rank file as `request` asks (its
     `draft_method` names the kind of `draft`; None: the draft's config and tensors tell).
     Raises one PlanError listing every problem found. `partition_origin` names where
     `request.partition` came from when it was not the command line; `distinct_copies`:
     the draft's copies of target tensors (`DraftFamily.shared_copies`) whose bytes differ
-    from the target's, so the draft must hold them itself."""
+    from the target's, so the draft must hold them itself (or a call that waits for them:
+    the bytes are compared while the target is planned)."""
     effective_placement(request.expert_placement, num_expert_group=None, dp=1)  # raises
     target = SourceModel(archs.read_config(target.config), target.tensors)
     if draft is not None:
@@ -99,10 +100,13 @@ def make_plan(
     topology = _topology(target, request, partition_origin, problems)
     model_dtype = resolve_dtype(request.dtype, target.config, target)
     problems += _request_problems(target, request)
-    jobs = _jobs((architecture, family), target, draft, request, distinct_copies)
+    jobs = _jobs((architecture, family), target, draft, request)
     problems += [f"target: {p}" for p in accepted_draft_problems(family, jobs[-1].method)]
     layouts = []
-    for job in jobs:
+    for i, job in enumerate(jobs):
+        if job.role == "draft":
+            copies = distinct_copies() if callable(distinct_copies) else distinct_copies
+            jobs[i] = job = replace(job, ctx=replace(job.ctx, distinct_copies=copies))
         layout, found = checked_layout(
             job.role, job.family, job.source, request.tp, topology, job.ctx
         )
@@ -147,7 +151,6 @@ def _jobs(
     target: SourceModel,
     draft: SourceModel | None,
     request: ConversionRequest,
-    distinct_copies: frozenset[str],
 ) -> list[_Job]:
     """The target, and its draft if there is one, each with its family and context."""
     architecture, family = target_family
@@ -169,7 +172,6 @@ def _jobs(
         moe,
         target_config=target.config,
         draft_names=tuple(sorted(draft.tensors)),
-        distinct_copies=distinct_copies,
     )
     return [
         _Job("target", architecture, None, family, target, target_ctx),
