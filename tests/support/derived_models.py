@@ -75,22 +75,30 @@ PROVEN: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def save_random(
+    folder: Path, model_type: str, architecture: str, sizes: dict[str, Any], seed: int
+) -> None:
+    """The model transformers builds of `sizes`, random values everywhere (norms
+    included), saved as transformers saves it, in float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **sizes)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
 def make_transformers_model(
     folder: Path, architecture: str, seed: int = 0, **overrides: Any
 ) -> Path:
     """config.json, generation_config.json and model.safetensors of a tiny random model
     of `architecture`, in float32, as transformers saves it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     model_type, own = MODELS[architecture]
-    config = AutoConfig.for_model(model_type, **{**COMMON, **own, **overrides})
-    config.architectures = [architecture]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():  # random values everywhere, norms included
-        for param in model.parameters():
-            param.normal_(0, 0.05)
-    model.save_pretrained(folder, safe_serialization=True)
+    save_random(folder, model_type, architecture, {**COMMON, **own, **overrides}, seed)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation) + "\n")
     return folder

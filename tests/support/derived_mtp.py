@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from derived_models import save_random
 from safetensors.torch import load_file, save_file
 
 GLM = "Glm4MoeLiteForCausalLM"
@@ -54,7 +55,7 @@ def make_mtp_model(
     model of `architecture`, its MTP layer included (`with_mtp`; else as transformers
     saves it: config.json promises an MTP layer the checkpoint lacks)."""
     model_type, config, mtp = MODELS[architecture]
-    _save_random(folder, model_type, architecture, config, seed)
+    save_random(folder, model_type, architecture, config, seed)
     if with_mtp:
         weights = folder / "model.safetensors"
         tensors = load_file(weights)
@@ -63,21 +64,6 @@ def make_mtp_model(
     generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation) + "\n")
     return folder
-
-
-def _save_random(
-    folder: Path, model_type: str, architecture: str, sizes: dict[str, Any], seed: int
-) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **sizes)
-    config.architectures = [architecture]
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    with torch.no_grad():  # random values everywhere, norms included
-        for param in model.parameters():
-            param.normal_(0, 0.05)
-    model.save_pretrained(folder, safe_serialization=True)
 
 
 def _like(
