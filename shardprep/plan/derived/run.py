@@ -80,6 +80,7 @@ class _Probe:
     def __init__(self) -> None:
         self.child: subprocess.Popen[str] | None = None
         self.started_in: dict[str, str] = {}
+        atexit.register(self.close)
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
         environment = {
@@ -96,7 +97,6 @@ class _Probe:
                 text=True,
                 env=request["env"],
             )
-            atexit.register(self.close)
         child = self.child
         assert child.stdin is not None and child.stdout is not None
         try:
