@@ -9,6 +9,7 @@ from typing import Any
 from shardprep.errors import ConfigError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES, keeps_values
 from shardprep.format.records import Topology
+from shardprep.format.request import ConversionRequest
 from shardprep.format.vllm_layout import expert_substitution
 from shardprep.plan.archs.base import (
     DEFAULT_CONTEXT,
@@ -19,7 +20,7 @@ from shardprep.plan.archs.base import (
 from shardprep.plan.archs.parts import quantized
 from shardprep.plan.cuts import MODEL_DTYPE
 from shardprep.plan.drafts import with_target_rules
-from shardprep.plan.quant import scheme_of
+from shardprep.plan.quant import Mxfp4Quant, scheme_of
 from shardprep.plan.records import SourceModel
 
 UNPROVEN = "shardprep's layout of them is not proven against vLLM"
@@ -199,3 +200,39 @@ def problem_summary(problems: list[str], limit: int = 8) -> str:
     head = "; ".join(problems[:limit])
     more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
     return f"cannot convert: {head}{more}"
+
+
+def request_problems(target: SourceModel, request: ConversionRequest) -> list[str]:
+    """What in the request itself keeps it from being planned."""
+    problems = []
+    stage, pp = request.stage, request.pp
+    if stage is not None and not 0 <= stage < pp:
+        problems.append(f"--stage {stage} is outside the pipeline stages 0..{pp - 1}")
+    problems += dp_problems(request.dp, request.expert_parallel)
+    pad = request.mxfp4_pad
+    if pad is not None and not isinstance(scheme_of(target.config), Mxfp4Quant):
+        problems.append(
+            f"--mxfp4-pad {pad} matters only to MXFP4 checkpoints (quant_method mxfp4); "
+            "leave it out"
+        )
+    return problems
+
+
+def expert_flag_problems(
+    architecture: str, request: ConversionRequest, layouts: list[Layout | None]
+) -> list[str]:
+    """Expert-parallel flags given for a model without experts."""
+    if any(layout and layout.num_experts for layout in layouts):
+        return []
+    problems = []
+    if request.expert_parallel:
+        problems.append(
+            f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} has "
+            "no experts, so leave the flag out"
+        )
+    if request.dp > 1:
+        problems.append(
+            f"--dp {request.dp} matters only to a mixture-of-experts model; {architecture} "
+            "has no experts and is the same on every data-parallel rank, so leave --dp out"
+        )
+    return problems

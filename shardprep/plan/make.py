@@ -23,7 +23,12 @@ from shardprep.format.records import Topology
 from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
 from shardprep.plan.archs.base import Family, Layout, Param, PlanContext, config_int
-from shardprep.plan.checks import checked_layout, dp_problems, problem_summary
+from shardprep.plan.checks import (
+    checked_layout,
+    expert_flag_problems,
+    problem_summary,
+    request_problems,
+)
 from shardprep.plan.cuts import MODEL_DTYPE, Block, Cut
 from shardprep.plan.drafts import accepted_draft_problems
 from shardprep.plan.experts import StackKinds, expert_stack, is_expert_stack
@@ -99,7 +104,7 @@ def make_plan(
     problems: list[str] = []
     topology = _topology(target, request, partition_origin, problems)
     model_dtype = resolve_dtype(request.dtype, target.config, target)
-    problems += _request_problems(target, request)
+    problems += request_problems(target, request)
     jobs = _jobs((architecture, family), target, draft, request)
     problems += [f"target: {p}" for p in accepted_draft_problems(family, jobs[-1].method)]
     layouts = []
@@ -112,7 +117,7 @@ def make_plan(
         )
         problems += found
         layouts.append(layout)
-    problems += _expert_problems(architecture, request, layouts)
+    problems += expert_flag_problems(architecture, request, layouts)
     if problems or topology is None:
         raise PlanError(problem_summary(problems))
     return _plan(topology, request, jobs, layouts, model_dtype)
@@ -128,22 +133,6 @@ def _topology(
     except PlanError as exc:
         problems.append(str(exc))
         return None
-
-
-def _request_problems(target: SourceModel, request: ConversionRequest) -> list[str]:
-    """What in the request itself keeps it from being planned."""
-    problems = []
-    stage, pp = request.stage, request.pp
-    if stage is not None and not 0 <= stage < pp:
-        problems.append(f"--stage {stage} is outside the pipeline stages 0..{pp - 1}")
-    problems += dp_problems(request.dp, request.expert_parallel)
-    pad = request.mxfp4_pad
-    if pad is not None and not isinstance(scheme_of(target.config), Mxfp4Quant):
-        problems.append(
-            f"--mxfp4-pad {pad} matters only to MXFP4 checkpoints (quant_method mxfp4); "
-            "leave it out"
-        )
-    return problems
 
 
 def _jobs(
@@ -177,26 +166,6 @@ def _jobs(
         _Job("target", architecture, None, family, target, target_ctx),
         _Job("draft", method, method, draft_family, draft, draft_ctx),
     ]
-
-
-def _expert_problems(
-    architecture: str, request: ConversionRequest, layouts: list[Layout | None]
-) -> list[str]:
-    """Expert-parallel flags given for a model without experts."""
-    if any(layout and layout.num_experts for layout in layouts):
-        return []
-    problems = []
-    if request.expert_parallel:
-        problems.append(
-            f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} has "
-            "no experts, so leave the flag out"
-        )
-    if request.dp > 1:
-        problems.append(
-            f"--dp {request.dp} matters only to a mixture-of-experts model; {architecture} "
-            "has no experts and is the same on every data-parallel rank, so leave --dp out"
-        )
-    return problems
 
 
 def _plan(
