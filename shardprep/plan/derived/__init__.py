@@ -105,6 +105,7 @@ class DerivedMtpDraft(DraftFamily):
 
     name = DERIVED  # one layout revision for what is derived, the draft included
     standalone = False  # it comes inside its target, never with --draft
+    quant_schemes = DerivedFamily.quant_schemes  # tests/plan/test_derived_drafts.py
     expert_parallel_refusal = DerivedFamily.expert_parallel_refusal
 
     def expected_shapes(
