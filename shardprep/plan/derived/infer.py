@@ -16,12 +16,12 @@ from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived.regions import (
     Fill,
-    Region,
     block_region,
     contiguous_span,
     normal,
     zeros,
 )
+from shardprep.plan.derived.regions import merged as _merged
 from shardprep.plan.layout import block_shape, piece_blocks
 
 UNREAD = "vLLM's load_weights does not read it"
@@ -322,23 +322,3 @@ def _next_expert(shape: tuple[int, ...], last: int | None, index: int | None) ->
 def _row_width(shape: tuple[int, ...], stacked: bool) -> int:
     dims = shape[2:] if stacked else shape[1:]
     return math.prod(dims)
-
-
-def _merged(fills: list[Fill]) -> list[Fill]:
-    """Adjacent regions of one source that continue each other as one (a cut's blocks
-    and vLLM's copies may split the same run differently); zeros merged likewise."""
-    out: list[Fill] = []
-    for source, region in fills:
-        if out and source is None and out[-1][0] is None:
-            out[-1] = zeros(out[-1][1][1][0] + region[1][0])
-        elif out and source is not None and out[-1][0] == source and _continues(out[-1][1], region):
-            previous = out[-1][1]
-            out[-1] = (source, (previous[0], (previous[1][0] + region[1][0],), (1,)))
-        else:
-            out.append((source, region))
-    return out
-
-
-def _continues(a: Region, b: Region) -> bool:
-    flat = len(a[1]) == 1 and len(b[1]) == 1 and a[2] == (1,) and b[2] == (1,)
-    return flat and a[0] + a[1][0] == b[0]
