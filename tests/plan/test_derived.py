@@ -26,7 +26,7 @@ from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.archs.parts import quantized
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived import DerivedFamily, available
-from shardprep.plan.derived.infer import Inference
+from shardprep.plan.derived.infer import Hints, Inference
 from shardprep.plan.drafts import with_target_rules
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
@@ -115,8 +115,6 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
 NOT_YET = {
     "gpt-oss-tp2": "vLLM zeroes the checkpoint's down_proj_bias in place on tp ranks > 0 and "
     "copies transposed expert slices: the derivation records neither yet",
-    "qwen3.5-moe-tp2": "one checkpoint tensor stacks every expert (experts.gate_up_proj): "
-    "the derivation infers a piece per source, not one per expert of a source",
     "kimi-k3-tp2": "vLLM's load_weights leaves part of the KDA in_proj_qkvgfab unwritten "
     "(filled elsewhere than from a checkpoint tensor)",
     "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
@@ -307,6 +305,16 @@ def test_experts_stacked_in_one_source_are_read_each_from_its_own_matrix() -> No
     (param,) = layout.params
     assert param.pieces == tuple(Piece("gu", Cut.EXPERT_HALVES_ROWS, expert=e) for e in (0, 1))
     assert layout.num_experts == 2
+
+
+def test_a_text_models_config_gives_the_hints_of_a_wrapper_that_holds_it() -> None:
+    """A vision-language wrapper's config.json keeps the text model's heads and
+    vocabulary under text_config, where vLLM's hf_text_config reads them."""
+    text = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+    hints = Hints(heads=2, rows=64, vocab=1000, q_heads=4)
+    assert Hints.of({"text_config": text | {"vocab_size": 1000}}) == hints
+    assert Hints.of({"vocab_size": 1000, "text_config": text}) == hints
+    assert Hints.of(text | {"vocab_size": 1000}) == hints
 
 
 NO_VLLM_IMPORT = """
