@@ -171,6 +171,55 @@ def test_derived_plan_equals_the_hand_written_plan(
     assert derived.num_experts == written.num_experts
 
 
+def _renamed(name: str, prefixes: dict[str, str]) -> str:
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    return name
+
+
+# Qwen3.5-MoE's language model under the text-only class's names: vLLM's, the checkpoint's
+TEXT_PARAMS = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+TEXT_SOURCES = {"model.language_model.": "model."}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_the_text_only_qwen3_5_moe_class_derives_the_families_language_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`Qwen3_5MoeForCausalLM`, which no family names, is the language model of
+    `Qwen3_5MoeForConditionalGeneration` under `model.` (its checkpoint's names and
+    vLLM's): its derived plan is the hand-written family's, but the tower, piece for piece."""
+    monkeypatch.setenv("PYTHONPATH", vllm_env.with_torchvision()["PYTHONPATH"])
+    published = tiny_config("Qwen3_5MoeForConditionalGeneration")
+    config = archs.read_config(published)
+    family = archs.target_family(config)[1]
+    shapes = quantized.expected_shapes(family, config)
+    topology = make_topology(config["num_hidden_layers"], 2, 2, None, "")
+    written = quantized.layout(family, config, shapes, topology, _context(2))
+    text = {**published["text_config"], "architectures": ["Qwen3_5MoeForCausalLM"]}
+    assert archs.target_family(text)[1].name == "derived"
+    text_shapes = {
+        _renamed(name, TEXT_SOURCES): shape
+        for name, shape in shapes.items()
+        if not name.startswith("model.visual.")
+    }
+    derived = DerivedFamily().layout(text, text_shapes, topology, _context(2))
+    expected = {
+        _renamed(param.name, TEXT_PARAMS): tuple(
+            piece._replace(source=_renamed(piece.source, TEXT_SOURCES)) for piece in param.pieces
+        )
+        for param in written.params
+        if not param.name.startswith("visual.")
+    }
+    assert {p.name: p.pieces for p in derived.params} == expected
+    assert set(derived.skipped) == {_renamed(name, TEXT_SOURCES) for name in written.skipped}
+    stages = {p.name: p.stages for p in derived.params}
+    assert stages["lm_head.weight"] == (1,) and stages["model.embed_tokens.weight"] == (0, 1)
+    assert derived.num_experts == written.num_experts == 8
+
+
 def _unnamed(architecture: str, model_type: str, **overrides: Any) -> SourceModel:
     """A tiny Llama's tensors under an architecture vLLM registers and no family names."""
     llama = source_model(tiny_config("LlamaForCausalLM", **overrides))
