@@ -72,7 +72,8 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
 class Hints:
     """What config.json says that tells equal cuts apart: the KV heads, their rows where
     they are fewer than the query heads, the vocabulary (0: no hint); and the query heads
-    (which cut a fused GQA qkv)."""
+    (which cut a fused GQA qkv). A model with a text model's config (a vision-language
+    wrapper) reads them there, as vLLM's `hf_text_config` does."""
 
     heads: int
     rows: int
@@ -81,6 +82,9 @@ class Hints:
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> Hints:
+        text = config.get("text_config")
+        config = {**config, **text} if isinstance(text, Mapping) else config
+
         def whole(key: str) -> int:
             value = config.get(key)
             return value if isinstance(value, int) and not isinstance(value, bool) else 0
