@@ -115,8 +115,6 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
 NOT_YET = {
     "gpt-oss-tp2": "vLLM zeroes the checkpoint's down_proj_bias in place on tp ranks > 0 and "
     "copies transposed expert slices: the derivation records neither yet",
-    "qwen3.5-moe-tp2": "one checkpoint tensor stacks every expert (experts.gate_up_proj): "
-    "the derivation infers a piece per source, not one per expert of a source",
     "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
     "the same row of w13_weight_shape: a plan writes each value once",
     "deepseek-v3-nvfp4-tp2": "the packed cuts (whole packed elements of the unpacked weight) "

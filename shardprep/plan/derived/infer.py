@@ -74,8 +74,8 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
 class Hints:
     """What config.json says that tells equal cuts apart: the KV heads, their rows where
     they are fewer than the query heads, the vocabulary (0: no hint); and the query heads
-    (which cut a fused GQA qkv). A multimodal config's `text_config` is read over it, as
-    vLLM reads its `hf_text_config`."""
+    (which cut a fused GQA qkv). A model with a text model's config (a vision-language
+    wrapper) reads them there, as vLLM's `hf_text_config` does."""
 
     heads: int
     rows: int
