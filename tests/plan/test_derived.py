@@ -115,8 +115,6 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
 NOT_YET = {
     "gpt-oss-tp2": "vLLM zeroes the checkpoint's down_proj_bias in place on tp ranks > 0 and "
     "copies transposed expert slices: the derivation records neither yet",
-    "kimi-k3-tp2": "vLLM's load_weights leaves part of the KDA in_proj_qkvgfab unwritten "
-    "(filled elsewhere than from a checkpoint tensor)",
     "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
     "the same row of w13_weight_shape: a plan writes each value once",
     "deepseek-v3-nvfp4-tp2": "the packed cuts (whole packed elements of the unpacked weight) "

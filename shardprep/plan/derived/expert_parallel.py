@@ -81,8 +81,9 @@ def _rank_problems(
 
 
 def _recorded(ops: list[Sequence[Any]], total: int) -> list[Fill] | None:
-    """What vLLM wrote into a parameter, in its order; None where it leaves part unwritten
-    or writes part twice (no plan of one write per value is that)."""
+    """What vLLM wrote into a parameter, in its order (zeros it wrote while it built the
+    model included); None where it leaves part unwritten, writes part twice or writes a
+    value of its own (no plan of one copy or zero per value is that)."""
     spans = []
     for op in ops:
         offset, sizes, strides = op[2]
@@ -92,7 +93,9 @@ def _recorded(ops: list[Sequence[Any]], total: int) -> list[Fill] | None:
             return None
         if start == end:
             continue
-        fill = zeros(end - start) if op[0] == "fill" else (op[3], normal(*op[4]))
+        if op[0] != "copy" and op[3] != 0:  # a value of vLLM's own: no plan writes it
+            return None
+        fill = zeros(end - start) if op[0] != "copy" else (op[3], normal(*op[4]))
         spans.append((start, end, fill))
     spans.sort(key=lambda span: span[0])
     position = 0

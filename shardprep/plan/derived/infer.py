@@ -14,6 +14,7 @@ from shardprep.errors import PlanError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import Cut, Piece
+from shardprep.plan.derived.padding import align_piece, built_tails
 from shardprep.plan.derived.regions import (
     Fill,
     block_region,
@@ -45,6 +46,7 @@ class _ParamState:
     shape: tuple[int, ...]
     pieces: list[_PieceState]
     stages: set[int] = field(default_factory=set)
+    padding: int = 0  # the most zero rows a rank ends with, built and never loaded
 
 
 def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hints) -> list[Piece]:
@@ -117,7 +119,8 @@ class Inference:
         p, t = record["rank"]
         self.model_dtype = record["model_dtype"]
         writes: dict[str, list[tuple[int, int, Fill]]] = {name: [] for name in record["params"]}
-        for op in record["ops"]:
+        ops, tails = built_tails(record["ops"], record["params"])
+        for op in ops:
             kind, param, (offset, sizes, strides) = op[0], op[1], op[2]
             start, end = contiguous_span(normal(offset, sizes, strides), param)
             if start == end:
@@ -138,7 +141,7 @@ class Inference:
             if not writes[name]:  # vLLM loads nothing into it (fp8's KV-cache scales)
                 self.unloaded.add(name)
                 continue
-            self._add_param(name, dtype, tuple(shape), writes[name], p, t)
+            self._add_param(name, dtype, tuple(shape), writes[name], (p, t), tails.get(name, 0))
 
     def _add_param(
         self,
@@ -146,10 +149,11 @@ class Inference:
         dtype: str,
         shape: tuple[int, ...],
         writes: list[tuple[int, int, Fill]],
-        p: int,
-        t: int,
+        rank: tuple[int, int],
+        padding: int,
     ) -> None:
-        groups = _groups(name, shape, writes, p, t)
+        p, t = rank
+        groups = _groups(name, shape, writes, p, t, padding)
         stacked = len(shape) == 3 and all(g[1] is not None for g in groups) and len(groups) > 1
         state = self.params.get(name)
         if state is None:
@@ -175,6 +179,7 @@ class Inference:
                 "architecture cannot be derived yet"
             )
         state.stages.add(p)
+        state.padding = max(state.padding, padding)
         width = _row_width(shape, stacked)
         for piece, (_, _, fills) in zip(state.pieces, groups, strict=True):
             piece.candidates = [c for c in piece.candidates if self._matches(c, fills, width, t)]
@@ -202,9 +207,17 @@ class Inference:
                     )
                     continue
                 chosen.append(piece.candidates[0])
+            complete = bool(chosen) and len(chosen) == len(state.pieces)
+            if state.padding and chosen:
+                align = align_piece(name, state.shape, state.padding, chosen[-1])
+                if isinstance(align, str):
+                    problems.append(align)
+                    complete = False
+                else:
+                    chosen.append(align)
             if state.pieces and state.pieces[0].expert is not None:
                 experts = max(experts, state.shape[0])
-            elif chosen and len(chosen) == len(state.pieces):
+            elif complete:
                 problems += self._reshaped(name, state.shape, chosen)
             params.append(
                 Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state))
@@ -226,8 +239,11 @@ class Inference:
         """A parameter whose shape differs from the one its pieces give (the same values
         viewed otherwise, e.g. a source's leading unit dim squeezed away): one problem."""
         first = self.sources[pieces[0].source][1]
-        blocks = [b for p in pieces for b in piece_blocks(p, self.sources[p.source][1], self.tp, 0)]
-        planned = (sum(b.height for b in blocks), *block_shape(blocks[0], first)[1:])
+        read = [p for p in pieces if p.cut is not Cut.ALIGN_ROWS]
+        blocks = [b for p in read for b in piece_blocks(p, self.sources[p.source][1], self.tp, 0)]
+        rows = sum(b.height for b in blocks)
+        rows += -rows % pieces[-1].heads if len(read) < len(pieces) else 0
+        planned = (rows, *block_shape(blocks[0], first)[1:])
         if not first or planned == shape:
             return []
         return [
@@ -243,15 +259,22 @@ class Inference:
 
 
 def _groups(
-    name: str, shape: tuple[int, ...], writes: list[tuple[int, int, Fill]], p: int, t: int
+    name: str,
+    shape: tuple[int, ...],
+    writes: list[tuple[int, int, Fill]],
+    p: int,
+    t: int,
+    padding: int = 0,
 ) -> list[tuple[str, int | None, list[Fill]]]:
     """The writes in parameter order, grouped by source (zeros belong to the source before
-    them), each group with the dim-0 index it lies in when it lies in one (an expert)."""
+    them), each group with the dim-0 index it lies in when it lies in one (an expert);
+    the last `padding` rows are built zeros (padding.py), not written."""
     writes.sort(key=lambda w: w[0])
     total = math.prod(shape)
+    per_row = total // shape[0] if shape and shape[0] else total
+    total -= padding * per_row
     position = 0
     groups: list[tuple[str, int | None, list[Fill]]] = []
-    per_row = total // shape[0] if shape and shape[0] else total
     for start, end, fill in writes:
         if start != position:
             what = "writes twice into" if start < position else "leaves unwritten part of"

@@ -27,6 +27,7 @@ from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardprep.plan.derived import draft_probe
+from shardprep.plan.derived.built import BuiltFills, left_by_load
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -278,8 +279,10 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         set_rank(config, request["tp"], request["pp"], p, t)
         model_config = draft_probe.model_config(config, request)
         dtype = set_default_torch_dtype(config.model_config.dtype)
-        with dtype, torch.device("meta"), kept_on_meta(), real_expert_maps():  # as vLLM builds
+        built = BuiltFills()  # as vLLM's loaders build a model, what it fills as it does
+        with dtype, torch.device("meta"), kept_on_meta(), real_expert_maps(), built:
             model = initialize_model(vllm_config=config, model_config=model_config)
+        fills = built.of_params(dict(model.named_parameters()))
         params = on_meta(model)
         placeholders = {
             name: torch.empty(shape, dtype=DTYPES[dtype], device="meta")
@@ -300,6 +303,7 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
             loader.load_weights(model, model_config)
         shared = draft_probe.shared(model, config) if request.get("draft") else []
     ops = draft_probe.last_writes(recorder.ops) if request.get("draft") else recorder.ops
+    ops += left_by_load(fills, ops)
     return {
         "rank": [p, t],
         "model_dtype": NAMES[config.model_config.dtype],
