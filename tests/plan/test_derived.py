@@ -309,9 +309,47 @@ def test_experts_stacked_in_one_source_are_read_each_from_its_own_matrix() -> No
     assert layout.num_experts == 2
 
 
+def test_one_value_per_expert_and_part_beside_a_stack_is_a_stack_of_experts() -> None:
+    """A [2 experts, 2 parts] and a [2 experts] vector of per-tensor scales beside the
+    module's [2, 2, 3] weight stack stack experts; the same [2] vector in a module with no
+    stack is a fused layer's per-part values."""
+    sources = {f"e{e}.{part}": ("F32", (1,)) for e in (0, 1) for part in "gud"}
+    sources |= {f"e{e}.w": ("F32", (2, 3)) for e in (0, 1)}
+    params = {"m.w": ["F32", [2, 2, 3]], "m.s13": ["F32", [2, 2]], "m.s2": ["F32", [2]]}
+    params |= {"attn.s": ["F32", [2]]}
+    one = [0, [1], [1]]
+    ops = [["copy", "m.w", [6 * e, [2, 3], [3, 1]], f"e{e}.w", [0, [2, 3], [3, 1]], "F32"]
+           for e in (0, 1)]  # fmt: skip
+    ops += [["copy", "m.s13", [2 * e + j, [1], [1]], f"e{e}.{p}", one, "F32"]
+            for e in (0, 1) for j, p in enumerate("gu")]  # fmt: skip
+    ops += [["copy", "m.s2", [e, [1], [1]], f"e{e}.d", one, "F32"] for e in (0, 1)]
+    ops += [["copy", "attn.s", [e, [1], [1]], f"e{e}.d", one, "F32"] for e in (0, 1)]
+    inference = Inference({}, sources, 1)
+    inference.add(_record(ops, params))
+    layout = inference.layout()
+    pieces = {param.name: param.pieces for param in layout.params}
+    assert pieces["m.s13"] == tuple(
+        Piece(f"e{e}.{p}", Cut.PER_TENSOR, expert=e) for e in (0, 1) for p in "gu"
+    )
+    assert pieces["m.s2"] == tuple(Piece(f"e{e}.d", Cut.PER_TENSOR, expert=e) for e in (0, 1))
+    assert pieces["attn.s"] == tuple(Piece(f"e{e}.d", Cut.REPLICATE) for e in (0, 1))
+    assert layout.num_experts == 2
+
+
 NO_VLLM_IMPORT = """
 import sys
-from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, TINY_INT4, TINY_NVFP4_PACK, tiny_config
+from shardprep.demo.tiny import (
+    KIMI_K3_MXFP4,
+    TINY_FP8,
+    TINY_FP8_CT,
+    TINY_INT4,
+    TINY_MODELOPT_NVFP4,
+    TINY_MXFP4_PACK,
+    TINY_NVFP4,
+    TINY_NVFP4_PACK,
+    TINY_NVFP4A16,
+    tiny_config,
+)
 from shardprep.plan import archs
 from shardprep.format.request import ConversionRequest
 from shardprep.plan.make import make_plan
