@@ -66,7 +66,7 @@ class DerivedFamily(Family):
     name = DERIVED
     # The schemes whose derived layout equals every family module's that takes them
     # (tests/plan/test_derived.py); the others are refused until they do.
-    quant_schemes = frozenset({"fp8_block"})
+    quant_schemes = frozenset({"fp8_block", "mxfp4_pack", "nvfp4_pack", "modelopt_fp4"})
     expert_parallel_refusal = (
         "a derived layout of experts under expert parallelism is not proven against vLLM yet"
     )
