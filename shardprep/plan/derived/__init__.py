@@ -67,7 +67,7 @@ class DerivedFamily(Family):
     name = DERIVED
     # The schemes whose derived layout equals every family module's that takes them
     # (tests/plan/test_derived.py); the others are refused until they do.
-    quant_schemes = frozenset({"fp8_block"})
+    quant_schemes = frozenset({"fp8_block", "mxfp4_pack", "nvfp4_pack", "modelopt_fp4"})
 
     def expected_shapes(
         self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
@@ -110,7 +110,7 @@ class DerivedMtpDraft(DraftFamily):
 
     name = DERIVED  # one layout revision for what is derived, the draft included
     standalone = False  # it comes inside its target, never with --draft
-    quant_schemes = DerivedFamily.quant_schemes  # tests/plan/test_derived_drafts.py
+    quant_schemes = frozenset({"fp8_block"})  # tests/plan/test_derived_drafts.py
 
     def expected_shapes(
         self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT

@@ -26,6 +26,10 @@ class NoKernel:
     def process_weights_after_loading(self, layer: Any) -> None:
         pass
 
+    def input_quant_key(self) -> None:
+        """No input quantization to fuse with the layer before it."""
+        return None
+
 
 def or_stand_in(original: Callable[..., Any], stand_in: Callable[..., Any]) -> Callable[..., Any]:
     """`original`, and `stand_in` with the same arguments where `original` raises."""
@@ -94,7 +98,18 @@ def install() -> None:
     fp8.init_fp8_linear_kernel = or_stand_in(fp8.init_fp8_linear_kernel, NoKernel)
     fp8.select_fp8_moe_backend = or_stand_in(fp8.select_fp8_moe_backend, no_moe_backend)
     _compressed_tensors()
+    _modelopt()
     _sparse_attention()
+
+
+def _modelopt() -> None:
+    """ModelOpt's NVFP4 linear layers and experts."""
+    from vllm.model_executor.layers.quantization import modelopt
+
+    modelopt.init_nvfp4_linear_kernel = or_stand_in(modelopt.init_nvfp4_linear_kernel, NoKernel)
+    modelopt.select_nvfp4_moe_backend = or_stand_in(
+        modelopt.select_nvfp4_moe_backend, nvfp4_experts
+    )
 
 
 def _sparse_attention() -> None:

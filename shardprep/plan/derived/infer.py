@@ -23,6 +23,7 @@ from shardprep.plan.derived.regions import (
     zeros,
 )
 from shardprep.plan.derived.regions import merged as _merged
+from shardprep.plan.derived.stacks import expert_rows, stacks_values, value_piece
 from shardprep.plan.layout import block_shape, piece_blocks
 
 UNREAD = "vLLM's load_weights does not read it"
@@ -113,11 +114,13 @@ class Inference:
         self.read: set[str] = set()
         self.unloaded: set[str] = set()  # parameters vLLM's load_weights leaves as built
         self.model_dtype = ""
+        self.stacks: Mapping[str, frozenset[int]] = {}  # the 3-D stacks of the rank's modules
 
     def add(self, record: Mapping[str, Any]) -> None:
         """One rank's record: its parameters and the writes into them."""
         p, t = record["rank"]
         self.model_dtype = record["model_dtype"]
+        self.stacks = expert_rows(record["params"])
         writes: dict[str, list[tuple[int, int, Fill]]] = {name: [] for name in record["params"]}
         ops, tails = built_tails(record["ops"], record["params"])
         for op in ops:
@@ -154,7 +157,9 @@ class Inference:
     ) -> None:
         p, t = rank
         groups = _groups(name, shape, writes, p, t, padding)
-        stacked = len(shape) == 3 and all(g[1] is not None for g in groups) and len(groups) > 1
+        values = stacks_values(name, shape, groups, self.sources, self.stacks)
+        stacked = (len(shape) == 3 or values) and all(g[1] is not None for g in groups)
+        stacked = stacked and len(groups) > 1
         state = self.params.get(name)
         if state is None:
             pieces = [
@@ -168,6 +173,9 @@ class Inference:
                 )
                 for source, expert, fills in groups
             ]
+            if stacked and values:
+                for piece in pieces:
+                    piece.candidates = [value_piece(piece.source, piece.expert), *piece.candidates]
             _kv_heads_beside_queries(pieces, self.sources, self.hints.rows)
             state = self.params[name] = _ParamState(dtype, shape, pieces)
         if (dtype, shape) != (state.dtype, state.shape) or [g[0] for g in groups] != [

@@ -2,8 +2,9 @@
 
 The derivation finds, for a quantized weight's parameter and for its scales, cuts of
 rows or columns that give the regions vLLM copied. The scheme says the same thing in its
-own words (an fp8 block scale is cut with its weight, in whole blocks), which is what
-plans, checks and the manifest's records read. Each parameter the scheme would make of a
+own words (an fp8 block scale is cut with its weight, in whole blocks; an fp4 weight's
+bytes, two values each, are the columns of the weight they store cut in whole bytes), which
+is what plans, checks and the manifest's records read. Each parameter the scheme would make of a
 derived weight replaces the derived one only where, on every rank, it reads exactly the
 regions the derived one does: nothing is taken from the scheme that vLLM did not show.
 """
@@ -30,10 +31,12 @@ def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> 
     derived = {param.name: param for param in layout.params}
     replaced: dict[str, Param] = {}
     for param in layout.params:
-        if param.name in replaced:
+        weight = None if param.name in replaced else _weight(param, scheme, shapes)
+        if weight is None:
             continue
+        name, pieces, weights = weight
         try:
-            made, _ = scheme.params(param.name, param.pieces, shapes, tp, tp)
+            made, _ = scheme.params(name, pieces, {**shapes, **weights}, tp, tp)
         except (PlanError, KeyError, ValueError):  # not a weight the scheme quantizes
             continue
         found = [derived.get(name) for name, _, _ in made]
@@ -46,6 +49,28 @@ def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> 
         return layout
     params = tuple(replaced.get(param.name, param) for param in layout.params)
     return dataclasses.replace(layout, params=params)
+
+
+def _weight(
+    param: Param, scheme: Scheme, shapes: Shapes
+) -> tuple[str, tuple[Piece, ...], dict[str, tuple[int, ...]]] | None:
+    """The quantized weight a derived parameter would hold: vLLM's name of it, its pieces
+    (the derived ones' cuts, of the weights their sources store) and the weights' shapes,
+    as the scheme stores them (`x.weight_packed` [N, K/2] of `x.weight` [N, K]); None
+    where its sources store no weight of the scheme's or do not all end alike."""
+    logical = [scheme.logical(piece.source) for piece in param.pieces]
+    pairs = list(zip(param.pieces, logical, strict=True))
+    if not all(piece.source.startswith(w) for piece, w in pairs):
+        return None
+    suffixes = {piece.source[len(w) :] for piece, w in pairs}
+    if len(suffixes) != 1 or not param.name.endswith(suffix := suffixes.pop()):
+        return None
+    weights = {w: scheme.weight_shape(w, shapes) for w in logical}
+    if not all(logical) or any(shape is None for shape in weights.values()):
+        return None
+    pieces = tuple(piece._replace(source=w) for piece, w in pairs)
+    name = param.name[: len(param.name) - len(suffix)]
+    return name, pieces, {w: s for w, s in weights.items() if s is not None}
 
 
 def _same_reads(mine: Param, derived: Param | None, shapes: Shapes, tp: int) -> bool:
@@ -63,9 +88,9 @@ def _same_reads(mine: Param, derived: Param | None, shapes: Shapes, tp: int) -> 
 
 def _reads(piece: Piece, shapes: Shapes, tp: int, rank: int) -> list[Fill] | None:
     """What a piece reads on one rank, in the normal form; None where it has none."""
-    shape = tuple(shapes.get(piece.source, ()))
-    if not shape:
+    if piece.source not in shapes:
         return None
+    shape = tuple(shapes[piece.source])
     try:
         blocks = piece_blocks(piece, shape, tp, rank)
         return [block_region(block, shape, math.prod(shape[1:])) for block in blocks]

@@ -90,6 +90,27 @@ class Scheme:
         in the checkpoint, its scales beside it."""
         return source
 
+    def weight_shape(self, weight: str, shapes: Shapes) -> tuple[int, ...] | None:
+        """The shape of the quantized weight `weight` whose stored tensors `shapes` holds
+        (what `stored` was given); None where they do not say. By default a weight is
+        stored in its own shape."""
+        shape = shapes.get(weight)
+        return None if shape is None else tuple(shape)
+
+    def unpacked_shape(
+        self, weight: str, shapes: Shapes, packed: str, per: int
+    ) -> tuple[int, ...] | None:
+        """`weight_shape` of a weight stored `per` values to an element of `packed` along
+        its columns, where `stored` gives every stored tensor of that shape."""
+        found = shapes.get(packed)
+        if found is None or len(found) != 2:
+            return None
+        shape = (found[0], found[1] * per)
+        stored = self.stored(weight, shape)
+        if any(tuple(shapes.get(name, ())) != tuple(s) for name, (s, _) in stored.items()):
+            return None
+        return shape
+
     def skips(self, layer: str, *parts: str) -> bool:
         """Whether vLLM leaves a layer unquantized; `layer`: vLLM's name of it, `parts`:
         a fused layer's checkpoint names."""

@@ -73,6 +73,12 @@ class Mxfp4PackQuant(PackQuant):
             weight + "_scale": ((rows, cols // self.group), self.scale_dtype),
         }
 
+    def weight_shape(
+        self, weight: str, shapes: Mapping[str, tuple[int, ...]]
+    ) -> tuple[int, ...] | None:
+        """[N, K] of `x.weight_packed` [N, K/2]."""
+        return self.unpacked_shape(weight, shapes, weight + "_packed", PER_BYTE)
+
     def examples(self, weight: str, shape: tuple[int, ...]) -> dict[str, Example]:
         """Random e2m1 pairs and e8m0 exponents."""
         return {weight + "_packed": Example(BYTES), weight + "_scale": Example(EXPONENTS)}

@@ -73,6 +73,12 @@ class ModeloptNvfp4(Scheme):
         others = (weight, stem + "weight_scale", stem + "input_scale")
         return {stem + "weight_scale_2": Example(NVFP4_MODELOPT, held, others)}
 
+    def weight_shape(
+        self, weight: str, shapes: Mapping[str, tuple[int, ...]]
+    ) -> tuple[int, ...] | None:
+        """[N, K] of the weight stored under its own name as [N, K/2] bytes."""
+        return self.unpacked_shape(weight, shapes, weight, PER_BYTE)
+
     def skips(self, layer: str, *parts: str) -> bool:
         """Whether vLLM leaves a layer unquantized (`is_layer_excluded`)."""
         return excluded(self.excluded, layer, *parts)

@@ -48,6 +48,18 @@ def source(architecture: str, quant: dict, **overrides: Any) -> SourceModel:
     return tiny_source(architecture, quantization_config=quant, **overrides)
 
 
+@pytest.mark.parametrize("quant", [TINY_NVFP4, TINY_MODELOPT_NVFP4], ids=["ct", "modelopt"])
+def test_a_weights_shape_is_read_back_from_its_stored_tensors(quant: dict) -> None:
+    """[N, K] from the packed [N, K/2] bytes, where every stored tensor has its shape."""
+    scheme = scheme_of({"quantization_config": quant})
+    assert scheme is not None
+    shapes = {name: shape for name, (shape, _) in scheme.stored("x.weight", (32, 64)).items()}
+    assert scheme.weight_shape("x.weight", shapes) == (32, 64)
+    wrong = {**shapes, "x.weight_scale": (32, 2)}  # groups of 32: not this scheme's
+    assert scheme.weight_shape("x.weight", wrong) is None
+    assert scheme.weight_shape("y.weight", shapes) is None
+
+
 def test_the_schemes_read_config_json() -> None:
     w4a4 = scheme_of({"quantization_config": TINY_NVFP4})
     assert w4a4 == Nvfp4PackQuant(16, ignored=("lm_head", "re:.*mlp.gate$"))
