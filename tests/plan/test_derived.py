@@ -113,8 +113,6 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
 NOT_YET = {
-    "gpt-oss-tp2": "vLLM zeroes the checkpoint's down_proj_bias in place on tp ranks > 0 and "
-    "copies transposed expert slices: the derivation records neither yet",
     "qwen3.5-moe-tp2": "one checkpoint tensor stacks every expert (experts.gate_up_proj): "
     "the derivation infers a piece per source, not one per expert of a source",
     "kimi-k3-tp2": "vLLM's load_weights leaves part of the KDA in_proj_qkvgfab unwritten "

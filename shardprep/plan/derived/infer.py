@@ -14,6 +14,7 @@ from shardprep.errors import PlanError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import Cut, Piece
+from shardprep.plan.derived.experts import expert_groups, per_expert
 from shardprep.plan.derived.regions import (
     Fill,
     Region,
@@ -29,7 +30,8 @@ UNREAD = "vLLM's load_weights does not read it"
 # the same regions at the derived tp (ROWS over KV_HEADS while tp divides the heads).
 SIMPLE_CUTS = (Cut.REPLICATE, Cut.ROWS, Cut.COLS, Cut.VOCAB, Cut.PADDED_VOCAB)
 PARTS = (2, 3)
-STACKED_CUTS = (Cut.EXPERT_HALVES_ROWS, Cut.EXPERT_COLS)
+STACKED_CUTS = (Cut.EXPERT_HALVES_ROWS, Cut.EXPERT_COLS, Cut.EXPERT_COLS_T, Cut.EXPERT_ROWS_T)
+VECTOR_CUTS = (Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST)  # an expert's row of an [E, B] source
 
 
 @dataclass
@@ -62,6 +64,8 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
     found += [Piece(source, Cut.PARTS_ROWS, heads=parts, expert=expert) for parts in PARTS]
     if expert is not None and len(shape) == 3:  # the expert's matrix of a stacked source
         found += [Piece(source, cut, expert=expert) for cut in STACKED_CUTS]
+    if expert is not None and len(shape) == 2:
+        found += [Piece(source, cut, expert=expert) for cut in VECTOR_CUTS]
     if hints.rows and shape and shape[0] % (hints.q_heads + 2 * hints.heads) == 0:
         qkv = Piece(source, Cut.QKV_HEADS, hints.heads, expert, q_heads=hints.q_heads)
         found.append(qkv)
@@ -113,6 +117,7 @@ class Inference:
         p, t = record["rank"]
         self.model_dtype = record["model_dtype"]
         writes: dict[str, list[tuple[int, int, Fill]]] = {name: [] for name in record["params"]}
+        stacks = set(record.get("expert_stacks", ()))
         for op in record["ops"]:
             kind, param, (offset, sizes, strides) = op[0], op[1], op[2]
             start, end = contiguous_span(normal(offset, sizes, strides), param)
@@ -129,12 +134,15 @@ class Inference:
                 source, (s_offset, s_sizes, s_strides) = op[3], op[4]
                 fill = (source, normal(s_offset, s_sizes, s_strides))
                 self.read.add(source)
-            writes[param].append((start, end, fill))
+            if param in stacks:  # one write per expert
+                writes[param] += per_expert((start, end, fill), tuple(record["params"][param][1]))
+            else:
+                writes[param].append((start, end, fill))
         for name, (dtype, shape) in record["params"].items():
             if not writes[name]:  # vLLM loads nothing into it (fp8's KV-cache scales)
                 self.unloaded.add(name)
                 continue
-            self._add_param(name, dtype, tuple(shape), writes[name], p, t)
+            self._add_param(name, dtype, tuple(shape), writes[name], p, t, name in stacks)
 
     def _add_param(
         self,
@@ -144,10 +152,14 @@ class Inference:
         writes: list[tuple[int, int, Fill]],
         p: int,
         t: int,
+        stack: bool = False,
     ) -> None:
-        groups = _groups(name, shape, writes, p, t)
-        stacked = len(shape) == 3 and all(g[1] is not None for g in groups) and len(groups) > 1
         state = self.params.get(name)
+        before = {piece.expert: piece.source for piece in (state.pieces if state else ())}
+        by_expert = expert_groups(name, shape, writes, before, (p, t)) if stack else None
+        groups = by_expert or _groups(name, shape, writes, p, t)
+        stacked = len(shape) == 3 and all(g[1] is not None for g in groups) and len(groups) > 1
+        stacked = stacked or by_expert is not None
         if state is None:
             pieces = [
                 _PieceState(
@@ -171,7 +183,7 @@ class Inference:
                 "architecture cannot be derived yet"
             )
         state.stages.add(p)
-        width = _row_width(shape, stacked)
+        width = _row_width(shape, stacked and len(shape) == 3)
         for piece, (_, _, fills) in zip(state.pieces, groups, strict=True):
             piece.candidates = [c for c in piece.candidates if self._matches(c, fills, width, t)]
 

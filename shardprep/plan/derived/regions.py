@@ -66,6 +66,17 @@ def _slab_region(block: Block, shape: tuple[int, ...]) -> Region:
     return normal(offset, (r1 - r0, c1 - c0), (shape[2], 1))
 
 
+def _matrix_region(block: Block, shape: tuple[int, ...]) -> Region:
+    """The part of one dim-0 row (an expert's [A, B] matrix) of a 3-D source a transposed
+    block reads, in the order it is written: its columns, each the run of its rows."""
+    assert block.matrix is not None
+    (r0, r1), (c0, c1) = block.matrix
+    if len(shape) != 3 or block.rows[1] - block.rows[0] != 1:
+        raise PlanError(f"{block.source}: a transposed block of this shape has no derived form")
+    offset = (block.rows[0] * shape[1] + r0) * shape[2] + c0
+    return normal(offset, (c1 - c0, r1 - r0), (1, shape[2]))
+
+
 def block_region(block: Block, shape: tuple[int, ...], row_width: int) -> Fill:
     """What a plan block reads from a source of `shape`, in the normal form; a zero block
     of a parameter whose rows hold `row_width` elements is that many zeros per row."""
@@ -73,6 +84,8 @@ def block_region(block: Block, shape: tuple[int, ...], row_width: int) -> Fill:
         return zeros((block.rows[1] - block.rows[0]) * row_width)
     if block.slab is not None and block.repeat == (1, 1) and block.matrix is None:
         return block.source, _slab_region(block, shape)
+    if block.matrix is not None and block.repeat == (1, 1) and block.slab is None:
+        return block.source, _matrix_region(block, shape)
     if block.repeat != (1, 1) or block.matrix is not None or block.slab is not None:
         raise PlanError(f"{block.source}: a block of this kind has no derived form")
     width = 1
