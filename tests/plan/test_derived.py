@@ -17,7 +17,14 @@ import vllm_env
 from derived_models import make_transformers_model
 from plans import rank_tensors, source_model
 
-from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, TINY_INT4, TINY_NVFP4_PACK, tiny_config
+from shardprep.demo.tiny import (
+    TINY_FP8,
+    TINY_FP8_CT,
+    TINY_INT4,
+    TINY_MXFP4,
+    TINY_NVFP4_PACK,
+    tiny_config,
+)
 from shardprep.errors import PlanError, ShardprepError
 from shardprep.format.headers import read_header
 from shardprep.format.request import ConversionRequest
@@ -109,6 +116,8 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
         1,
         {"num_hidden_layers": 2, "quantization_config": PER_TENSOR},
     ),
+    # MXFP4 experts as published, whole 32-blocks a rank (no backend pads them)
+    "gpt-oss-mxfp4-tp2": ("GptOssForCausalLM", 2, 1, {"quantization_config": TINY_MXFP4}),
 }
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
@@ -309,7 +318,14 @@ def test_experts_stacked_in_one_source_are_read_each_from_its_own_matrix() -> No
 
 NO_VLLM_IMPORT = """
 import sys
-from shardprep.demo.tiny import TINY_FP8, TINY_FP8_CT, TINY_INT4, TINY_NVFP4_PACK, tiny_config
+from shardprep.demo.tiny import (
+    TINY_FP8,
+    TINY_FP8_CT,
+    TINY_INT4,
+    TINY_MXFP4,
+    TINY_NVFP4_PACK,
+    tiny_config,
+)
 from shardprep.plan import archs
 from shardprep.format.request import ConversionRequest
 from shardprep.plan.make import make_plan

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardprep.errors import PlanError
-from shardprep.plan.cuts import Cut, Piece
+from shardprep.plan.cuts import Cut, Piece, ScaleOf
 from shardprep.plan.derived.constants import Constants, Mixed
 from shardprep.plan.derived.experts import per_expert, split_region
 from shardprep.plan.derived.infer import Inference
@@ -138,3 +138,40 @@ def test_an_expert_of_zeros_alone_on_the_first_rank_read_is_refused_naming_it() 
     ops = [["fill", "w2_bias", [0, [2, 3], [3, 1]], 0]]
     with pytest.raises(PlanError, match="fills expert 0 of w2_bias with zeros alone on rank"):
         inference.add(_record(1, ops, {"w2_bias": ["F32", [2, 3]]}))
+
+
+def test_mxfp4_blocks_and_biases_are_read_in_the_scheme_s_own_cuts() -> None:
+    """gpt-oss in MXFP4 at tp 2, 2 experts, hidden 32, intermediate 64 (a 32-block a
+    rank): vLLM copies each rank's gate/up rows of the blocks [2, 128, 1, 16] into w13
+    [2, 64, 16] in one write, and down_proj_bias whole on rank 0, zeros on rank 1, into a
+    bfloat16 w2_bias: the scheme's MX cuts are the ones that give those regions."""
+    config = {"quantization_config": {"quant_method": "mxfp4"}}
+    blocks, bias = "gate_up_proj_blocks", "down_proj_bias"
+    inference = Inference(config, {blocks: ("U8", (2, 128, 1, 16)), bias: ("BF16", (2, 32))}, 2)
+    params = {"w13": ["U8", [2, 64, 16]], "w2_bias": ["BF16", [2, 32]]}
+    for rank in (0, 1):
+        rows = [
+            "copy",
+            "w13",
+            [0, [2, 64, 16], [1024, 16, 1]],
+            blocks,
+            [rank * 1024, [2, 64, 16], [2048, 16, 1]],
+            "U8",
+        ]
+        whole = [0, [2, 32], [32, 1]]
+        bias_op = (
+            ["copy", "w2_bias", whole, bias, whole, "BF16"]
+            if rank == 0
+            else ["fill", "w2_bias", whole, 0]
+        )
+        inference.add({**_record(rank, [rows, bias_op], params), "model_dtype": "BF16"})
+    layout = inference.layout()
+    w13_of = ScaleOf((128, 32), Cut.ROWS, (1, 2))
+    bias_of = ScaleOf((1, 32), Cut.ROWS, (1, 1))
+    assert {param.name: (param.pieces, param.dtype) for param in layout.params} == {
+        "w13": (tuple(Piece(blocks, Cut.MX_W13, expert=e, scale_of=w13_of) for e in (0, 1)), "U8"),
+        "w2_bias": (
+            tuple(Piece(bias, Cut.MX_W2_BIAS, expert=e, scale_of=bias_of) for e in (0, 1)),
+            "BF16",
+        ),
+    }

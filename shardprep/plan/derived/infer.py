@@ -24,6 +24,7 @@ from shardprep.plan.derived.regions import (
     zeros,
 )
 from shardprep.plan.layout import block_shape, piece_blocks
+from shardprep.plan.quant import scheme_of
 
 UNREAD = "vLLM's load_weights does not read it"
 # The cuts a derived piece may have, in the order they are preferred where several give
@@ -107,6 +108,8 @@ class Inference:
         self.sources = sources
         self.tp = tp
         self.hints = Hints.of(config)
+        scheme = scheme_of(config)
+        self.scheme = None if scheme is None or scheme.problem else scheme
         self.params: dict[str, _ParamState] = {}
         self.read: set[str] = set()
         self.unloaded: set[str] = set()  # parameters vLLM's load_weights leaves as built
@@ -165,7 +168,8 @@ class Inference:
                 _PieceState(
                     source,
                     expert if stacked else None,
-                    candidates(
+                    self._scheme_cuts(source, expert if stacked else None)
+                    + candidates(
                         source, self.sources[source][1], expert if stacked else None, self.hints
                     )
                     + _qkv_candidates(source, self.sources[source][1], fills, self.tp, t),
@@ -186,6 +190,11 @@ class Inference:
         width = _row_width(shape, stacked and len(shape) == 3)
         for piece, (_, _, fills) in zip(state.pieces, groups, strict=True):
             piece.candidates = [c for c in piece.candidates if self._matches(c, fills, width, t)]
+
+    def _scheme_cuts(self, source: str, expert: int | None) -> list[Piece]:
+        """The cuts a quantized checkpoint's scheme names for the source, tried first."""
+        shape = self.sources[source][1]
+        return [] if self.scheme is None else self.scheme.derived_cuts(source, shape, expert)
 
     def _matches(self, piece: Piece, fills: list[Fill], width: int, rank: int) -> bool:
         shape = self.sources[piece.source][1]
@@ -215,7 +224,7 @@ class Inference:
             elif chosen and len(chosen) == len(state.pieces):
                 problems += self._reshaped(name, state.shape, chosen)
             params.append(
-                Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state))
+                Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state, chosen))
             )
         problems += [
             f"{name}: vLLM's load_weights fills it on some ranks and leaves it as built on others"
@@ -243,8 +252,12 @@ class Inference:
             f"regions give {list(planned)}, a reshape a plan of rows does not record"
         ]
 
-    def _dtype(self, state: _ParamState) -> str | None:
-        """None where the parameter follows the model's dtype (or its source's)."""
+    def _dtype(self, state: _ParamState, chosen: list[Piece]) -> str | None:
+        """None where the parameter follows the model's dtype (or its source's), unless its
+        scheme holds its cut in the dtype vLLM gave it whatever the model's."""
+        fixed = self.scheme.derived_dtype(chosen[0].cut) if self.scheme and chosen else None
+        if fixed == state.dtype:
+            return fixed
         source = self.sources[state.pieces[0].source][0]
         follows = self.model_dtype if source in FLOAT_DTYPES else source
         return None if state.dtype == follows else state.dtype
