@@ -74,6 +74,13 @@ def test_a_copy_of_a_checkpoint_tensor_zeroed_in_place_is_a_zero_fill() -> None:
         ["fill", "p", [3, [3], [1]], 0],
     ]
 
+    def zero_a_clone_then_copy_it(param: torch.Tensor, source: torch.Tensor) -> None:
+        made = source.clone()
+        made.zero_()
+        param.copy_(made)
+
+    assert _recorded(zero_a_clone_then_copy_it).ops == [["fill", "p", [0, [2, 3], [3, 1]], 0]]
+
     def zero_a_row_then_copy_across(param: torch.Tensor, source: torch.Tensor) -> None:
         source[1].zero_()
         param[:, :2].copy_(source[:, 1:])

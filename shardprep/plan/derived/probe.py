@@ -105,12 +105,15 @@ class Recorder(TorchDispatchMode):
         param = self.params.get(key)
         value = 0 if name == "zero_" else None if name == "copy_" else float(args[1])
         if param is None:
-            if key in self.sources and value is not None:  # a fill: what it holds is known
+            known = key in self.sources or key in self.made
+            if known and value is not None:  # a fill: what it holds is known
                 self.constants.set(key, self._region(dst), value)
             elif key in self.sources:
                 raise Refused(
                     f"vLLM's load_weights writes into checkpoint tensor {self.sources[key]}"
                 )
+            elif key in self.made:  # a copy of something else into a value it made
+                del self.made[key]
             return
         if value is None:
             value = self._constant(args[1], param)
@@ -124,15 +127,18 @@ class Recorder(TorchDispatchMode):
         place, or a whole copy of one; None for anything else."""
         key = self._key(src)
         made = self.made.get(key)
-        if made is not None and made.copy_of is not None and src.numel() == made.copy_of[3]:
-            return made.value if src.storage_offset() == 0 and src.is_contiguous() else None
         try:
-            return self.constants.value(key, self._region(src))
+            value = self.constants.value(key, self._region(src))
         except Mixed:
+            origin = self.sources[key] if made is None else made.origin
             raise Refused(
-                f"{param}: vLLM's load_weights copies into it a region of "
-                f"{self.sources[key]} that it set to a constant in part only"
+                f"{param}: vLLM's load_weights copies into it a region of {origin} "
+                "that it set to a constant in part only"
             ) from None
+        if value is None and made is not None and made.copy_of is not None:
+            whole = src.storage_offset() == 0 and src.is_contiguous()
+            return made.value if whole and src.numel() == made.copy_of[3] else None
+        return value
 
     def _origin(self, src: torch.Tensor, param: str) -> list[Any]:
         key = self._key(src)
