@@ -219,6 +219,27 @@ def test_a_scheme_not_proven_derived_is_refused_in_one_line() -> None:
 
 @pytest.mark.vllm
 @needs_vllm
+def test_mxfp4_experts_a_backend_pads_are_refused_naming_the_parameter() -> None:
+    """An intermediate size of three 32-blocks at tp2: rank 0 loads two, rank 1 one, each
+    into the corner of a parameter padded to two; the hand-written plan writes the blocks
+    unpadded (the loader pads them), which vLLM's record does not show."""
+    published = tiny_config(
+        "GptOssForCausalLM", intermediate_size=96, quantization_config=TINY_MXFP4
+    )
+    config = archs.read_config(published)
+    shapes = quantized.expected_shapes(archs.target_family(config)[1], config)
+    topology = make_topology(config["num_hidden_layers"], 2, 1, None, "")
+    with pytest.raises(PlanError) as info:
+        DerivedFamily().layout(published, shapes, topology, _context(1))
+    assert str(info.value) == (
+        "vLLM's load_weights writes model.layers.0.mlp.experts.routed_experts.w2_weight in a "
+        "strided region (sizes [512, 16], strides [32, 1]), which a plan of whole rows cannot "
+        "express"
+    )
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_value_arithmetic_in_load_weights_is_refused_naming_the_parameter(
     tmp_path: Path,
 ) -> None:
