@@ -23,6 +23,7 @@ from shardprep.demo.tiny import (
     TINY_FP8_CT,
     TINY_INT4,
     TINY_MODELOPT_NVFP4,
+    TINY_MXFP4,
     TINY_MXFP4_PACK,
     TINY_NVFP4,
     TINY_NVFP4_PACK,
@@ -135,12 +136,12 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
     "llama-nvfp4a16-tp2": ("LlamaForCausalLM", 2, 1, {**TWO, "quantization_config": TINY_NVFP4A16}),
     "llama-modelopt-nvfp4-tp2": ("LlamaForCausalLM", 2, 1, {**TWO, **MODELOPT}),
     "qwen3-moe-modelopt-nvfp4-tp2-pp2": ("Qwen3MoeForCausalLM", 2, 2, {**TWO, **MODELOPT}),
+    # MXFP4 experts as published, whole 32-blocks a rank (no backend pads them)
+    "gpt-oss-mxfp4-tp2": ("GptOssForCausalLM", 2, 1, {"quantization_config": TINY_MXFP4}),
 }
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
 NOT_YET = {
-    "gpt-oss-tp2": "vLLM zeroes the checkpoint's down_proj_bias in place on tp ranks > 0 and "
-    "copies transposed expert slices: the derivation records neither yet",
     "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
     "the same row of w13_weight_shape: a plan writes each value once",
     "kimi-k3-mxfp4-tp2": "vLLM-CPU has no MXFP4 MoE backend for the Mxfp4MoEMethod its "
@@ -299,6 +300,27 @@ def test_a_scheme_not_proven_derived_is_refused_in_one_line() -> None:
 
 @pytest.mark.vllm
 @needs_vllm
+def test_mxfp4_experts_a_backend_pads_are_refused_naming_the_parameter() -> None:
+    """An intermediate size of three 32-blocks at tp2: rank 0 loads two, rank 1 one, each
+    into the corner of a parameter padded to two; the hand-written plan writes the blocks
+    unpadded (the loader pads them), which vLLM's record does not show."""
+    published = tiny_config(
+        "GptOssForCausalLM", intermediate_size=96, quantization_config=TINY_MXFP4
+    )
+    config = archs.read_config(published)
+    shapes = quantized.expected_shapes(archs.target_family(config)[1], config)
+    topology = make_topology(config["num_hidden_layers"], 2, 1, None, "")
+    with pytest.raises(PlanError) as info:
+        DerivedFamily().layout(published, shapes, topology, _context(1))
+    assert str(info.value) == (
+        "vLLM's load_weights writes model.layers.0.mlp.experts.routed_experts.w2_weight in a "
+        "strided region (sizes [512, 16], strides [32, 1]), which a plan of whole rows cannot "
+        "express"
+    )
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_value_arithmetic_in_load_weights_is_refused_naming_the_parameter(
     tmp_path: Path,
 ) -> None:
@@ -441,10 +463,11 @@ from shardprep.demo.tiny import (
     TINY_FP8_CT,
     TINY_INT4,
     TINY_MODELOPT_NVFP4,
+    TINY_MXFP4,
     TINY_MXFP4_PACK,
     TINY_NVFP4,
-    TINY_NVFP4_PACK,
     TINY_NVFP4A16,
+    TINY_NVFP4_PACK,
     tiny_config,
 )
 from shardprep.plan import archs

@@ -72,6 +72,15 @@ def nvfp4_experts(*args: Any, **kwargs: Any) -> tuple[Any, type]:
     return NvFp4MoeBackend.EMULATION, Nvfp4QuantizationEmulationTritonExperts
 
 
+def cpu_mxfp4_experts(*args: Any, **kwargs: Any) -> tuple[Any, type]:
+    """The CPU build's MXFP4 MoE backend (it computes only with AMX), whose parameters are
+    padded the least: to whole 32-blocks, as MXFP4 stores them anyway."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsMxfp4
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+    return Mxfp4MoeBackend.CPU, CPUExpertsMxfp4
+
+
 def _compressed_tensors() -> None:
     """compressed-tensors int4 and NVFP4 experts and NVFP4 linear layers."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
@@ -93,10 +102,11 @@ def _compressed_tensors() -> None:
 
 def install() -> None:
     """Stand-ins for the choices the layout does not depend on."""
-    from vllm.model_executor.layers.quantization import fp8
+    from vllm.model_executor.layers.quantization import fp8, mxfp4
 
     fp8.init_fp8_linear_kernel = or_stand_in(fp8.init_fp8_linear_kernel, NoKernel)
     fp8.select_fp8_moe_backend = or_stand_in(fp8.select_fp8_moe_backend, no_moe_backend)
+    mxfp4.select_mxfp4_moe_backend = or_stand_in(mxfp4.select_mxfp4_moe_backend, cpu_mxfp4_experts)
     _compressed_tensors()
     _modelopt()
     _sparse_attention()

@@ -14,6 +14,7 @@ from shardprep.errors import PlanError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import Cut, Piece
+from shardprep.plan.derived.experts import expert_groups, per_expert
 from shardprep.plan.derived.padding import align_piece, built_tails
 from shardprep.plan.derived.regions import (
     Fill,
@@ -25,13 +26,15 @@ from shardprep.plan.derived.regions import (
 from shardprep.plan.derived.regions import merged as _merged
 from shardprep.plan.derived.stacks import expert_rows, stacks_values, value_piece
 from shardprep.plan.layout import block_shape, piece_blocks
+from shardprep.plan.quant import scheme_of
 
 UNREAD = "vLLM's load_weights does not read it"
 # The cuts a derived piece may have, in the order they are preferred where several give
 # the same regions at the derived tp (ROWS over KV_HEADS while tp divides the heads).
 SIMPLE_CUTS = (Cut.REPLICATE, Cut.ROWS, Cut.COLS, Cut.VOCAB, Cut.PADDED_VOCAB)
 PARTS = (2, 3)
-STACKED_CUTS = (Cut.EXPERT_HALVES_ROWS, Cut.EXPERT_COLS)
+STACKED_CUTS = (Cut.EXPERT_HALVES_ROWS, Cut.EXPERT_COLS, Cut.EXPERT_COLS_T, Cut.EXPERT_ROWS_T)
+VECTOR_CUTS = (Cut.EXPERT_ROW, Cut.EXPERT_ROW_FIRST)  # an expert's row of an [E, B] source
 
 
 @dataclass
@@ -65,6 +68,8 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
     found += [Piece(source, Cut.PARTS_ROWS, heads=parts, expert=expert) for parts in PARTS]
     if expert is not None and len(shape) == 3:  # the expert's matrix of a stacked source
         found += [Piece(source, cut, expert=expert) for cut in STACKED_CUTS]
+    if expert is not None and len(shape) == 2:
+        found += [Piece(source, cut, expert=expert) for cut in VECTOR_CUTS]
     if hints.rows and shape and shape[0] % (hints.q_heads + 2 * hints.heads) == 0:
         qkv = Piece(source, Cut.QKV_HEADS, hints.heads, expert, q_heads=hints.q_heads)
         found.append(qkv)
@@ -110,6 +115,8 @@ class Inference:
         self.sources = sources
         self.tp = tp
         self.hints = Hints.of(config)
+        scheme = scheme_of(config)
+        self.scheme = None if scheme is None or scheme.problem else scheme
         self.params: dict[str, _ParamState] = {}
         self.read: set[str] = set()
         self.unloaded: set[str] = set()  # parameters vLLM's load_weights leaves as built
@@ -122,6 +129,7 @@ class Inference:
         self.model_dtype = record["model_dtype"]
         self.stacks = expert_rows(record["params"])
         writes: dict[str, list[tuple[int, int, Fill]]] = {name: [] for name in record["params"]}
+        stacks = set(record.get("expert_stacks", ()))
         ops, tails = built_tails(record["ops"], record["params"])
         for op in ops:
             kind, param, (offset, sizes, strides) = op[0], op[1], op[2]
@@ -139,12 +147,18 @@ class Inference:
                 source, (s_offset, s_sizes, s_strides) = op[3], op[4]
                 fill = (source, normal(s_offset, s_sizes, s_strides))
                 self.read.add(source)
-            writes[param].append((start, end, fill))
+            if param in stacks:  # one write per expert
+                writes[param] += per_expert((start, end, fill), tuple(record["params"][param][1]))
+            else:
+                writes[param].append((start, end, fill))
         for name, (dtype, shape) in record["params"].items():
             if not writes[name]:  # vLLM loads nothing into it (fp8's KV-cache scales)
                 self.unloaded.add(name)
                 continue
-            self._add_param(name, dtype, tuple(shape), writes[name], (p, t), tails.get(name, 0))
+            padding = tails.get(name, 0)
+            self._add_param(
+                name, dtype, tuple(shape), writes[name], (p, t), padding, name in stacks
+            )
 
     def _add_param(
         self,
@@ -154,19 +168,23 @@ class Inference:
         writes: list[tuple[int, int, Fill]],
         rank: tuple[int, int],
         padding: int,
+        stack: bool = False,
     ) -> None:
         p, t = rank
-        groups = _groups(name, shape, writes, p, t, padding)
+        state = self.params.get(name)
+        before = {piece.expert: piece.source for piece in (state.pieces if state else ())}
+        by_expert = expert_groups(name, shape, writes, before, (p, t)) if stack else None
+        groups = by_expert or _groups(name, shape, writes, p, t, padding)
         values = stacks_values(name, shape, groups, self.sources, self.stacks)
         stacked = (len(shape) == 3 or values) and all(g[1] is not None for g in groups)
-        stacked = stacked and len(groups) > 1
-        state = self.params.get(name)
+        stacked = (stacked and len(groups) > 1) or by_expert is not None
         if state is None:
             pieces = [
                 _PieceState(
                     source,
                     expert if stacked else None,
-                    candidates(
+                    self._scheme_cuts(source, expert if stacked else None)
+                    + candidates(
                         source, self.sources[source][1], expert if stacked else None, self.hints
                     )
                     + _qkv_candidates(source, self.sources[source][1], fills, self.tp, t),
@@ -188,9 +206,14 @@ class Inference:
             )
         state.stages.add(p)
         state.padding = max(state.padding, padding)
-        width = _row_width(shape, stacked)
+        width = _row_width(shape, stacked and len(shape) == 3)
         for piece, (_, _, fills) in zip(state.pieces, groups, strict=True):
             piece.candidates = [c for c in piece.candidates if self._matches(c, fills, width, t)]
+
+    def _scheme_cuts(self, source: str, expert: int | None) -> list[Piece]:
+        """The cuts a quantized checkpoint's scheme names for the source, tried first."""
+        shape = self.sources[source][1]
+        return [] if self.scheme is None else self.scheme.derived_cuts(source, shape, expert)
 
     def _matches(self, piece: Piece, fills: list[Fill], width: int, rank: int) -> bool:
         shape = self.sources[piece.source][1]
@@ -228,7 +251,7 @@ class Inference:
             elif complete:
                 problems += self._reshaped(name, state.shape, chosen)
             params.append(
-                Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state))
+                Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state, chosen))
             )
         problems += [
             f"{name}: vLLM's load_weights fills it on some ranks and leaves it as built on others"
@@ -259,8 +282,12 @@ class Inference:
             f"regions give {list(planned)}, a reshape a plan of rows does not record"
         ]
 
-    def _dtype(self, state: _ParamState) -> str | None:
-        """None where the parameter follows the model's dtype (or its source's)."""
+    def _dtype(self, state: _ParamState, chosen: list[Piece]) -> str | None:
+        """None where the parameter follows the model's dtype (or its source's), unless its
+        scheme holds its cut in the dtype vLLM gave it whatever the model's."""
+        fixed = self.scheme.derived_dtype(chosen[0].cut) if self.scheme and chosen else None
+        if fixed == state.dtype:
+            return fixed
         source = self.sources[state.pieces[0].source][0]
         follows = self.model_dtype if source in FLOAT_DTYPES else source
         return None if state.dtype == follows else state.dtype

@@ -28,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardprep.plan.derived import draft_probe
 from shardprep.plan.derived.built import BuiltFills, left_by_load
+from shardprep.plan.derived.constants import Constants, Mixed
+from shardprep.plan.derived.experts import expert_stacks
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -55,6 +57,7 @@ class Made:
     ops: tuple[str, ...]
     origin: str
     copy_of: tuple[Any, ...] | None = None
+    value: float | None = None  # the constant it holds, a copy of a constant region
 
 
 class Recorder(TorchDispatchMode):
@@ -62,7 +65,8 @@ class Recorder(TorchDispatchMode):
     say where they point); a write into a parameter is recorded as a region of the
     parameter and a region of a placeholder; a value made from a placeholder (a cast,
     a clone) is followed to its origin, and anything else written into a parameter is
-    refused with the ops that made it."""
+    refused with the ops that made it. A placeholder region set to a constant in place
+    (`zero_`) is kept (constants.py): a copy out of it is a fill of that constant."""
 
     def __init__(self, params: dict[int, str], sources: dict[int, str]) -> None:
         super().__init__()
@@ -70,6 +74,7 @@ class Recorder(TorchDispatchMode):
         self.sources = sources
         self.made: dict[int, Made] = {}
         self.ops: list[list[Any]] = []
+        self.constants = Constants()  # placeholder regions set to a constant in place
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -99,17 +104,42 @@ class Recorder(TorchDispatchMode):
         dst = args[0]
         key = self._key(dst)
         param = self.params.get(key)
+        value = 0 if name == "zero_" else None if name == "copy_" else float(args[1])
         if param is None:
-            if key in self.sources:
+            known = key in self.sources or key in self.made
+            if known and value is not None:  # a fill: what it holds is known
+                self.constants.set(key, self._region(dst), value)
+            elif key in self.sources:
                 raise Refused(
                     f"vLLM's load_weights writes into checkpoint tensor {self.sources[key]}"
                 )
+            elif key in self.made:  # a copy of something else into a value it made
+                del self.made[key]
             return
-        if name == "copy_":
+        if value is None:
+            value = self._constant(args[1], param)
+        if value is None:
             self.ops.append(["copy", param, self._region(dst), *self._origin(args[1], param)])
         else:
-            value = 0 if name == "zero_" else float(args[1])
             self.ops.append(["fill", param, self._region(dst), value])
+
+    def _constant(self, src: torch.Tensor, param: str) -> float | None:
+        """The constant a copy from `src` writes: a region of a placeholder set to it in
+        place, or a whole copy of one; None for anything else."""
+        key = self._key(src)
+        made = self.made.get(key)
+        try:
+            value = self.constants.value(key, self._region(src))
+        except Mixed:
+            origin = self.sources[key] if made is None else made.origin
+            raise Refused(
+                f"{param}: vLLM's load_weights copies into it a region of {origin} "
+                "that it set to a constant in part only"
+            ) from None
+        if value is None and made is not None and made.copy_of is not None:
+            whole = src.storage_offset() == 0 and src.is_contiguous()
+            return made.value if whole and src.numel() == made.copy_of[3] else None
+        return value
 
     def _origin(self, src: torch.Tensor, param: str) -> list[Any]:
         key = self._key(src)
@@ -133,7 +163,12 @@ class Recorder(TorchDispatchMode):
             src = known[0]
             dtype = NAMES.get(src.dtype, str(src.dtype))
             region = (self.sources[self._key(src)], self._region(src), dtype, src.numel())
-            self.made[self._key(out)] = Made((SHOWN.get(name, name),), region[0], region)
+            try:
+                value = self.constants.value(self._key(src), region[1])
+            except Mixed:  # part constant: no copy of one region of either
+                self.made[self._key(out)] = Made((name, "set in part to a constant"), region[0])
+                return
+            self.made[self._key(out)] = Made((SHOWN.get(name, name),), region[0], region, value)
             return
         before = [self.made[self._key(a)] for a in tensors if self._key(a) in self.made]
         origins = [self.sources[self._key(a)] for a in known] + [m.origin for m in before]
@@ -310,6 +345,7 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         "params": {k: [NAMES.get(v.dtype, str(v.dtype)), list(v.shape)] for k, v in params.items()},
         "ops": ops,
         "shared": shared,
+        "expert_stacks": expert_stacks(model),
     }
 
 

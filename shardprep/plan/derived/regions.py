@@ -6,6 +6,7 @@ same order."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from shardprep.errors import PlanError
@@ -60,10 +61,22 @@ def _slab_region(block: Block, shape: tuple[int, ...]) -> Region:
     where it fills its slab whole (no padding around it)."""
     assert block.slab is not None
     (r0, r1), (c0, c1), size = block.slab
-    if len(shape) != 3 or size != (r1 - r0, c1 - c0):
+    rows, cols = (shape[1], math.prod(shape[2:])) if len(shape) > 2 else (1, shape[-1])
+    if len(shape) < 2 or size != (r1 - r0, c1 - c0):
         raise PlanError(f"{block.source}: a padded block has no derived form")
+    offset = (block.rows[0] * rows + r0) * cols + c0
+    return normal(offset, (r1 - r0, c1 - c0), (cols, 1))
+
+
+def _matrix_region(block: Block, shape: tuple[int, ...]) -> Region:
+    """The part of one dim-0 row (an expert's [A, B] matrix) of a 3-D source a transposed
+    block reads, in the order it is written: its columns, each the run of its rows."""
+    assert block.matrix is not None
+    (r0, r1), (c0, c1) = block.matrix
+    if len(shape) != 3 or block.rows[1] - block.rows[0] != 1:
+        raise PlanError(f"{block.source}: a transposed block of this shape has no derived form")
     offset = (block.rows[0] * shape[1] + r0) * shape[2] + c0
-    return normal(offset, (r1 - r0, c1 - c0), (shape[2], 1))
+    return normal(offset, (c1 - c0, r1 - r0), (1, shape[2]))
 
 
 def block_region(block: Block, shape: tuple[int, ...], row_width: int) -> Fill:
@@ -72,7 +85,12 @@ def block_region(block: Block, shape: tuple[int, ...], row_width: int) -> Fill:
     if block.source is None:
         return zeros((block.rows[1] - block.rows[0]) * row_width)
     if block.slab is not None and block.repeat == (1, 1) and block.matrix is None:
+        (r0, r1), (c0, c1), (height, width) = block.slab
+        if r0 == r1 or c0 == c1:  # nothing of the source: the slab is zeros
+            return zeros(height * width * (block.rows[1] - block.rows[0]))
         return block.source, _slab_region(block, shape)
+    if block.matrix is not None and block.repeat == (1, 1) and block.slab is None:
+        return block.source, _matrix_region(block, shape)
     if block.repeat != (1, 1) or block.matrix is not None or block.slab is not None:
         raise PlanError(f"{block.source}: a block of this kind has no derived form")
     width = 1

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from shardprep.plan.cuts import Piece
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.quant.layer import Quantized, QuantParams
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -139,3 +139,14 @@ class Scheme:
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """vLLM's refusals of one quantized layer at `tp`, in its words."""
         return []
+
+    def derived_cuts(self, source: str, shape: tuple[int, ...], expert: int | None) -> list[Piece]:
+        """The cuts in this scheme's own terms that a derived layout tries first for a
+        stored tensor of `shape` (an expert's piece of it, for `expert`): a derived piece
+        takes one only where it gives vLLM's regions on every rank. None by default."""
+        return []
+
+    def derived_dtype(self, cut: Cut) -> str | None:
+        """The dtype vLLM holds a parameter of one of `derived_cuts`' cuts in, whatever the
+        model's dtype (None: it follows the model's or its source's)."""
+        return None

@@ -23,6 +23,7 @@ only; the manifest records which (the experts' `mxfp4_padding`: `at_load` or the
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -178,6 +179,28 @@ class Mxfp4Quant(Scheme):
             of = ScaleOf((1, size), Cut.ROWS, (1, 1), self.grid)
             out.append(Piece(p.source, cuts[p.cut], expert=p.expert, scale_of=of))
         return tuple(out), BIAS_DTYPE
+
+    def derived_cuts(self, source: str, shape: tuple[int, ...], expert: int | None) -> list[Piece]:
+        """An expert's blocks or scales [E, N, K/32, ...] as either fused expert weight
+        cuts them, and an expert's bias [E, B] as either bias is cut: vLLM's record tells
+        which (and the unpadded ones alone give its regions where no padding is baked)."""
+        if expert is None or len(shape) < 2:
+            return []
+        if len(shape) == 2:
+            of = ScaleOf((1, shape[1]), Cut.ROWS, (1, 1), self.grid)
+            cuts = (Cut.MX_W13_BIAS, Cut.MX_W2_BIAS)
+        elif source.endswith(("_blocks", "_scales")):
+            per = PER_BYTE if source.endswith("_blocks") else MX_BLOCK
+            of = ScaleOf((shape[1], math.prod(shape[2:]) * per), Cut.ROWS, (1, per), self.grid)
+            cuts = (Cut.MX_W13, Cut.MX_W2)
+        else:
+            return []
+        return [Piece(source, cut, expert=expert, scale_of=of) for cut in cuts]
+
+    def derived_dtype(self, cut: Cut) -> str | None:
+        """The blocks and scales are bytes, the biases bfloat16, whatever the model's dtype."""
+        biases = (Cut.MX_W13_BIAS, Cut.MX_W2_BIAS)
+        return BIAS_DTYPE if cut in biases else BYTE if cut in (Cut.MX_W13, Cut.MX_W2) else None
 
     def refusals(self, layer: Quantized, tp: int, moe_ways: int) -> list[str]:
         """What vLLM cannot load: values not in whole 32-blocks."""
