@@ -428,10 +428,10 @@ def test_a_text_models_config_gives_the_hints_of_a_wrapper_that_holds_it() -> No
     assert Hints.of(text | {"vocab_size": 1000}) == hints
 
 
-def test_one_value_per_expert_and_part_beside_a_stack_is_a_stack_of_experts() -> None:
-    """A [2 experts, 2 parts] and a [2 experts] vector of per-tensor scales beside the
-    module's [2, 2, 3] weight stack stack experts; the same [2] vector in a module with no
-    stack is a fused layer's per-part values."""
+def test_one_value_per_expert_and_part_of_an_experts_layer_is_a_stack_of_experts() -> None:
+    """A [2 experts, 2 parts] and a [2 experts] vector of per-tensor scales that vLLM's
+    experts layer holds (the record's expert stacks) stack experts; the same [2] vector
+    of another layer is a fused layer's per-part values."""
     sources = {f"e{e}.{part}": ("F32", (1,)) for e in (0, 1) for part in "gud"}
     sources |= {f"e{e}.w": ("F32", (2, 3)) for e in (0, 1)}
     params = {"m.w": ["F32", [2, 2, 3]], "m.s13": ["F32", [2, 2]], "m.s2": ["F32", [2]]}
@@ -444,7 +444,7 @@ def test_one_value_per_expert_and_part_beside_a_stack_is_a_stack_of_experts() ->
     ops += [["copy", "m.s2", [e, [1], [1]], f"e{e}.d", one, "F32"] for e in (0, 1)]
     ops += [["copy", "attn.s", [e, [1], [1]], f"e{e}.d", one, "F32"] for e in (0, 1)]
     inference = Inference({}, sources, 1)
-    inference.add(_record(ops, params))
+    inference.add(_record(ops, params) | {"expert_stacks": ["m.w", "m.s13", "m.s2"]})
     layout = inference.layout()
     pieces = {param.name: param.pieces for param in layout.params}
     assert pieces["m.s13"] == tuple(

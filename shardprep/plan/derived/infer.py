@@ -14,7 +14,7 @@ from shardprep.errors import PlanError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import Cut, Piece
-from shardprep.plan.derived.experts import expert_groups, per_expert
+from shardprep.plan.derived.experts import expert_groups, one_value_each, per_expert, value_piece
 from shardprep.plan.derived.padding import align_piece, built_tails
 from shardprep.plan.derived.regions import (
     Fill,
@@ -24,7 +24,6 @@ from shardprep.plan.derived.regions import (
     zeros,
 )
 from shardprep.plan.derived.regions import merged as _merged
-from shardprep.plan.derived.stacks import expert_rows, stacks_values, value_piece
 from shardprep.plan.layout import block_shape, piece_blocks
 from shardprep.plan.quant import scheme_of
 
@@ -121,13 +120,11 @@ class Inference:
         self.read: set[str] = set()
         self.unloaded: set[str] = set()  # parameters vLLM's load_weights leaves as built
         self.model_dtype = ""
-        self.stacks: Mapping[str, frozenset[int]] = {}  # the 3-D stacks of the rank's modules
 
     def add(self, record: Mapping[str, Any]) -> None:
         """One rank's record: its parameters and the writes into them."""
         p, t = record["rank"]
         self.model_dtype = record["model_dtype"]
-        self.stacks = expert_rows(record["params"])
         writes: dict[str, list[tuple[int, int, Fill]]] = {name: [] for name in record["params"]}
         stacks = set(record.get("expert_stacks", ()))
         ops, tails = built_tails(record["ops"], record["params"])
@@ -175,7 +172,7 @@ class Inference:
         before = {piece.expert: piece.source for piece in (state.pieces if state else ())}
         by_expert = expert_groups(name, shape, writes, before, (p, t)) if stack else None
         groups = by_expert or _groups(name, shape, writes, p, t, padding)
-        values = stacks_values(name, shape, groups, self.sources, self.stacks)
+        values = stack and one_value_each(shape, groups, self.sources)
         stacked = (len(shape) == 3 or values) and all(g[1] is not None for g in groups)
         stacked = (stacked and len(groups) > 1) or by_expert is not None
         if state is None:
