@@ -90,6 +90,11 @@ class Scheme:
         in the checkpoint, its scales beside it."""
         return source
 
+    def logical_shape(self, source: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The shape of the weight a stored tensor of `shape` holds (`logical`), where the
+        scheme stores it in another shape (packed); None for any other tensor."""
+        return None
+
     def skips(self, layer: str, *parts: str) -> bool:
         """Whether vLLM leaves a layer unquantized; `layer`: vLLM's name of it, `parts`:
         a fused layer's checkpoint names."""
