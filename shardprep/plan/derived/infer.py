@@ -14,6 +14,7 @@ from shardprep.errors import PlanError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import Cut, Piece
+from shardprep.plan.derived.overwrites import final_writes
 from shardprep.plan.derived.regions import (
     Fill,
     Region,
@@ -25,6 +26,7 @@ from shardprep.plan.derived.regions import (
 from shardprep.plan.layout import block_shape, piece_blocks
 
 UNREAD = "vLLM's load_weights does not read it"
+OVERWRITTEN = "vLLM's load_weights copies it into {}, then overwrites that with a later write"
 # The cuts a derived piece may have, in the order they are preferred where several give
 # the same regions at the derived tp (ROWS over KV_HEADS while tp divides the heads).
 SIMPLE_CUTS = (Cut.REPLICATE, Cut.ROWS, Cut.COLS, Cut.VOCAB, Cut.PADDED_VOCAB)
@@ -106,6 +108,7 @@ class Inference:
         self.params: dict[str, _ParamState] = {}
         self.read: set[str] = set()
         self.unloaded: set[str] = set()  # parameters vLLM's load_weights leaves as built
+        self.overwritten: dict[str, str] = {}  # {source: param} only overwritten writes read
         self.model_dtype = ""
 
     def add(self, record: Mapping[str, Any]) -> None:
@@ -113,7 +116,9 @@ class Inference:
         p, t = record["rank"]
         self.model_dtype = record["model_dtype"]
         writes: dict[str, list[tuple[int, int, Fill]]] = {name: [] for name in record["params"]}
-        for op in record["ops"]:
+        ops, overwritten = final_writes(record["ops"])  # what vLLM's state finally holds
+        self.overwritten |= overwritten
+        for op in ops:
             kind, param, (offset, sizes, strides) = op[0], op[1], op[2]
             start, end = contiguous_span(normal(offset, sizes, strides), param)
             if start == end:
@@ -213,7 +218,8 @@ class Inference:
             raise PlanError(
                 f"cannot derive the layout: {len(problems)} parameter(s): {summarize(problems)}"
             )
-        skipped = {name: UNREAD for name in self.sources if name not in self.read}
+        why = {source: OVERWRITTEN.format(param) for source, param in self.overwritten.items()}
+        skipped = {name: why.get(name, UNREAD) for name in self.sources if name not in self.read}
         return Layout(
             tuple(params), skipped, num_experts=experts, num_expert_group=num_expert_group
         )

@@ -1,0 +1,66 @@
+"""What vLLM's state finally holds where its load_weights writes one region twice
+(plan/derived/overwrites.py): the later write wins, the earlier one is no piece, and a
+checkpoint tensor only overwritten writes read is left out saying so; which parameters
+stack experts (plan/derived/stacks.py). Records made by hand, in the form the probe
+writes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardprep.plan.derived.infer import Inference
+from shardprep.plan.derived.overwrites import final_writes
+
+
+def _copy(param: str, start: int, count: int, source: str) -> list[Any]:
+    return ["copy", param, [start, [count], [1]], source, [0, [count], [1]], "F32"]
+
+
+def test_a_write_later_writes_cover_together_is_dropped() -> None:
+    ops = [
+        _copy("p", 0, 4, "a"),
+        _copy("q", 0, 4, "a2"),
+        _copy("p", 0, 2, "b"),
+        _copy("p", 2, 2, "c"),
+    ]
+    assert final_writes(ops) == (ops[1:], {"a": "p"})
+
+
+def test_a_write_later_ones_cover_in_part_or_in_another_parameter_is_kept() -> None:
+    ops = [_copy("p", 0, 4, "a"), _copy("p", 1, 2, "b"), _copy("q", 0, 4, "c")]
+    assert final_writes(ops) == (ops, {})
+
+
+def test_a_strided_later_write_covers_only_what_it_writes() -> None:
+    # column 0 of a [2, 2] parameter: elements 0 and 2, not 1, which its span holds
+    column = ["copy", "p", [0, [2], [2]], "col", [0, [2], [1]], "F32"]
+    ops = [_copy("p", 1, 1, "one"), column]
+    assert final_writes(ops) == (ops, {})
+
+
+def test_a_tensor_a_kept_write_reads_is_not_left_out() -> None:
+    ops = [_copy("p", 0, 1, "a"), _copy("p", 0, 1, "b"), _copy("q", 0, 1, "a")]
+    assert final_writes(ops) == (ops[1:], {})
+
+
+def _scalar(param: str, slot: int, source: str) -> list[Any]:
+    return ["copy", param, [slot, [], []], source, [0, [], []], "F32"]
+
+
+def test_the_last_of_an_experts_gate_and_up_scales_in_one_slot_is_its_piece() -> None:
+    """FusedMoE's `w13_input_scale` [E]: an expert's gate scale, then its up scale, into
+    the expert's one value."""
+    parts = [f"e{e}.{part}.input_scale" for e in range(2) for part in ("gate", "up")]
+    ops = [_scalar("w13_input_scale", int(name[1]), name) for name in parts]
+    record = {"model_dtype": "BF16", "params": {"w13_input_scale": ["F32", [2]]}, "ops": ops}
+    inference = Inference({}, {name: ("F32", ()) for name in parts}, 2)
+    for t in range(2):
+        inference.add({**record, "rank": [0, t]})
+    layout = inference.layout()
+    (param,) = layout.params
+    assert [p.source for p in param.pieces] == ["e0.up.input_scale", "e1.up.input_scale"]
+    assert layout.skipped == {
+        f"e{e}.gate.input_scale": "vLLM's load_weights copies it into w13_input_scale, then "
+        "overwrites that with a later write"
+        for e in range(2)
+    }
