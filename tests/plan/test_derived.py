@@ -119,12 +119,8 @@ NOT_YET = {
     "the derivation infers a piece per source, not one per expert of a source",
     "kimi-k3-tp2": "vLLM's load_weights leaves part of the KDA in_proj_qkvgfab unwritten "
     "(filled elsewhere than from a checkpoint tensor)",
-    "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
-    "the same row of w13_weight_shape: a plan writes each value once",
     "deepseek-v3-nvfp4-tp2": "the packed cuts (whole packed elements of the unpacked weight) "
     "and per-expert scalars of a 2-D stack are not inferred yet",
-    "mixtral-fp8-per-tensor-tp2": "vLLM writes each expert's gate and up input_scale into one "
-    "value of w13_input_scale: a plan writes each value once",
 }
 # What the vLLM of a case needs beside the model: torchvision's Python part (Qwen3.5's
 # classes import it), the Kimi-K3 GEMM that is not fused with an all-reduce.

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived.infer import Inference
 from shardprep.plan.derived.overwrites import final_writes
+from shardprep.plan.derived.stacks import stacks_experts
 
 
 def _copy(param: str, start: int, count: int, source: str) -> list[Any]:
@@ -64,3 +66,29 @@ def test_the_last_of_an_experts_gate_and_up_scales_in_one_slot_is_its_piece() ->
         "overwrites that with a later write"
         for e in range(2)
     }
+
+
+def test_a_vector_an_expert_in_the_rows_of_a_2d_parameter_is_an_experts_piece() -> None:
+    """compressed-tensors' `w13_weight_shape` [E, 2]: each expert's [N, K] in its row."""
+    sources = {f"e{e}.weight_shape": ("I32", (2,)) for e in range(3)}
+    ops = [_copy("w13_weight_shape", 2 * e, 2, f"e{e}.weight_shape") for e in range(3)]
+    record = {"model_dtype": "BF16", "params": {"w13_weight_shape": ["BF16", [3, 2]]}, "ops": ops}
+    inference = Inference({}, sources, 2)
+    for t in range(2):
+        inference.add({**record, "rank": [0, t]})
+    layout = inference.layout()
+    (param,) = layout.params
+    assert param.pieces == tuple(
+        Piece(f"e{e}.weight_shape", Cut.REPLICATE, expert=e) for e in range(3)
+    )
+    assert layout.num_experts == 3
+
+
+def test_parts_of_a_fused_parameter_one_value_each_stack_no_experts() -> None:
+    # qkv_proj's weight_scale [3]: q's, k's and v's scalars, one value each
+    scalars = {name: ("F32", ()) for name in "qkv"}
+    assert not stacks_experts((3,), [("q", 0), ("k", 1), ("v", 2)], scalars)
+    vectors = {name: ("F32", (4,)) for name in "ab"}
+    assert stacks_experts((2, 4), [("a", 0), ("b", 1)], vectors)
+    assert not stacks_experts((2, 4), [("a", 0)], vectors)
+    assert not stacks_experts((2, 4), [("a", 0), ("b", None)], vectors)

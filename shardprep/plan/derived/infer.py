@@ -23,6 +23,7 @@ from shardprep.plan.derived.regions import (
     normal,
     zeros,
 )
+from shardprep.plan.derived.stacks import stacks_experts
 from shardprep.plan.layout import block_shape, piece_blocks
 
 UNREAD = "vLLM's load_weights does not read it"
@@ -151,7 +152,7 @@ class Inference:
         t: int,
     ) -> None:
         groups = _groups(name, shape, writes, p, t)
-        stacked = len(shape) == 3 and all(g[1] is not None for g in groups) and len(groups) > 1
+        stacked = stacks_experts(shape, [(g[0], g[1]) for g in groups], self.sources)
         state = self.params.get(name)
         if state is None:
             pieces = [

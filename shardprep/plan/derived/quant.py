@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from shardprep.errors import PlanError
 from shardprep.plan.archs.base import Layout, Param
-from shardprep.plan.cuts import Piece
+from shardprep.plan.cuts import MODEL_DTYPE, Piece
 from shardprep.plan.derived.regions import Fill, block_region
 from shardprep.plan.layout import piece_blocks
 from shardprep.plan.quant import Scheme
@@ -32,8 +32,9 @@ def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> 
     for param in layout.params:
         if param.name in replaced:
             continue
+        name, pieces, sizes = _logical(param, scheme, shapes) or (param.name, param.pieces, shapes)
         try:
-            made, _ = scheme.params(param.name, param.pieces, shapes, tp, tp)
+            made, _ = scheme.params(name, pieces, sizes, tp, tp)
         except (PlanError, KeyError, ValueError):  # not a weight the scheme quantizes
             continue
         found = [derived.get(name) for name, _, _ in made]
@@ -48,8 +49,29 @@ def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> 
     return dataclasses.replace(layout, params=params)
 
 
+def _logical(param: Param, scheme: Scheme, shapes: Shapes) -> tuple[str, tuple, Shapes] | None:
+    """A derived parameter of packed tensors as the unquantized weight they hold, which
+    is what the scheme makes its parameters of: `w13_weight_packed` of the experts'
+    `x.weight_packed` as `w13_weight` of their `x.weight`, with the shapes these have;
+    None for any other parameter."""
+    pieces, sizes = [], dict(shapes)
+    for piece in param.pieces:
+        weight = scheme.logical(piece.source)
+        shape = scheme.logical_shape(piece.source, tuple(shapes.get(piece.source, ())))
+        suffix = piece.source.removeprefix(weight)
+        if shape is None or weight == piece.source or not param.name.endswith(suffix):
+            return None
+        pieces.append(piece._replace(source=weight))
+        sizes[weight] = shape
+    return param.name.removesuffix(suffix), tuple(pieces), sizes
+
+
 def _same_reads(mine: Param, derived: Param | None, shapes: Shapes, tp: int) -> bool:
-    if derived is None or (mine.dtype, mine.stages) != (derived.dtype, derived.stages):
+    if derived is None or mine.stages != derived.stages:
+        return False
+    # A derived parameter without a dtype is held in the model's (its placeholders are
+    # in the model's dtype), which is what the scheme's MODEL_DTYPE says.
+    if mine.dtype != derived.dtype and (mine.dtype, derived.dtype) != (MODEL_DTYPE, None):
         return False
     if len(mine.pieces) != len(derived.pieces):
         return False
@@ -63,9 +85,9 @@ def _same_reads(mine: Param, derived: Param | None, shapes: Shapes, tp: int) -> 
 
 def _reads(piece: Piece, shapes: Shapes, tp: int, rank: int) -> list[Fill] | None:
     """What a piece reads on one rank, in the normal form; None where it has none."""
-    shape = tuple(shapes.get(piece.source, ()))
-    if not shape:
+    if piece.source not in shapes:
         return None
+    shape = tuple(shapes[piece.source])  # () for a scalar: one value
     try:
         blocks = piece_blocks(piece, shape, tp, rank)
         return [block_region(block, shape, math.prod(shape[1:])) for block in blocks]
