@@ -1,8 +1,8 @@
 """What vLLM's state finally holds where its load_weights writes one region twice
 (plan/derived/overwrites.py): the later write wins, the earlier one is no piece, and a
-checkpoint tensor only overwritten writes read is left out saying so; which parameters
-stack experts (plan/derived/stacks.py). Records made by hand, in the form the probe
-writes them."""
+checkpoint tensor only overwritten writes read is left out saying so; what a
+parameter's shape says of its pieces (plan/derived/shapes.py): experts stacked in its
+rows, one value held 0-d. Records made by hand, in the form the probe writes them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived.infer import Inference
 from shardprep.plan.derived.overwrites import final_writes
-from shardprep.plan.derived.stacks import stacks_experts
+from shardprep.plan.derived.shapes import one_value, stacks_experts
 
 
 def _copy(param: str, start: int, count: int, source: str) -> list[Any]:
@@ -92,3 +92,11 @@ def test_parts_of_a_fused_parameter_one_value_each_stack_no_experts() -> None:
     assert stacks_experts((2, 4), [("a", 0), ("b", 1)], vectors)
     assert not stacks_experts((2, 4), [("a", 0)], vectors)
     assert not stacks_experts((2, 4), [("a", 0), ("b", None)], vectors)
+
+
+def test_a_0d_parameter_holds_the_one_value_of_a_scalar_or_a_1_element_source() -> None:
+    """A KV-cache scale: vLLM's `attn.k_scale` is 0-d, the checkpoint's a scalar or [1]."""
+    assert one_value((), "k_scale", ()) == [Piece("k_scale", Cut.SCALAR)]
+    assert one_value((), "k_proj.k_scale", (1,)) == [Piece("k_proj.k_scale", Cut.SCALAR)]
+    assert one_value((1,), "k_scale", ()) == []
+    assert one_value((), "two", (2,)) == []

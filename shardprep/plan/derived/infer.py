@@ -23,7 +23,7 @@ from shardprep.plan.derived.regions import (
     normal,
     zeros,
 )
-from shardprep.plan.derived.stacks import stacks_experts
+from shardprep.plan.derived.shapes import one_value, stacks_experts
 from shardprep.plan.layout import block_shape, piece_blocks
 
 UNREAD = "vLLM's load_weights does not read it"
@@ -159,7 +159,8 @@ class Inference:
                 _PieceState(
                     source,
                     expert if stacked else None,
-                    candidates(
+                    one_value(shape, source, self.sources[source][1])
+                    + candidates(
                         source, self.sources[source][1], expert if stacked else None, self.hints
                     )
                     + _qkv_candidates(source, self.sources[source][1], fills, self.tp, t),
@@ -231,7 +232,7 @@ class Inference:
         first = self.sources[pieces[0].source][1]
         blocks = [b for p in pieces for b in piece_blocks(p, self.sources[p.source][1], self.tp, 0)]
         planned = (sum(b.height for b in blocks), *block_shape(blocks[0], first)[1:])
-        if not first or planned == shape:
+        if not first or planned == shape or pieces[0].cut is Cut.SCALAR:
             return []
         return [
             f"{name} <- {pieces[0].source}: vLLM holds {list(shape)} where the checkpoint's "

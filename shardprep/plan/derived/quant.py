@@ -19,7 +19,7 @@ from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import MODEL_DTYPE, Piece
 from shardprep.plan.derived.regions import Fill, block_region
 from shardprep.plan.layout import piece_blocks
-from shardprep.plan.quant import Scheme
+from shardprep.plan.quant import Scheme, kv_cache
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -43,10 +43,22 @@ def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> 
         mine = [Param(name, pieces, param.stages, dtype) for name, pieces, dtype in made]
         if all(_same_reads(a, b, shapes, tp) for a, b in zip(mine, found, strict=True)):
             replaced |= {p.name: p for p in mine}
+    replaced |= _kv_cache_scales(layout, scheme, shapes, tp)
     if not replaced:
         return layout
     params = tuple(replaced.get(param.name, param) for param in layout.params)
     return dataclasses.replace(layout, params=params)
+
+
+def _kv_cache_scales(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> dict:
+    """The KV-cache scales a checkpoint ships, as the scheme places them (quant/kv_cache.py),
+    where vLLM loads each into the parameter the scheme names and nothing else into it."""
+    if not scheme.kv_cache_scales:
+        return {}
+    derived = {param.name: param for param in layout.params}
+    placed = kv_cache.kv_cache_params(shapes, ((p.name, p.stages) for p in layout.params))
+    mine = [Param(name, (piece,), on, kv_cache.SCALE_DTYPE) for name, piece, on in placed]
+    return {p.name: p for p in mine if _same_reads(p, derived.get(p.name), shapes, tp)}
 
 
 def _logical(param: Param, scheme: Scheme, shapes: Shapes) -> tuple[str, tuple, Shapes] | None:

@@ -1,9 +1,13 @@
-"""Which parameters of a derived layout stack experts: those whose writes, grouped by
-source (infer.py), each lie in one dim-0 row of the parameter, one expert's."""
+"""What the shape of a parameter vLLM builds says of its derived pieces (infer.py): it
+stacks experts where its writes, grouped by source, each lie in one dim-0 row, one
+expert's; a 0-d parameter holds the one value of its source, a scalar or [1]."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+
+from shardprep.plan.cuts import Cut, Piece
 
 Sources = Mapping[str, tuple[str, tuple[int, ...]]]
 
@@ -20,3 +24,11 @@ def stacks_experts(
     if len(shape) == 3:
         return True
     return len(shape) == 2 and all(len(sources[source][1]) == 1 for source, _ in groups)
+
+
+def one_value(shape: tuple[int, ...], source: str, source_shape: tuple[int, ...]) -> list[Piece]:
+    """SCALAR for a 0-d parameter of `shape` that a source of one value fills (a KV-cache
+    scale the checkpoint stores as a scalar or as [1]); nothing for any other."""
+    if shape or math.prod(source_shape) != 1:
+        return []
+    return [Piece(source, Cut.SCALAR)]
