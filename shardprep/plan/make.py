@@ -180,13 +180,19 @@ def _plan(
     stages = tuple(range(pp)) if request.stage is None else (request.stage,)
     models: list[ModelPlan] = []
     files: list[FilePlan] = []
+    problems: list[str] = []
     for job, layout in zip(jobs, layouts, strict=True):
         assert layout is not None
         models.append(_model_plan(job, layout, request, model_dtype))
         model_stages = stages if job.role == "target" else tuple(s for s in stages if s == pp - 1)
-        files += _rank_files(
+        mine = _rank_files(
             models[-1], layout, job.source, model_stages, request.tp, request.max_part_bytes
         )
+        found = job.family.rank_file_problems(job.source, models[-1], mine, topology)
+        problems += [f"{job.role}: {problem}" for problem in found]
+        files += mine
+    if problems:
+        raise PlanError(problem_summary(problems))
     return Plan(topology, stages, tuple(models), tuple(files))
 
 

@@ -26,7 +26,7 @@ from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.archs.parts import quantized
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived import DerivedFamily, available
-from shardprep.plan.derived.infer import Inference
+from shardprep.plan.derived.infer import Hints, Inference
 from shardprep.plan.drafts import with_target_rules
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
@@ -131,10 +131,6 @@ SHIPPED: dict[str, dict[str, tuple[int, ...]]] = {
 NOT_YET = {
     "gpt-oss-tp2": "vLLM zeroes the checkpoint's down_proj_bias in place on tp ranks > 0 and "
     "copies transposed expert slices: the derivation records neither yet",
-    "qwen3.5-moe-tp2": "one checkpoint tensor stacks every expert (experts.gate_up_proj): "
-    "the derivation infers a piece per source, not one per expert of a source",
-    "kimi-k3-tp2": "vLLM's load_weights leaves part of the KDA in_proj_qkvgfab unwritten "
-    "(filled elsewhere than from a checkpoint tensor)",
     "deepseek-v3-nvfp4-tp2": "the packed cuts (whole packed elements of the unpacked weight) "
     "and per-expert scalars of a 2-D stack are not inferred yet",
 }
@@ -183,6 +179,55 @@ def test_derived_plan_equals_the_hand_written_plan(
     assert {p.name: p for p in derived.params} == {p.name: p for p in written.params}
     assert set(derived.skipped) == set(written.skipped)
     assert derived.num_experts == written.num_experts
+
+
+def _renamed(name: str, prefixes: dict[str, str]) -> str:
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    return name
+
+
+# Qwen3.5-MoE's language model under the text-only class's names: vLLM's, the checkpoint's
+TEXT_PARAMS = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+TEXT_SOURCES = {"model.language_model.": "model."}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_the_text_only_qwen3_5_moe_class_derives_the_families_language_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`Qwen3_5MoeForCausalLM`, which no family names, is the language model of
+    `Qwen3_5MoeForConditionalGeneration` under `model.` (its checkpoint's names and
+    vLLM's): its derived plan is the hand-written family's, but the tower, piece for piece."""
+    monkeypatch.setenv("PYTHONPATH", vllm_env.with_torchvision()["PYTHONPATH"])
+    published = tiny_config("Qwen3_5MoeForConditionalGeneration")
+    config = archs.read_config(published)
+    family = archs.target_family(config)[1]
+    shapes = quantized.expected_shapes(family, config)
+    topology = make_topology(config["num_hidden_layers"], 2, 2, None, "")
+    written = quantized.layout(family, config, shapes, topology, _context(2))
+    text = {**published["text_config"], "architectures": ["Qwen3_5MoeForCausalLM"]}
+    assert archs.target_family(text)[1].name == "derived"
+    text_shapes = {
+        _renamed(name, TEXT_SOURCES): shape
+        for name, shape in shapes.items()
+        if not name.startswith("model.visual.")
+    }
+    derived = DerivedFamily().layout(text, text_shapes, topology, _context(2))
+    expected = {
+        _renamed(param.name, TEXT_PARAMS): tuple(
+            piece._replace(source=_renamed(piece.source, TEXT_SOURCES)) for piece in param.pieces
+        )
+        for param in written.params
+        if not param.name.startswith("visual.")
+    }
+    assert {p.name: p.pieces for p in derived.params} == expected
+    assert set(derived.skipped) == {_renamed(name, TEXT_SOURCES) for name in written.skipped}
+    stages = {p.name: p.stages for p in derived.params}
+    assert stages["lm_head.weight"] == (1,) and stages["model.embed_tokens.weight"] == (0, 1)
+    assert derived.num_experts == written.num_experts == 8
 
 
 def _unnamed(architecture: str, model_type: str, **overrides: Any) -> SourceModel:
@@ -319,6 +364,16 @@ def test_experts_stacked_in_one_source_are_read_each_from_its_own_matrix() -> No
     (param,) = layout.params
     assert param.pieces == tuple(Piece("gu", Cut.EXPERT_HALVES_ROWS, expert=e) for e in (0, 1))
     assert layout.num_experts == 2
+
+
+def test_a_text_models_config_gives_the_hints_of_a_wrapper_that_holds_it() -> None:
+    """A vision-language wrapper's config.json keeps the text model's heads and
+    vocabulary under text_config, where vLLM's hf_text_config reads them."""
+    text = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+    hints = Hints(heads=2, rows=64, vocab=1000, q_heads=4)
+    assert Hints.of({"text_config": text | {"vocab_size": 1000}}) == hints
+    assert Hints.of({"vocab_size": 1000, "text_config": text}) == hints
+    assert Hints.of(text | {"vocab_size": 1000}) == hints
 
 
 NO_VLLM_IMPORT = """

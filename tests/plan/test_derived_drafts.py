@@ -15,7 +15,7 @@ import pytest
 import vllm_env
 from derived_mtp import GLM, QWEN35, make_mtp_model
 
-from shardprep.demo.tiny import tiny_config
+from shardprep.demo.tiny import TINY_FP8, tiny_config
 from shardprep.errors import PlanError
 from shardprep.format.headers import read_header
 from shardprep.format.request import ConversionRequest
@@ -44,6 +44,11 @@ CASES = {
     ),
     # mtp.* renamed to model.*, fc split by rows, gated attention, a gated shared expert
     "qwen3-next-tp2-pp2": ("Qwen3NextForCausalLM", 2, 2, {}),
+    # fp8 blocks, the MTP layer's too: each scale cut with its weight
+    "deepseek-v3-fp8-tp2-pp2": (
+        "DeepseekV3ForCausalLM", 2, 2,
+        {"num_hidden_layers": 3, "num_nextn_predict_layers": 1, "quantization_config": TINY_FP8},
+    ),
 }  # fmt: skip
 
 
@@ -75,16 +80,21 @@ def test_derived_mtp_draft_plan_equals_the_hand_written_one(case: str) -> None:
     assert {stage for p in derived.params for stage in p.stages} == {pp - 1}
 
 
+@pytest.mark.parametrize("case", ["deepseek-v3-tp2-pp2", "deepseek-v3-fp8-tp2-pp2"])
 @pytest.mark.vllm
 @needs_vllm
 def test_a_target_no_family_names_plans_its_mtp_draft_as_the_hand_written_plan(
-    monkeypatch: pytest.MonkeyPatch,
+    case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DeepSeek-V3 planned as if no family named it: target and MTP draft derived, the
     same pieces as the hand-written plan, the draft's files on the last stage only."""
-    arch, tp, pp, overrides = CASES["deepseek-v3-tp2-pp2"]
+    arch, tp, pp, overrides = CASES[case]
     config, shapes, _, _ = _hand_written(arch, tp, pp, overrides)
-    source = SourceModel(config, {name: ("BF16", shape) for name, shape in shapes.items()})
+    family = archs.target_family(config)[1]
+    draft = archs.draft_family("mtp", family.name)
+    dtypes = quantized.source_dtypes(family, config) | quantized.source_dtypes(draft, config)
+    tensors = {name: (dtypes.get(name, "BF16"), shape) for name, shape in shapes.items()}
+    source = SourceModel(config, tensors)
     request = ConversionRequest(tp=tp, pp=pp, draft_method="mtp")
     written = make_plan(source, request, source)
     monkeypatch.delitem(archs._TARGETS, arch)

@@ -102,3 +102,32 @@ def make_transformers_model(
     generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation) + "\n")
     return folder
+
+
+def with_fp8_blocks(folder: Path, block: int = 128) -> Path:
+    """The model in `folder` as an fp8 block checkpoint (DeepSeek's format, which vLLM
+    reads as quant_method fp8): every linear projection of a layer (`*_proj.weight`,
+    experts' included) stored in float8_e4m3fn with a float32 `weight_scale_inv` per
+    `block` x `block` block; the rest as it was."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+        weight = tensors[name].float()
+        rows, cols = weight.shape
+        blocks = weight.reshape(rows // block, block, cols // block, block)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-6) / 448.0
+        fp8 = (blocks / scale[:, None, :, None]).reshape(rows, cols)
+        tensors[name] = fp8.to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder

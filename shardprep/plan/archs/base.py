@@ -10,7 +10,7 @@ default here, so the callers never probe for one.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -18,6 +18,7 @@ from shardprep.errors import ConfigError
 from shardprep.format.records import Topology
 from shardprep.plan.cuts import Piece
 from shardprep.plan.quant import Scheme
+from shardprep.plan.records import FilePlan, ModelPlan, SourceModel
 
 Config = Mapping[str, Any]
 Shapes = Mapping[str, tuple[int, ...]]
@@ -177,6 +178,13 @@ class Family:
         self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
     ) -> Layout:
         raise NotImplementedError
+
+    def rank_file_problems(
+        self, source: SourceModel, model: ModelPlan, files: Sequence[FilePlan], topology: Topology
+    ) -> list[str]:
+        """What the rank files planned from the family's layout hold otherwise than vLLM,
+        where the family can tell (a derived layout under expert parallelism); none here."""
+        return []
 
     def source_dtypes(self, config: Config) -> dict[str, str]:
         """Tensors whose checkpoint dtype is not the model's (a float32 routing bias); what a

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from functools import lru_cache
 
 from shardprep.errors import ConfigError, PlanError
@@ -29,6 +29,7 @@ from shardprep.plan.archs.base import (
 )
 from shardprep.plan.derived import drafts
 from shardprep.plan.quant import scheme_of
+from shardprep.plan.records import FilePlan, ModelPlan, SourceModel
 
 DERIVED = "derived"  # the family name, which keys the layout revision
 INSTALL = "pip install shardprep[vllm]"
@@ -67,9 +68,6 @@ class DerivedFamily(Family):
     # The schemes whose derived layout equals every family module's that takes them
     # (tests/plan/test_derived.py); the others are refused until they do.
     quant_schemes = frozenset({"fp8_block"})
-    expert_parallel_refusal = (
-        "a derived layout of experts under expert parallelism is not proven against vLLM yet"
-    )
 
     def expected_shapes(
         self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
@@ -79,12 +77,13 @@ class DerivedFamily(Family):
 
     def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         method = ctx.draft_method
+        problems = _data_parallel_problems(ctx)
         if method is not None and method != drafts.MTP:
-            return [
+            problems.append(
                 f"a {method} draft beside a derived layout is not supported yet (the MTP "
                 "draft a checkpoint carries is); convert without --draft"
-            ]
-        return []
+            )
+        return problems
 
     def internal_draft(self, config: Config) -> str | None:
         """MTP, when config.json promises MTP layers: vLLM's `method: mtp` draft."""
@@ -98,6 +97,12 @@ class DerivedFamily(Family):
             return layout
         return drafts.held_by_draft(layout, mtp_draft_layout(config, shapes, topology))
 
+    def rank_file_problems(
+        self, source: SourceModel, model: ModelPlan, files: Sequence[FilePlan], topology: Topology
+    ) -> list[str]:
+        """Under expert parallelism, where vLLM's load differs from the planned files."""
+        return _expert_parallel_problems(source, model, files, topology, None)
+
 
 class DerivedMtpDraft(DraftFamily):
     """The MTP draft of a target whose layout is derived (or of any target, as a check):
@@ -105,7 +110,7 @@ class DerivedMtpDraft(DraftFamily):
 
     name = DERIVED  # one layout revision for what is derived, the draft included
     standalone = False  # it comes inside its target, never with --draft
-    expert_parallel_refusal = DerivedFamily.expert_parallel_refusal
+    quant_schemes = DerivedFamily.quant_schemes  # tests/plan/test_derived_drafts.py
 
     def expected_shapes(
         self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
@@ -121,6 +126,43 @@ class DerivedMtpDraft(DraftFamily):
         self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
     ) -> Layout:
         return mtp_draft_layout(config, shapes, topology)
+
+    def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
+        return _data_parallel_problems(ctx)
+
+    def rank_file_problems(
+        self, source: SourceModel, model: ModelPlan, files: Sequence[FilePlan], topology: Topology
+    ) -> list[str]:
+        return _expert_parallel_problems(source, model, files, topology, drafts.MTP)
+
+
+def _data_parallel_problems(ctx: PlanContext) -> list[str]:
+    if ctx.expert_parallel and ctx.dp > 1:
+        return [
+            "a derived layout of experts spread over data-parallel ranks is not proven "
+            "against vLLM yet; leave --dp out, or --enable-expert-parallel"
+        ]
+    return []
+
+
+def _expert_parallel_problems(
+    source: SourceModel,
+    model: ModelPlan,
+    files: Sequence[FilePlan],
+    topology: Topology,
+    draft: str | None,
+) -> list[str]:
+    """The planned rank files checked against vLLM's own load with expert parallelism on
+    (derived/expert_parallel.py); none to check without it."""
+    if model.experts is None or not model.experts.split.uses_ep:
+        return []
+    from shardprep.plan.derived.expert_parallel import rank_file_problems
+
+    dtype = _serving_dtype(source.config)
+    placement = model.experts.split.placement
+    return rank_file_problems(
+        source.config, source.shapes, topology, dtype, files, placement, draft
+    )
 
 
 def mtp_draft_layout(config: Config, shapes: Shapes, topology: Topology) -> Layout:

@@ -15,14 +15,15 @@ from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived.overwrites import final_writes
+from shardprep.plan.derived.padding import align_piece, built_tails
 from shardprep.plan.derived.regions import (
     Fill,
-    Region,
     block_region,
     contiguous_span,
     normal,
     zeros,
 )
+from shardprep.plan.derived.regions import merged as _merged
 from shardprep.plan.derived.shapes import one_value, stacks_experts
 from shardprep.plan.layout import block_shape, piece_blocks
 
@@ -48,6 +49,7 @@ class _ParamState:
     shape: tuple[int, ...]
     pieces: list[_PieceState]
     stages: set[int] = field(default_factory=set)
+    padding: int = 0  # the most zero rows a rank ends with, built and never loaded
 
 
 def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hints) -> list[Piece]:
@@ -75,7 +77,8 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
 class Hints:
     """What config.json says that tells equal cuts apart: the KV heads, their rows where
     they are fewer than the query heads, the vocabulary (0: no hint); and the query heads
-    (which cut a fused GQA qkv)."""
+    (which cut a fused GQA qkv). A model with a text model's config (a vision-language
+    wrapper) reads them there, as vLLM's `hf_text_config` does."""
 
     heads: int
     rows: int
@@ -84,6 +87,9 @@ class Hints:
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> Hints:
+        text = config.get("text_config")
+        config = {**config, **text} if isinstance(text, Mapping) else config
+
         def whole(key: str) -> int:
             value = config.get(key)
             return value if isinstance(value, int) and not isinstance(value, bool) else 0
@@ -119,6 +125,7 @@ class Inference:
         writes: dict[str, list[tuple[int, int, Fill]]] = {name: [] for name in record["params"]}
         ops, overwritten = final_writes(record["ops"])  # what vLLM's state finally holds
         self.overwritten |= overwritten
+        ops, tails = built_tails(ops, record["params"])
         for op in ops:
             kind, param, (offset, sizes, strides) = op[0], op[1], op[2]
             start, end = contiguous_span(normal(offset, sizes, strides), param)
@@ -140,7 +147,7 @@ class Inference:
             if not writes[name]:  # vLLM loads nothing into it (fp8's KV-cache scales)
                 self.unloaded.add(name)
                 continue
-            self._add_param(name, dtype, tuple(shape), writes[name], p, t)
+            self._add_param(name, dtype, tuple(shape), writes[name], (p, t), tails.get(name, 0))
 
     def _add_param(
         self,
@@ -148,10 +155,11 @@ class Inference:
         dtype: str,
         shape: tuple[int, ...],
         writes: list[tuple[int, int, Fill]],
-        p: int,
-        t: int,
+        rank: tuple[int, int],
+        padding: int,
     ) -> None:
-        groups = _groups(name, shape, writes, p, t)
+        p, t = rank
+        groups = _groups(name, shape, writes, p, t, padding)
         stacked = stacks_experts(shape, [(g[0], g[1]) for g in groups], self.sources)
         state = self.params.get(name)
         if state is None:
@@ -178,6 +186,7 @@ class Inference:
                 "architecture cannot be derived yet"
             )
         state.stages.add(p)
+        state.padding = max(state.padding, padding)
         width = _row_width(shape, stacked)
         for piece, (_, _, fills) in zip(state.pieces, groups, strict=True):
             piece.candidates = [c for c in piece.candidates if self._matches(c, fills, width, t)]
@@ -205,9 +214,17 @@ class Inference:
                     )
                     continue
                 chosen.append(piece.candidates[0])
+            complete = bool(chosen) and len(chosen) == len(state.pieces)
+            if state.padding and chosen:
+                align = align_piece(name, state.shape, state.padding, chosen[-1])
+                if isinstance(align, str):
+                    problems.append(align)
+                    complete = False
+                else:
+                    chosen.append(align)
             if state.pieces and state.pieces[0].expert is not None:
                 experts = max(experts, state.shape[0])
-            elif chosen and len(chosen) == len(state.pieces):
+            elif complete:
                 problems += self._reshaped(name, state.shape, chosen)
             params.append(
                 Param(name, tuple(chosen), tuple(sorted(state.stages)), self._dtype(state))
@@ -230,8 +247,11 @@ class Inference:
         """A parameter whose shape differs from the one its pieces give (the same values
         viewed otherwise, e.g. a source's leading unit dim squeezed away): one problem."""
         first = self.sources[pieces[0].source][1]
-        blocks = [b for p in pieces for b in piece_blocks(p, self.sources[p.source][1], self.tp, 0)]
-        planned = (sum(b.height for b in blocks), *block_shape(blocks[0], first)[1:])
+        read = [p for p in pieces if p.cut is not Cut.ALIGN_ROWS]
+        blocks = [b for p in read for b in piece_blocks(p, self.sources[p.source][1], self.tp, 0)]
+        rows = sum(b.height for b in blocks)
+        rows += -rows % pieces[-1].heads if len(read) < len(pieces) else 0
+        planned = (rows, *block_shape(blocks[0], first)[1:])
         if not first or planned == shape or pieces[0].cut is Cut.SCALAR:
             return []
         return [
@@ -247,15 +267,22 @@ class Inference:
 
 
 def _groups(
-    name: str, shape: tuple[int, ...], writes: list[tuple[int, int, Fill]], p: int, t: int
+    name: str,
+    shape: tuple[int, ...],
+    writes: list[tuple[int, int, Fill]],
+    p: int,
+    t: int,
+    padding: int = 0,
 ) -> list[tuple[str, int | None, list[Fill]]]:
     """The writes in parameter order, grouped by source (zeros belong to the source before
-    them), each group with the dim-0 index it lies in when it lies in one (an expert)."""
+    them), each group with the dim-0 index it lies in when it lies in one (an expert);
+    the last `padding` rows are built zeros (padding.py), not written."""
     writes.sort(key=lambda w: w[0])
     total = math.prod(shape)
+    per_row = total // shape[0] if shape and shape[0] else total
+    total -= padding * per_row
     position = 0
     groups: list[tuple[str, int | None, list[Fill]]] = []
-    per_row = total // shape[0] if shape and shape[0] else total
     for start, end, fill in writes:
         if start != position:
             what = "writes twice into" if start < position else "leaves unwritten part of"
@@ -330,23 +357,3 @@ def _next_expert(shape: tuple[int, ...], last: int | None, index: int | None) ->
 def _row_width(shape: tuple[int, ...], stacked: bool) -> int:
     dims = shape[2:] if stacked else shape[1:]
     return math.prod(dims)
-
-
-def _merged(fills: list[Fill]) -> list[Fill]:
-    """Adjacent regions of one source that continue each other as one (a cut's blocks
-    and vLLM's copies may split the same run differently); zeros merged likewise."""
-    out: list[Fill] = []
-    for source, region in fills:
-        if out and source is None and out[-1][0] is None:
-            out[-1] = zeros(out[-1][1][1][0] + region[1][0])
-        elif out and source is not None and out[-1][0] == source and _continues(out[-1][1], region):
-            previous = out[-1][1]
-            out[-1] = (source, (previous[0], (previous[1][0] + region[1][0],), (1,)))
-        else:
-            out.append((source, region))
-    return out
-
-
-def _continues(a: Region, b: Region) -> bool:
-    flat = len(a[1]) == 1 and len(b[1]) == 1 and a[2] == (1,) and b[2] == (1,)
-    return flat and a[0] + a[1][0] == b[0]

@@ -27,6 +27,7 @@ from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardprep.plan.derived import draft_probe
+from shardprep.plan.derived.built import BuiltFills, left_by_load
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -163,7 +164,8 @@ def engine_config(request: dict[str, Any]) -> Any:
         load_format="safetensors",
         skip_tokenizer_init=True,
         enforce_eager=True,
-        enable_expert_parallel=bool(request.get("expert_parallel")),
+        enable_expert_parallel=request.get("expert_placement") is not None,
+        expert_placement_strategy=request.get("expert_placement") or "linear",
         enable_prefix_caching=False,  # nothing is cached; some models refuse it (Kimi-K3)
         speculative_config=draft_probe.speculative(request),
     )
@@ -240,6 +242,23 @@ def kept_on_meta() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def real_expert_maps() -> Iterator[None]:
+    """vLLM's map of global to local experts (expert parallelism) built on the CPU, not on
+    meta: its loader reads it to skip the experts of other ranks."""
+    from vllm.model_executor.layers.fused_moe import expert_map_manager
+
+    manager = expert_map_manager.ExpertMapManager
+    real_init = manager.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        with torch.device("cpu"):
+            real_init(self, *args, **kwargs)
+
+    with mock.patch.object(manager, "__init__", init):
+        yield
+
+
 def as_cpu_worker() -> None:
     """What vLLM's CPU worker sets up before it builds a model (stand-ins for CUDA events
     and streams that some layers create while they are built); nothing elsewhere."""
@@ -260,8 +279,10 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         set_rank(config, request["tp"], request["pp"], p, t)
         model_config = draft_probe.model_config(config, request)
         dtype = set_default_torch_dtype(config.model_config.dtype)
-        with dtype, torch.device("meta"), kept_on_meta():  # as vLLM's loaders build a model
+        built = BuiltFills()  # as vLLM's loaders build a model, what it fills as it does
+        with dtype, torch.device("meta"), kept_on_meta(), real_expert_maps(), built:
             model = initialize_model(vllm_config=config, model_config=model_config)
+        fills = built.of_params(dict(model.named_parameters()))
         params = on_meta(model)
         placeholders = {
             name: torch.empty(shape, dtype=DTYPES[dtype], device="meta")
@@ -281,11 +302,13 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         with set_default_torch_dtype(config.model_config.dtype), recorder:
             loader.load_weights(model, model_config)
         shared = draft_probe.shared(model, config) if request.get("draft") else []
+    ops = recorder.ops  # every write, in order: a later one wins (overwrites.py)
+    ops = ops + left_by_load(fills, ops)
     return {
         "rank": [p, t],
         "model_dtype": NAMES[config.model_config.dtype],
         "params": {k: [NAMES.get(v.dtype, str(v.dtype)), list(v.shape)] for k, v in params.items()},
-        "ops": recorder.ops,  # every write, in order: a later one wins (overwrites.py)
+        "ops": ops,
         "shared": shared,
     }
 

@@ -83,3 +83,23 @@ def block_region(block: Block, shape: tuple[int, ...], row_width: int) -> Fill:
         return block.source, normal(block.rows[0] * width, (rows, width), (width, 1))
     cols = block.cols[1] - block.cols[0]
     return block.source, normal(block.rows[0] * width + block.cols[0], (rows, cols), (width, 1))
+
+
+def merged(fills: list[Fill]) -> list[Fill]:
+    """Adjacent regions of one source that continue each other as one (a cut's blocks
+    and vLLM's copies may split the same run differently); zeros merged likewise."""
+    out: list[Fill] = []
+    for source, region in fills:
+        if out and source is None and out[-1][0] is None:
+            out[-1] = zeros(out[-1][1][1][0] + region[1][0])
+        elif out and source is not None and out[-1][0] == source and continues(out[-1][1], region):
+            previous = out[-1][1]
+            out[-1] = (source, (previous[0], (previous[1][0] + region[1][0],), (1,)))
+        else:
+            out.append((source, region))
+    return out
+
+
+def continues(a: Region, b: Region) -> bool:
+    flat = len(a[1]) == 1 and len(b[1]) == 1 and a[2] == (1,) and b[2] == (1,)
+    return flat and a[0] + a[1][0] == b[0]

@@ -10,7 +10,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,33 @@ def derive(
     inference = Inference(config, tensors, topology.tp)
     shared: set[str] = set()
     shared_sources: dict[str, str] = {}
+    with rank_records(config, tensors, topology, dtype, draft=draft, progress=progress) as (
+        version,
+        records,
+    ):
+        for record in records:
+            shared |= set(record.get("shared", ()))
+            record, sources = split_shared(record)
+            shared_sources |= sources
+            inference.add(record)
+    layout = inference.layout(_int(config.get("n_group")))
+    return with_shared(layout, shared, shared_sources), version
+
+
+@contextmanager
+def rank_records(
+    config: Mapping[str, Any],
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    topology: Topology,
+    dtype: str,
+    *,
+    draft: str | None = None,
+    progress: bool = True,
+    expert_placement: str | None = None,
+) -> Iterator[tuple[str, Iterator[dict[str, Any]]]]:
+    """The vLLM release and each rank's record (probe.py), read one at a time: the
+    target's on every stage, or the draft's (`draft`) on the last. `expert_placement`:
+    vLLM's experts placed that way under expert parallelism; None: without it."""
     with tempfile.TemporaryDirectory(prefix="shardprep-derive-") as folder:
         work = Path(folder)
         (work / "model").mkdir()
@@ -54,17 +82,14 @@ def derive(
             "tensors": {name: [d, list(shape)] for name, (d, shape) in tensors.items()},
             "progress": progress,
             "draft": draft,
+            "expert_placement": expert_placement,
             "env": _environment(topology),
         }
         answer = _PROBE.ask(request)
-        for p, t in ranks:
-            record = json.loads((work / f"rank-{p}-{t}.json").read_text())
-            shared |= set(record.get("shared", ()))
-            record, sources = split_shared(record)
-            shared_sources |= sources
-            inference.add(record)
-    layout = inference.layout(_int(config.get("n_group")))
-    return with_shared(layout, shared, shared_sources), answer["vllm"]
+        yield (
+            answer["vllm"],
+            (json.loads((work / f"rank-{p}-{t}.json").read_text()) for p, t in ranks),
+        )
 
 
 PARTITION = "VLLM_PP_LAYER_PARTITION"  # set by the child for each request

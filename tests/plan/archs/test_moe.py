@@ -106,6 +106,17 @@ def test_round_robin_falls_back_to_linear_without_grouped_routing() -> None:
     assert experts.rank_experts == ((0, 1, 2, 3), (4, 5, 6, 7))
 
 
+def test_round_robin_holds_for_deepseek_grouped_routing() -> None:
+    """DeepSeek-V3 routes in n_group groups: vLLM places its experts round robin (its MTP
+    layer's too: tests/plan/test_derived_expert_parallel.py shows vLLM doing it)."""
+    config = tiny_config("DeepseekV3ForCausalLM")
+    assert config["n_group"] == 2
+    request = ConversionRequest(tp=2, pp=1, expert_parallel=True, expert_placement="round_robin")
+    experts = make_plan(source_model(config), request).models[0].experts
+    assert experts is not None and experts.split.placement == "round_robin"
+    assert experts.rank_experts == ((0, 2, 4, 6), (1, 3, 5, 7))
+
+
 def test_expert_parallel_bad_input() -> None:
     with pytest.raises(PlanError, match="--enable-expert-parallel needs a mixture-of-experts"):
         make_plan(source(tiny_config()), ConversionRequest(tp=2, pp=1, expert_parallel=True))

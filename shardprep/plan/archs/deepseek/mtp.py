@@ -154,6 +154,7 @@ class DeepseekMtpDraft(DraftFamily):
             shared_with_target=frozenset(shared),
             optional_sources=frozenset(optional),
             num_experts=d.experts,
+            num_expert_group=d.groups,
         )
 
 

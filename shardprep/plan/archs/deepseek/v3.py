@@ -145,7 +145,7 @@ class DeepseekFamily(Family):
         norm = Piece("model.norm.weight", Cut.REPLICATE)
         params.append(Param("model.norm.weight", (norm,), (last,)))
         params.append(Param("lm_head.weight", (Piece("lm_head.weight", Cut.VOCAB),), (last,)))
-        return Layout(tuple(params), num_experts=d.experts)
+        return Layout(tuple(params), num_experts=d.experts, num_expert_group=d.groups)
 
     def layer_params(
         self, d: Dims, layer: int, prefix: str

@@ -58,6 +58,7 @@ class Dims:
     layers: int
     noaux_bias: bool
     tied: bool
+    groups: int  # of grouped routing (n_group): vLLM places experts round robin only then
 
     @classmethod
     def of(cls, config: Config) -> Dims:
@@ -80,6 +81,7 @@ class Dims:
             layers=int(config["num_hidden_layers"]),
             noaux_bias=config.get("topk_method") == "noaux_tc",
             tied=bool(config.get("tie_word_embeddings", False)),
+            groups=int(config.get("n_group") or 1),
         )
 
     def moe_layers(self, layers: range) -> int:
