@@ -138,16 +138,28 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
     "qwen3-moe-modelopt-nvfp4-tp2-pp2": ("Qwen3MoeForCausalLM", 2, 2, {**TWO, **MODELOPT}),
     # MXFP4 experts as published, whole 32-blocks a rank (no backend pads them)
     "gpt-oss-mxfp4-tp2": ("GptOssForCausalLM", 2, 1, {"quantization_config": TINY_MXFP4}),
+    # KV-cache scales as AutoFP8 (layer 0: scalars) and ModelOpt (layer 1: [1]) ship them
+    "qwen3-fp8-per-tensor-kv-scales-tp2-pp2": (
+        "Qwen3ForCausalLM",
+        2,
+        2,
+        {"num_hidden_layers": 2, "quantization_config": PER_TENSOR},
+    ),
+}
+# The tensors a case's checkpoint ships beyond those its config implies.
+SHIPPED: dict[str, dict[str, tuple[int, ...]]] = {
+    "qwen3-fp8-per-tensor-kv-scales-tp2-pp2": {
+        "model.layers.0.self_attn.k_scale": (),
+        "model.layers.0.self_attn.v_scale": (),
+        "model.layers.1.self_attn.k_proj.k_scale": (1,),
+        "model.layers.1.self_attn.v_proj.v_scale": (1,),
+    },
 }
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
 NOT_YET = {
-    "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
-    "the same row of w13_weight_shape: a plan writes each value once",
     "kimi-k3-mxfp4-tp2": "vLLM-CPU has no MXFP4 MoE backend for the Mxfp4MoEMethod its "
     "experts load through",
-    "mixtral-fp8-per-tensor-tp2": "vLLM writes each expert's gate and up input_scale into one "
-    "value of w13_input_scale: a plan writes each value once",
 }
 # What the vLLM of a case needs beside the model: torchvision's Python part (Qwen3.5's
 # classes import it), the Kimi-K3 GEMM that is not fused with an all-reduce.
@@ -186,7 +198,7 @@ def test_derived_plan_equals_the_hand_written_plan(
     published = tiny_config(arch, **overrides)  # vLLM reads config.json as published
     config = archs.read_config(published)
     _, family = archs.target_family(config)
-    shapes = quantized.expected_shapes(family, config)
+    shapes = quantized.expected_shapes(family, config) | SHIPPED.get(case, {})
     topology = make_topology(config["num_hidden_layers"], tp, pp, None, "")
     written = quantized.layout(family, config, shapes, topology, _context(pp))
     written = with_target_rules(family, config, shapes, topology, written, _context(pp))
