@@ -469,19 +469,7 @@ def test_one_value_per_expert_and_part_of_an_experts_layer_is_a_stack_of_experts
 
 NO_VLLM_IMPORT = """
 import sys
-from shardprep.demo.tiny import (
-    KIMI_K3_MXFP4,
-    TINY_FP8,
-    TINY_FP8_CT,
-    TINY_INT4,
-    TINY_MODELOPT_NVFP4,
-    TINY_MXFP4,
-    TINY_MXFP4_PACK,
-    TINY_NVFP4,
-    TINY_NVFP4A16,
-    TINY_NVFP4_PACK,
-    tiny_config,
-)
+from shardprep.demo.tiny import tiny_config
 from shardprep.plan import archs
 from shardprep.format.request import ConversionRequest
 from shardprep.plan.make import make_plan
