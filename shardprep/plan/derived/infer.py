@@ -283,14 +283,15 @@ class Inference:
         ]
 
     def _dtype(self, state: _ParamState, chosen: list[Piece]) -> str | None:
-        """None where the parameter follows the model's dtype (or its source's), unless its
-        scheme holds its cut in the dtype vLLM gave it whatever the model's."""
+        """None where the parameter follows the model's dtype from a floating-point source,
+        unless its scheme holds its cut in the dtype vLLM gave it whatever the model's; its
+        dtype otherwise (a quantized source's, held as the checkpoint stores it, too)."""
         fixed = self.scheme.derived_dtype(chosen[0].cut) if self.scheme and chosen else None
         if fixed == state.dtype:
             return fixed
         source = self.sources[state.pieces[0].source][0]
-        follows = self.model_dtype if source in FLOAT_DTYPES else source
-        return None if state.dtype == follows else state.dtype
+        follows = source in FLOAT_DTYPES and state.dtype == self.model_dtype
+        return None if follows else state.dtype
 
 
 def _groups(
