@@ -63,7 +63,10 @@ NEXT_KEPT = ["lm_head", *(f"model.layers.{i}.linear_attn.in_proj_ba" for i in (0
 TWO = {"num_hidden_layers": 2}
 MXFP4_PACK = {**TWO, "moe_intermediate_size": 128, "hidden_size": 256}
 MXFP4_PACK |= {"quantization_config": TINY_MXFP4_PACK}
-KIMI_MXFP4 = {"quantization_config": KIMI_K3_MXFP4}
+# Kimi-K3's experts in whole 32-blocks a rank, sizes no MXFP4 MoE backend pads at tp2 (as
+# tests/vllm/test_vllm_kimi_k3.py proves them against vLLM)
+KIMI_MXFP4 = {"moe_intermediate_size": 256, "routed_expert_hidden_size": 256}
+KIMI_MXFP4 |= {"quantization_config": KIMI_K3_MXFP4}
 QWEN3_MOE_NVFP4 = {**TWO, "moe_intermediate_size": 96, "quantization_config": TINY_NVFP4}
 MODELOPT = {"quantization_config": TINY_MODELOPT_NVFP4}
 
@@ -143,8 +146,6 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
 NOT_YET = {
-    "kimi-k3-mxfp4-tp2": "vLLM-CPU has no MXFP4 MoE backend for the Mxfp4MoEMethod its "
-    "experts load through",
     "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
     "the same row of w13_weight_shape: a plan writes each value once",
     "mixtral-fp8-per-tensor-tp2": "vLLM writes each expert's gate and up input_scale into one "

@@ -29,7 +29,6 @@ from shardprep.plan.archs.base import (
 )
 from shardprep.plan.derived import drafts
 from shardprep.plan.derived.placeholders import placeholders
-from shardprep.plan.quant import scheme_of
 from shardprep.plan.records import FilePlan, ModelPlan, SourceModel
 
 DERIVED = "derived"  # the family name, which keys the layout revision
@@ -197,12 +196,10 @@ def derived_layout(
 
 def _in_scheme_terms(config: Config, layout: Layout, shapes: Shapes, tp: int) -> Layout:
     """A quantized checkpoint's derived layout in its scheme's own pieces (derived/quant.py)."""
-    scheme = scheme_of(config)
-    if scheme is None or scheme.problem:
-        return layout
-    from shardprep.plan.derived.quant import in_scheme_terms
+    from shardprep.plan.derived.quant import in_scheme_terms, model_scheme
 
-    return in_scheme_terms(layout, scheme, shapes, tp)
+    scheme = model_scheme(config)
+    return layout if scheme is None else in_scheme_terms(layout, scheme, shapes, tp)
 
 
 def _serving_dtype(config: Config) -> str:

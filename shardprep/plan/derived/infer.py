@@ -16,6 +16,7 @@ from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived.experts import expert_groups, per_expert
 from shardprep.plan.derived.padding import align_piece, built_tails
+from shardprep.plan.derived.quant import model_scheme
 from shardprep.plan.derived.regions import (
     Fill,
     block_region,
@@ -26,7 +27,6 @@ from shardprep.plan.derived.regions import (
 from shardprep.plan.derived.regions import merged as _merged
 from shardprep.plan.derived.stacks import expert_rows, stacks_values, value_piece
 from shardprep.plan.layout import block_shape, piece_blocks
-from shardprep.plan.quant import scheme_of
 
 UNREAD = "vLLM's load_weights does not read it"
 # The cuts a derived piece may have, in the order they are preferred where several give
@@ -60,7 +60,8 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
     (a fused GQA qkv) is tried as one (QKV_HEADS); an expert's piece of a source that
     stacks the experts (dim 0) reads its expert's matrix (EXPERT_HALVES_ROWS, ...)."""
     found = [Piece(source, cut, expert=expert) for cut in SIMPLE_CUTS]
-    if shape and shape[0] == hints.vocab:  # VOCAB, which ROWS equals for a vocabulary of 64s
+    # VOCAB, which ROWS equals for a vocabulary of 64s (an expert's rows never are one)
+    if expert is None and shape and shape[0] == hints.vocab:
         found.insert(1, found.pop(3))
     if hints.heads and shape and shape[0] % hints.heads == 0:
         place = 1 if shape[0] == hints.rows and expert is None else 2
@@ -115,8 +116,7 @@ class Inference:
         self.sources = sources
         self.tp = tp
         self.hints = Hints.of(config)
-        scheme = scheme_of(config)
-        self.scheme = None if scheme is None or scheme.problem else scheme
+        self.scheme = model_scheme(config)
         self.params: dict[str, _ParamState] = {}
         self.read: set[str] = set()
         self.unloaded: set[str] = set()  # parameters vLLM's load_weights leaves as built
