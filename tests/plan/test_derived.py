@@ -142,15 +142,26 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
     "qwen3-moe-modelopt-nvfp4-tp2-pp2": ("Qwen3MoeForCausalLM", 2, 2, {**TWO, **MODELOPT}),
     # MXFP4 experts as published, whole 32-blocks a rank (no backend pads them)
     "gpt-oss-mxfp4-tp2": ("GptOssForCausalLM", 2, 1, {"quantization_config": TINY_MXFP4}),
+    # KV-cache scales as AutoFP8 (layer 0: scalars) and ModelOpt (layer 1: [1]) ship them
+    "qwen3-fp8-per-tensor-kv-scales-tp2-pp2": (
+        "Qwen3ForCausalLM",
+        2,
+        2,
+        {"num_hidden_layers": 2, "quantization_config": PER_TENSOR},
+    ),
+}
+# The tensors a case's checkpoint ships beyond those its config implies.
+SHIPPED: dict[str, dict[str, tuple[int, ...]]] = {
+    "qwen3-fp8-per-tensor-kv-scales-tp2-pp2": {
+        "model.layers.0.self_attn.k_scale": (),
+        "model.layers.0.self_attn.v_scale": (),
+        "model.layers.1.self_attn.k_proj.k_scale": (1,),
+        "model.layers.1.self_attn.v_proj.v_scale": (1,),
+    },
 }
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
-NOT_YET = {
-    "deepseek-v3-int4-tp2": "vLLM writes the gate's and the up projection's weight_shape into "
-    "the same row of w13_weight_shape: a plan writes each value once",
-    "mixtral-fp8-per-tensor-tp2": "vLLM writes each expert's gate and up input_scale into one "
-    "value of w13_input_scale: a plan writes each value once",
-}
+NOT_YET: dict[str, str] = {}
 # What the vLLM of a case needs beside the model: torchvision's Python part (Qwen3.5's
 # classes import it), the Kimi-K3 GEMM that is not fused with an all-reduce.
 ENVIRONMENT = {name: {"VLLM_KIMI_K3_GEMM_AR": "0"} for name in ("kimi-k3-tp2", "kimi-k3-mxfp4-tp2")}
@@ -189,7 +200,7 @@ def test_derived_plan_equals_the_hand_written_plan(
     published = tiny_config(arch, **overrides)  # vLLM reads config.json as published
     config = archs.read_config(published)
     _, family = archs.target_family(config)
-    shapes = quantized.expected_shapes(family, config)
+    shapes = quantized.expected_shapes(family, config) | SHIPPED.get(case, {})
     topology = make_topology(config["num_hidden_layers"], tp, pp, None, "")
     written = quantized.layout(family, config, shapes, topology, _context(pp))
     written = with_target_rules(family, config, shapes, topology, written, _context(pp))
@@ -434,10 +445,10 @@ def test_a_text_models_config_gives_the_hints_of_a_wrapper_that_holds_it() -> No
     assert Hints.of(text | {"vocab_size": 1000}) == hints
 
 
-def test_one_value_per_expert_and_part_beside_a_stack_is_a_stack_of_experts() -> None:
-    """A [2 experts, 2 parts] and a [2 experts] vector of per-tensor scales beside the
-    module's [2, 2, 3] weight stack stack experts; the same [2] vector in a module with no
-    stack is a fused layer's per-part values."""
+def test_one_value_per_expert_and_part_of_an_experts_layer_is_a_stack_of_experts() -> None:
+    """A [2 experts, 2 parts] and a [2 experts] vector of per-tensor scales that vLLM's
+    experts layer holds (the record's expert stacks) stack experts; the same [2] vector
+    of another layer is a fused layer's per-part values."""
     sources = {f"e{e}.{part}": ("F32", (1,)) for e in (0, 1) for part in "gud"}
     sources |= {f"e{e}.w": ("F32", (2, 3)) for e in (0, 1)}
     params = {"m.w": ["F32", [2, 2, 3]], "m.s13": ["F32", [2, 2]], "m.s2": ["F32", [2]]}
@@ -450,7 +461,7 @@ def test_one_value_per_expert_and_part_beside_a_stack_is_a_stack_of_experts() ->
     ops += [["copy", "m.s2", [e, [1], [1]], f"e{e}.d", one, "F32"] for e in (0, 1)]
     ops += [["copy", "attn.s", [e, [1], [1]], f"e{e}.d", one, "F32"] for e in (0, 1)]
     inference = Inference({}, sources, 1)
-    inference.add(_record(ops, params))
+    inference.add(_record(ops, params) | {"expert_stacks": ["m.w", "m.s13", "m.s2"]})
     layout = inference.layout()
     pieces = {param.name: param.pieces for param in layout.params}
     assert pieces["m.s13"] == tuple(

@@ -23,9 +23,9 @@ from shardprep.plan import archs
 from shardprep.plan.archs.base import Layout, PlanContext
 from shardprep.plan.archs.parts import quantized
 from shardprep.plan.derived import DerivedFamily, DerivedMtpDraft, available
-from shardprep.plan.derived.draft_probe import last_writes
 from shardprep.plan.derived.drafts import MTP_HELD, mtp_layers, split_shared
 from shardprep.plan.derived.infer import Inference
+from shardprep.plan.derived.overwrites import last_writes
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 from shardprep.plan.topology import make_topology

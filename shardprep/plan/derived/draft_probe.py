@@ -4,10 +4,8 @@
 replaces with the target's (its `_maybe_share_embeddings` and `_maybe_share_lm_head`,
 run on the meta model beside a stand-in target).
 
-A record of a draft rank differs from a target's in two ways: a write into a region
-that a later write covers whole is dropped (DeepSeek's MTP loads the embedding twice,
-the first MTP layer's copy last), and `shared` lists the parameters the proposer
-replaces, which hold nothing of their own after loading."""
+A record of a draft rank differs from a target's in one way: `shared` lists the
+parameters the proposer replaces, which hold nothing of their own after loading."""
 
 from __future__ import annotations
 
@@ -56,28 +54,3 @@ def shared(model: nn.Module, config: Any) -> list[str]:
     theirs = {id(p) for p in target.parameters()}
     after = dict(model.named_parameters(remove_duplicate=False))
     return sorted(name for name in before if id(after.get(name)) in theirs)
-
-
-def last_writes(ops: list[list[Any]]) -> list[list[Any]]:
-    """The ops with every write dropped that a later write into the same parameter covers
-    whole (the later one is what vLLM leaves); a partial overlap is kept, for the
-    inference to refuse."""
-    kept: list[list[Any]] = []
-    for op in ops:
-        span = _span(op[2])
-        kept = [old for old in kept if not (old[1] == op[1] and _within(_span(old[2]), span))]
-        kept.append(op)
-    return kept
-
-
-def _span(region: list[Any]) -> tuple[int, int]:
-    """The first and one past the last element a region of a tensor touches."""
-    offset, sizes, strides = region
-    if any(size == 0 for size in sizes):
-        return offset, offset
-    last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
-    return offset, last + 1
-
-
-def _within(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
-    return outer[0] <= inner[0] and inner[1] <= outer[1]

@@ -17,6 +17,7 @@ from shardprep.errors import PlanError
 from shardprep.format.dtypes import MODEL_DTYPES
 from shardprep.format.records import Topology
 from shardprep.plan.derived.drafts import split_shared
+from shardprep.plan.derived.overwrites import last_writes
 from shardprep.plan.derived.placeholders import placeholders
 from shardprep.plan.derived.regions import (
     Fill,
@@ -65,7 +66,7 @@ def _rank_problems(
 ) -> list[str]:
     p, t = record["rank"]
     writes: dict[str, list[Sequence[Any]]] = defaultdict(list)
-    for op in record["ops"]:
+    for op in last_writes(record["ops"]):  # what vLLM's state finally holds
         writes[op[1]].append(op)
     problems = []
     for name, (_, shape) in record["params"].items():

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardprep.errors import PlanError
+from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived.regions import Fill, Region, normal, numel, zeros
 
 Write = tuple[int, int, Fill]  # [start, end) of a parameter's elements, and what fills it
@@ -29,16 +30,16 @@ Group = tuple[str, int | None, list[Fill]]  # a source, its expert, its fills in
 
 
 def expert_stacks(model: Any) -> list[str]:
-    """The parameters of `model` that stack experts along dim 0: those with two or more
-    dimensions and as many rows as the experts of the module that owns them (vLLM's
-    routed-experts layer says how many it holds: `local_num_experts`)."""
+    """The parameters of `model` that stack experts along dim 0: those with as many rows
+    as the experts of the module that owns them (vLLM's routed-experts layer says how many
+    it holds: `local_num_experts`), matrices and vectors of per-expert values alike."""
     found = []
     for prefix, module in model.named_modules():
         experts = getattr(module, "local_num_experts", None)
         if not isinstance(experts, int) or experts < 1:
             continue
         for name, param in module.named_parameters(recurse=False):
-            if param.dim() >= 2 and param.shape[0] == experts:
+            if param.dim() >= 1 and param.shape[0] == experts:
                 found.append(f"{prefix}.{name}" if prefix else name)
     return found
 
@@ -126,3 +127,22 @@ def expert_groups(
             )
         groups.append((source, expert, [w[2] for w in rows[expert]]))
     return groups
+
+
+def one_value_each(
+    shape: tuple[int, ...], groups: list[Group], sources: Mapping[str, tuple[str, tuple[int, ...]]]
+) -> bool:
+    """Whether a stack of per-expert values ([experts] or [experts, parts]: the per-tensor
+    scales of a mixture of experts) is made of one-value sources, each in its expert's row.
+    Its pieces are then one value of an expert each (`value_piece`), which gives its shape
+    either way."""
+    if len(shape) not in (1, 2):
+        return False
+    return all(
+        index is not None and math.prod(sources[source][1]) == 1 for source, index, _ in groups
+    )
+
+
+def value_piece(source: str, expert: int | None) -> Piece:
+    """An expert's one value in a stack of them: the cut preferred for such a stack."""
+    return Piece(source, Cut.PER_TENSOR, expert=expert)

@@ -14,7 +14,8 @@ from shardprep.errors import PlanError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import Cut, Piece
-from shardprep.plan.derived.experts import expert_groups, per_expert
+from shardprep.plan.derived.experts import expert_groups, one_value_each, per_expert, value_piece
+from shardprep.plan.derived.overwrites import final_writes
 from shardprep.plan.derived.padding import align_piece, built_tails
 from shardprep.plan.derived.quant import model_scheme
 from shardprep.plan.derived.regions import (
@@ -25,10 +26,11 @@ from shardprep.plan.derived.regions import (
     zeros,
 )
 from shardprep.plan.derived.regions import merged as _merged
-from shardprep.plan.derived.stacks import expert_rows, stacks_values, value_piece
+from shardprep.plan.derived.shapes import one_value
 from shardprep.plan.layout import block_shape, piece_blocks
 
 UNREAD = "vLLM's load_weights does not read it"
+OVERWRITTEN = "vLLM's load_weights copies it into {}, then overwrites that with a later write"
 # The cuts a derived piece may have, in the order they are preferred where several give
 # the same regions at the derived tp (ROWS over KV_HEADS while tp divides the heads).
 SIMPLE_CUTS = (Cut.REPLICATE, Cut.ROWS, Cut.COLS, Cut.VOCAB, Cut.PADDED_VOCAB)
@@ -120,17 +122,18 @@ class Inference:
         self.params: dict[str, _ParamState] = {}
         self.read: set[str] = set()
         self.unloaded: set[str] = set()  # parameters vLLM's load_weights leaves as built
+        self.overwritten: dict[str, str] = {}  # {source: param} only overwritten writes read
         self.model_dtype = ""
-        self.stacks: Mapping[str, frozenset[int]] = {}  # the 3-D stacks of the rank's modules
 
     def add(self, record: Mapping[str, Any]) -> None:
         """One rank's record: its parameters and the writes into them."""
         p, t = record["rank"]
         self.model_dtype = record["model_dtype"]
-        self.stacks = expert_rows(record["params"])
         writes: dict[str, list[tuple[int, int, Fill]]] = {name: [] for name in record["params"]}
         stacks = set(record.get("expert_stacks", ()))
-        ops, tails = built_tails(record["ops"], record["params"])
+        ops, overwritten = final_writes(record["ops"])  # what vLLM's state finally holds
+        self.overwritten |= overwritten
+        ops, tails = built_tails(ops, record["params"])
         for op in ops:
             kind, param, (offset, sizes, strides) = op[0], op[1], op[2]
             start, end = contiguous_span(normal(offset, sizes, strides), param)
@@ -175,15 +178,16 @@ class Inference:
         before = {piece.expert: piece.source for piece in (state.pieces if state else ())}
         by_expert = expert_groups(name, shape, writes, before, (p, t)) if stack else None
         groups = by_expert or _groups(name, shape, writes, p, t, padding)
-        values = stacks_values(name, shape, groups, self.sources, self.stacks)
-        stacked = (len(shape) == 3 or values) and all(g[1] is not None for g in groups)
+        values = stack and one_value_each(shape, groups, self.sources)
+        stacked = (len(shape) == 3 or stack) and all(g[1] is not None for g in groups)
         stacked = (stacked and len(groups) > 1) or by_expert is not None
         if state is None:
             pieces = [
                 _PieceState(
                     source,
                     expert if stacked else None,
-                    self._scheme_cuts(source, expert if stacked else None)
+                    one_value(shape, source, self.sources[source][1])
+                    + self._scheme_cuts(source, expert if stacked else None)
                     + candidates(
                         source, self.sources[source][1], expert if stacked else None, self.hints
                     )
@@ -261,7 +265,8 @@ class Inference:
             raise PlanError(
                 f"cannot derive the layout: {len(problems)} parameter(s): {summarize(problems)}"
             )
-        skipped = {name: UNREAD for name in self.sources if name not in self.read}
+        why = {source: OVERWRITTEN.format(param) for source, param in self.overwritten.items()}
+        skipped = {name: why.get(name, UNREAD) for name in self.sources if name not in self.read}
         return Layout(
             tuple(params), skipped, num_experts=experts, num_expert_group=num_expert_group
         )
@@ -275,7 +280,7 @@ class Inference:
         rows = sum(b.height for b in blocks)
         rows += -rows % pieces[-1].heads if len(read) < len(pieces) else 0
         planned = (rows, *block_shape(blocks[0], first)[1:])
-        if not first or planned == shape:
+        if not first or planned == shape or pieces[0].cut is Cut.SCALAR:
             return []
         return [
             f"{name} <- {pieces[0].source}: vLLM holds {list(shape)} where the checkpoint's "

@@ -337,8 +337,8 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         with set_default_torch_dtype(config.model_config.dtype), recorder:
             loader.load_weights(model, model_config)
         shared = draft_probe.shared(model, config) if request.get("draft") else []
-    ops = draft_probe.last_writes(recorder.ops) if request.get("draft") else recorder.ops
-    ops += left_by_load(fills, ops)
+    ops = recorder.ops  # every write, in order: a later one wins (overwrites.py)
+    ops = ops + left_by_load(fills, ops)
     return {
         "rank": [p, t],
         "model_dtype": NAMES[config.model_config.dtype],

@@ -18,10 +18,10 @@ from typing import Any
 
 from shardprep.errors import PlanError
 from shardprep.plan.archs.base import Layout, Param
-from shardprep.plan.cuts import Piece
+from shardprep.plan.cuts import MODEL_DTYPE, Piece
 from shardprep.plan.derived.regions import Fill, block_region
 from shardprep.plan.layout import piece_blocks
-from shardprep.plan.quant import Scheme, all_schemes, scheme_of
+from shardprep.plan.quant import Scheme, all_schemes, kv_cache, scheme_of
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -51,6 +51,7 @@ def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> 
             if mine:
                 replaced |= {p.name: p for p in mine}
                 break
+    replaced |= _kv_cache_scales(layout, scheme, shapes, tp)
     if not replaced:
         return layout
     params = tuple(replaced.get(param.name, param) for param in layout.params)
@@ -94,6 +95,17 @@ def _scheme_params(
     return []
 
 
+def _kv_cache_scales(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> dict:
+    """The KV-cache scales a checkpoint ships, as the scheme places them (quant/kv_cache.py),
+    where vLLM loads each into the parameter the scheme names and nothing else into it."""
+    if not scheme.kv_cache_scales:
+        return {}
+    derived = {param.name: param for param in layout.params}
+    placed = kv_cache.kv_cache_params(shapes, ((p.name, p.stages) for p in layout.params))
+    mine = [Param(name, (piece,), on, kv_cache.SCALE_DTYPE) for name, piece, on in placed]
+    return {p.name: p for p in mine if _same_reads(p, derived.get(p.name), shapes, tp)}
+
+
 def _weight(
     param: Param, scheme: Scheme, shapes: Shapes
 ) -> tuple[str, tuple[Piece, ...], dict[str, tuple[int, ...]]] | None:
@@ -119,7 +131,11 @@ def _weight(
 
 
 def _same_reads(mine: Param, derived: Param | None, shapes: Shapes, tp: int) -> bool:
-    if derived is None or (mine.dtype, mine.stages) != (derived.dtype, derived.stages):
+    if derived is None or mine.stages != derived.stages:
+        return False
+    # A derived parameter without a dtype is held in the model's (its placeholders are
+    # in the model's dtype), which is what the scheme's MODEL_DTYPE says.
+    if mine.dtype != derived.dtype and (mine.dtype, derived.dtype) != (MODEL_DTYPE, None):
         return False
     if len(mine.pieces) != len(derived.pieces):
         return False
@@ -135,7 +151,7 @@ def _reads(piece: Piece, shapes: Shapes, tp: int, rank: int) -> list[Fill] | Non
     """What a piece reads on one rank, in the normal form; None where it has none."""
     if piece.source not in shapes:
         return None
-    shape = tuple(shapes[piece.source])
+    shape = tuple(shapes[piece.source])  # () for a scalar: one value
     try:
         blocks = piece_blocks(piece, shape, tp, rank)
         return [block_region(block, shape, math.prod(shape[1:])) for block in blocks]

@@ -8,7 +8,8 @@ model's dtype and `x.weight_shape` int32 [2] (= [N, K]). vLLM's
 `CompressedTensorsWNA16MoEMethod` stacks them like the weights (`w13_weight_packed`,
 `w13_weight_scale`: gate rows then up rows of the rank; `w2_*`: the rank's packed or
 grouped K columns) and keeps one full, unsharded [N, K] per expert in `w13_weight_shape`
-/ `w2_weight_shape` ([E, 2], the model's dtype) on every rank.
+/ `w2_weight_shape` ([E, 2], the model's dtype) on every rank: of gate and up, whose
+shapes it writes into the same row, the one it reads last (up's).
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ class PackQuant(Scheme):
         """The weight a stored tensor holds (`x.weight_packed` -> `x.weight`)."""
         return source.removesuffix("_packed")
 
+    def weight_shape(
+        self, weight: str, shapes: Mapping[str, tuple[int, ...]]
+    ) -> tuple[int, ...] | None:
+        """[N, K] of `x.weight_packed` [N, K/8] (vLLM packs whole int32s along K)."""
+        return self.unpacked_shape(weight, shapes, weight + "_packed", PER_INT32)
+
     def skips(self, layer: str, *parts: str) -> bool:
         """Whether vLLM leaves a layer unquantized (`should_ignore_layer`; see
         `ignore.ignored`)."""
@@ -105,21 +112,19 @@ class PackQuant(Scheme):
                 for p in pieces
             )
 
-        first: dict[int | None, Piece] = {}
-        for piece in pieces:
-            first.setdefault(piece.expert, piece)
+        last = {p.expert: p for p in pieces}  # the part vLLM loads last (up: after gate)
         shape = tuple(
-            Piece(p.source + "_shape", Cut.REPLICATE, expert=p.expert) for p in first.values()
+            Piece(p.source + "_shape", Cut.REPLICATE, expert=p.expert) for p in last.values()
         )
         # A FusedMoE stack holds its shapes in the model's dtype, a linear layer in int64.
         shape_dtype = MODEL_DTYPE if pieces[0].expert is not None else "I64"
         unplaced = {
             p.source + "_shape": (
-                "the shape of a later part of a fused parameter: vLLM keeps one [N, K] of each "
-                "expert or layer, equal to the first part's in a consistent checkpoint"
+                "the shape of an earlier part of a fused parameter: vLLM keeps one [N, K] of "
+                "each expert or layer, the last part's (up's), equal in a consistent checkpoint"
             )
             for p in pieces
-            if p is not first[p.expert]
+            if p is not last[p.expert]
         }
         return [
             (name + "_packed", packed("_packed", PER_INT32), PACKED_DTYPE),

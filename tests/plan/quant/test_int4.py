@@ -116,6 +116,15 @@ def test_the_ignore_list_is_matched_as_vllm_matches_it() -> None:
     assert not only_zero.skips(layer, layer + ".7.gate_proj")
 
 
+def test_a_packed_weight_holds_eight_values_an_int32_along_k() -> None:
+    scheme = pack_quant(TINY_INT4)
+    weight = EXPERTS + "3.down_proj.weight"
+    shapes = {name: shape for name, (shape, _) in scheme.stored(weight, (128, 256)).items()}
+    assert shapes[weight + "_packed"] == (128, 32)
+    assert scheme.weight_shape(weight, shapes) == (128, 256)
+    assert scheme.weight_shape(weight, {**shapes, weight + "_scale": (128, 4)}) is None
+
+
 def source(**overrides: Any) -> SourceModel:
     return tiny_source(V3, quantization_config=TINY_INT4, **overrides)
 
@@ -140,16 +149,16 @@ def test_routed_experts_become_packed_stacks_with_their_full_shapes() -> None:
     # vLLM keeps each expert's whole [N, K] in the model's dtype on every rank
     shape = ours[ROUTED + "w13_weight_shape"]
     assert (shape.dtype, shape.shape) == ("BF16", (8, 2))
-    assert [b.source for b in shape.blocks][:2] == [
-        EXPERTS + "0.gate_proj.weight_shape",
-        EXPERTS + "1.gate_proj.weight_shape",
+    assert [b.source for b in shape.blocks][:2] == [  # the one vLLM writes last: up's
+        EXPERTS + "0.up_proj.weight_shape",
+        EXPERTS + "1.up_proj.weight_shape",
     ]
     w2 = ours[ROUTED + "w2_weight_packed"].blocks[0]
     assert (w2.source, w2.cols) == (EXPERTS + "0.down_proj.weight_packed", (16, 24))
     # everything the ignore list names stays as the checkpoint has it
     assert ours["model.layers.1.self_attn.o_proj.weight"].dtype == "BF16"
     skipped = dict(plan.models[0].skipped)
-    assert "vLLM keeps one [N, K]" in skipped[EXPERTS + "5.up_proj.weight_shape"]
+    assert "vLLM keeps one [N, K]" in skipped[EXPERTS + "5.gate_proj.weight_shape"]
 
 
 def test_vllms_group_refusal_names_the_tps_that_work() -> None:
@@ -201,7 +210,7 @@ def test_cli_plan_shows_the_quantization_and_the_refusal(
     assert main(["plan", "--tp", "2", str(model)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "  quantization: compressed-tensors (int4_pack)" in out
-    left_out = [line for line in out if "up_proj.weight_shape" in line]
+    left_out = [line for line in out if "gate_proj.weight_shape" in line]
     assert len(left_out) == 1 and left_out[0].startswith("  left out: 8 tensors, e.g. ")
 
 
