@@ -13,7 +13,7 @@ from typing import Any
 from shardprep.errors import PlanError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import Layout, Param
-from shardprep.plan.cuts import Cut, Piece
+from shardprep.plan.cuts import MODEL_DTYPE, Cut, Piece
 from shardprep.plan.derived.experts import expert_groups, one_value_each, per_expert, value_piece
 from shardprep.plan.derived.overwrites import final_writes
 from shardprep.plan.derived.padding import align_piece, built_tails
@@ -289,14 +289,15 @@ class Inference:
 
     def _dtype(self, state: _ParamState, chosen: list[Piece]) -> str | None:
         """None where the parameter follows the model's dtype from a floating-point source,
-        unless its scheme holds its cut in the dtype vLLM gave it whatever the model's; its
-        dtype otherwise (a quantized source's, held as the checkpoint stores it, too)."""
+        MODEL_DTYPE where it follows it from another (an int32 shape cast), unless its scheme
+        holds its cut in the dtype vLLM gave it whatever the model's; its dtype otherwise (a
+        quantized source's, held as the checkpoint stores it, too)."""
         fixed = self.scheme.derived_dtype(chosen[0].cut) if self.scheme and chosen else None
         if fixed == state.dtype:
             return fixed
-        source = self.sources[state.pieces[0].source][0]
-        follows = source in FLOAT_DTYPES and state.dtype == self.model_dtype
-        return None if follows else state.dtype
+        if state.dtype != self.model_dtype:
+            return state.dtype
+        return None if self.sources[state.pieces[0].source][0] in FLOAT_DTYPES else MODEL_DTYPE
 
 
 def _groups(
