@@ -148,6 +148,7 @@ def _jobs(
         dp=request.dp,
         mxfp4_pad=request.mxfp4_pad,
         expert_parallel=request.expert_parallel,
+        dtypes=target.dtypes,
     )
     if draft is None:
         return [_Job("target", architecture, None, family, target, moe)]
@@ -161,6 +162,7 @@ def _jobs(
         moe,
         target_config=target.config,
         draft_names=tuple(sorted(draft.tensors)),
+        dtypes=draft.dtypes,
     )
     return [
         _Job("target", architecture, None, family, target, target_ctx),

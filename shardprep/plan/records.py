@@ -28,6 +28,11 @@ class SourceModel:
         """name -> shape, made once (every expert stack of every rank looks shapes up)."""
         return {name: shape for name, (_, shape) in self.tensors.items()}
 
+    @functools.cached_property
+    def dtypes(self) -> Mapping[str, str]:
+        """name -> dtype (safetensors names), made once."""
+        return {name: dtype for name, (dtype, _) in self.tensors.items()}
+
 
 @dataclass(frozen=True)
 class TensorPlan:

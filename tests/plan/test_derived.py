@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,10 @@ NEXT_KEPT = ["lm_head", *(f"model.layers.{i}.linear_attn.in_proj_ba" for i in (0
 TWO = {"num_hidden_layers": 2}
 MXFP4_PACK = {**TWO, "moe_intermediate_size": 128, "hidden_size": 256}
 MXFP4_PACK |= {"quantization_config": TINY_MXFP4_PACK}
-KIMI_MXFP4 = {"quantization_config": KIMI_K3_MXFP4}
+# Kimi-K3's experts in whole 32-blocks a rank, sizes no MXFP4 MoE backend pads at tp2 (as
+# tests/vllm/test_vllm_kimi_k3.py proves them against vLLM)
+KIMI_MXFP4 = {"moe_intermediate_size": 256, "routed_expert_hidden_size": 256}
+KIMI_MXFP4 |= {"quantization_config": KIMI_K3_MXFP4}
 QWEN3_MOE_NVFP4 = {**TWO, "moe_intermediate_size": 96, "quantization_config": TINY_NVFP4}
 MODELOPT = {"quantization_config": TINY_MODELOPT_NVFP4}
 
@@ -157,18 +161,16 @@ SHIPPED: dict[str, dict[str, tuple[int, ...]]] = {
 }
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
-NOT_YET = {
-    "kimi-k3-mxfp4-tp2": "vLLM-CPU has no MXFP4 MoE backend for the Mxfp4MoEMethod its "
-    "experts load through",
-}
+NOT_YET: dict[str, str] = {}
 # What the vLLM of a case needs beside the model: torchvision's Python part (Qwen3.5's
 # classes import it), the Kimi-K3 GEMM that is not fused with an all-reduce.
 ENVIRONMENT = {name: {"VLLM_KIMI_K3_GEMM_AR": "0"} for name in ("kimi-k3-tp2", "kimi-k3-mxfp4-tp2")}
 TORCHVISION = {"qwen3.5-moe-tp2"}
 
 
-def _context(pp: int) -> PlanContext:
-    return PlanContext(pp=pp)
+def _context(pp: int, dtypes: Mapping[str, str] | None = None) -> PlanContext:
+    """`dtypes`: the checkpoint's, where not the model's (`quantized.source_dtypes`)."""
+    return PlanContext(pp=pp, dtypes=dtypes or {})
 
 
 def _case(name: str) -> Any:
@@ -202,7 +204,8 @@ def test_derived_plan_equals_the_hand_written_plan(
     topology = make_topology(config["num_hidden_layers"], tp, pp, None, "")
     written = quantized.layout(family, config, shapes, topology, _context(pp))
     written = with_target_rules(family, config, shapes, topology, written, _context(pp))
-    derived = DerivedFamily().layout(published, shapes, topology, _context(pp))
+    dtypes = quantized.source_dtypes(family, config)
+    derived = DerivedFamily().layout(published, shapes, topology, _context(pp, dtypes))
     assert {p.name: p for p in derived.params} == {p.name: p for p in written.params}
     assert set(derived.skipped) == set(written.skipped)
     assert derived.num_experts == written.num_experts
@@ -320,10 +323,12 @@ def test_mxfp4_experts_a_backend_pads_are_refused_naming_the_parameter() -> None
         "GptOssForCausalLM", intermediate_size=96, quantization_config=TINY_MXFP4
     )
     config = archs.read_config(published)
-    shapes = quantized.expected_shapes(archs.target_family(config)[1], config)
+    family = archs.target_family(config)[1]
+    shapes = quantized.expected_shapes(family, config)
     topology = make_topology(config["num_hidden_layers"], 2, 1, None, "")
+    dtypes = quantized.source_dtypes(family, config)
     with pytest.raises(PlanError) as info:
-        DerivedFamily().layout(published, shapes, topology, _context(1))
+        DerivedFamily().layout(published, shapes, topology, _context(1, dtypes))
     assert str(info.value) == (
         "vLLM's load_weights writes model.layers.0.mlp.experts.routed_experts.w2_weight in a "
         "strided region (sizes [512, 16], strides [32, 1]), which a plan of whole rows cannot "

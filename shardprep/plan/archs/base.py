@@ -49,6 +49,9 @@ class PlanContext:
     # A target's: whether its draft shares the target's embedding
     # (`DraftFamily.shares_target_embedding`).
     draft_shares_embedding: bool = False
+    # The checkpoint's dtype of each of its tensors (safetensors names); empty: not known.
+    # A layout derived from vLLM needs them (plan/derived); a family declares its own.
+    dtypes: Mapping[str, str] = field(default_factory=dict)
 
 
 DEFAULT_CONTEXT = PlanContext()

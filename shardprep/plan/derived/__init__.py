@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from functools import lru_cache
 
 from shardprep.errors import ConfigError, PlanError
@@ -28,7 +28,7 @@ from shardprep.plan.archs.base import (
     Shapes,
 )
 from shardprep.plan.derived import drafts
-from shardprep.plan.quant import scheme_of
+from shardprep.plan.derived.placeholders import placeholders
 from shardprep.plan.records import FilePlan, ModelPlan, SourceModel
 
 DERIVED = "derived"  # the family name, which keys the layout revision
@@ -92,10 +92,11 @@ class DerivedFamily(Family):
     def layout(
         self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
     ) -> Layout:
-        layout = derived_layout(config, shapes, topology)
+        layout = derived_layout(config, shapes, topology, dtypes=ctx.dtypes)
         if ctx.draft_method != drafts.MTP:
             return layout
-        return drafts.held_by_draft(layout, mtp_draft_layout(config, shapes, topology))
+        draft = mtp_draft_layout(config, shapes, topology, ctx.dtypes)
+        return drafts.held_by_draft(layout, draft)
 
     def rank_file_problems(
         self, source: SourceModel, model: ModelPlan, files: Sequence[FilePlan], topology: Topology
@@ -125,7 +126,7 @@ class DerivedMtpDraft(DraftFamily):
     def layout(
         self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
     ) -> Layout:
-        return mtp_draft_layout(config, shapes, topology)
+        return mtp_draft_layout(config, shapes, topology, ctx.dtypes)
 
     def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         return _data_parallel_problems(ctx)
@@ -161,26 +162,33 @@ def _expert_parallel_problems(
     dtype = _serving_dtype(source.config)
     placement = model.experts.split.placement
     return rank_file_problems(
-        source.config, source.shapes, topology, dtype, files, placement, draft
+        source.config, source.shapes, topology, dtype, files, placement, draft, source.dtypes
     )
 
 
-def mtp_draft_layout(config: Config, shapes: Shapes, topology: Topology) -> Layout:
+def mtp_draft_layout(
+    config: Config, shapes: Shapes, topology: Topology, dtypes: Mapping[str, str] | None = None
+) -> Layout:
     """The layout of the MTP draft vLLM builds from the checkpoint; what keeps it from
     being derived is one line that says how to convert the target alone."""
     try:
-        return derived_layout(config, shapes, topology, drafts.MTP)
+        return derived_layout(config, shapes, topology, drafts.MTP, dtypes)
     except PlanError as exc:
         raise PlanError(f"MTP draft: {exc}; --no-mtp converts the target alone") from None
 
 
 def derived_layout(
-    config: Config, shapes: Shapes, topology: Topology, draft: str | None = None
+    config: Config,
+    shapes: Shapes,
+    topology: Topology,
+    draft: str | None = None,
+    dtypes: Mapping[str, str] | None = None,
 ) -> Layout:
     """The layout vLLM gives the checkpoint's tensors at `topology`: its target's, or
-    (`draft`: a speculative method) the draft's it builds from the same checkpoint."""
+    (`draft`: a speculative method) the draft's it builds from the same checkpoint.
+    `dtypes`: the checkpoint's (derived/placeholders.py); None: not known."""
     dtype = _serving_dtype(config)
-    tensors = tuple(sorted((name, (dtype, tuple(shape))) for name, shape in shapes.items()))
+    tensors = tuple(sorted(placeholders(shapes, dtypes or {}, dtype).items()))
     text = json.dumps(dict(config), sort_keys=True, default=repr)
     layout = _derived(text, tensors, topology, dtype, draft)[0]
     return _in_scheme_terms(config, layout, shapes, topology.tp)
@@ -188,21 +196,19 @@ def derived_layout(
 
 def _in_scheme_terms(config: Config, layout: Layout, shapes: Shapes, tp: int) -> Layout:
     """A quantized checkpoint's derived layout in its scheme's own pieces (derived/quant.py)."""
-    scheme = scheme_of(config)
-    if scheme is None or scheme.problem:
-        return layout
-    from shardprep.plan.derived.quant import in_scheme_terms
+    from shardprep.plan.derived.quant import in_scheme_terms, model_scheme
 
-    return in_scheme_terms(layout, scheme, shapes, tp)
+    scheme = model_scheme(config)
+    return layout if scheme is None else in_scheme_terms(layout, scheme, shapes, tp)
 
 
 def _serving_dtype(config: Config) -> str:
     """The dtype vLLM builds the model in while deriving: float16 for a float16
     checkpoint, else bfloat16, never float32, so that a parameter vLLM keeps in float32
     whatever the model's dtype (a routing bias) shows as one. A parameter that follows the
-    model's dtype follows whichever `--dtype` convert is given. The placeholders carry it
-    too: an unquantized checkpoint's floating-point dtype does not change where vLLM
-    copies it."""
+    model's dtype follows whichever `--dtype` convert is given. The floating-point
+    placeholders carry it too: a checkpoint's floating-point dtype does not change where
+    vLLM copies it (derived/placeholders.py)."""
     name = str(config.get("torch_dtype") or config.get("dtype") or "")
     return "F16" if name == "float16" else "BF16"
 

@@ -81,6 +81,18 @@ def cpu_mxfp4_experts(*args: Any, **kwargs: Any) -> tuple[Any, type]:
     return Mxfp4MoeBackend.CPU, CPUExpertsMxfp4
 
 
+def mxfp4_emulation(*args: Any, **kwargs: Any) -> tuple[Any, type]:
+    """vLLM's MXFP4 MoE emulation backend, the one `Mxfp4MoEMethod` falls back to (it
+    computes only with Triton or AMD Quark), whose parameters are padded the least: to
+    whole 32-blocks, as MXFP4 stores them anyway."""
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (
+        Mxfp4MoeBackend,
+        backend_to_kernel_cls,
+    )
+
+    return Mxfp4MoeBackend.EMULATION, backend_to_kernel_cls(Mxfp4MoeBackend.EMULATION)[0]
+
+
 def _compressed_tensors() -> None:
     """compressed-tensors int4 and NVFP4 experts and NVFP4 linear layers."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
@@ -107,6 +119,9 @@ def install() -> None:
     fp8.init_fp8_linear_kernel = or_stand_in(fp8.init_fp8_linear_kernel, NoKernel)
     fp8.select_fp8_moe_backend = or_stand_in(fp8.select_fp8_moe_backend, no_moe_backend)
     mxfp4.select_mxfp4_moe_backend = or_stand_in(mxfp4.select_mxfp4_moe_backend, cpu_mxfp4_experts)
+    mxfp4.select_deepseek_v4_mxfp4_moe_backend = or_stand_in(
+        mxfp4.select_deepseek_v4_mxfp4_moe_backend, mxfp4_emulation
+    )
     _compressed_tensors()
     _modelopt()
     _sparse_attention()

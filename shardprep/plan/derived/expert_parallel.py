@@ -18,6 +18,7 @@ from shardprep.format.dtypes import MODEL_DTYPES
 from shardprep.format.records import Topology
 from shardprep.plan.derived.drafts import split_shared
 from shardprep.plan.derived.overwrites import last_writes
+from shardprep.plan.derived.placeholders import placeholders
 from shardprep.plan.derived.regions import (
     Fill,
     block_region,
@@ -39,13 +40,14 @@ def rank_file_problems(
     files: Sequence[FilePlan],
     placement: str,
     draft: str | None = None,
+    dtypes: Mapping[str, str] | None = None,
 ) -> list[str]:
     """What the rank `files` planned for `shapes` (the target's, or `draft`'s) hold
     otherwise than vLLM's parameters, built in `dtype` (a safetensors name) with its
-    experts placed by `placement`."""
+    experts placed by `placement`; `dtypes`: the checkpoint's (derived/placeholders.py)."""
     from shardprep.plan.derived.run import rank_records  # the child that runs vLLM
 
-    tensors = {name: (dtype, tuple(shape)) for name, shape in shapes.items()}
+    tensors = placeholders(shapes, dtypes or {}, dtype)
     vllm_dtype = {v: k for k, v in MODEL_DTYPES.items()}[dtype]
     problems: list[str] = []
     with rank_records(

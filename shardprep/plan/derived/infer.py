@@ -13,10 +13,11 @@ from typing import Any
 from shardprep.errors import PlanError, summarize
 from shardprep.format.dtypes import FLOAT_DTYPES
 from shardprep.plan.archs.base import Layout, Param
-from shardprep.plan.cuts import Cut, Piece
+from shardprep.plan.cuts import MODEL_DTYPE, Cut, Piece
 from shardprep.plan.derived.experts import expert_groups, one_value_each, per_expert, value_piece
 from shardprep.plan.derived.overwrites import final_writes
 from shardprep.plan.derived.padding import align_piece, built_tails
+from shardprep.plan.derived.quant import model_scheme
 from shardprep.plan.derived.regions import (
     Fill,
     block_region,
@@ -27,7 +28,6 @@ from shardprep.plan.derived.regions import (
 from shardprep.plan.derived.regions import merged as _merged
 from shardprep.plan.derived.shapes import one_value
 from shardprep.plan.layout import block_shape, piece_blocks
-from shardprep.plan.quant import scheme_of
 
 UNREAD = "vLLM's load_weights does not read it"
 OVERWRITTEN = "vLLM's load_weights copies it into {}, then overwrites that with a later write"
@@ -62,7 +62,8 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
     (a fused GQA qkv) is tried as one (QKV_HEADS); an expert's piece of a source that
     stacks the experts (dim 0) reads its expert's matrix (EXPERT_HALVES_ROWS, ...)."""
     found = [Piece(source, cut, expert=expert) for cut in SIMPLE_CUTS]
-    if shape and shape[0] == hints.vocab:  # VOCAB, which ROWS equals for a vocabulary of 64s
+    # VOCAB, which ROWS equals for a vocabulary of 64s (an expert's rows never are one)
+    if expert is None and shape and shape[0] == hints.vocab:
         found.insert(1, found.pop(3))
     if hints.heads and shape and shape[0] % hints.heads == 0:
         place = 1 if shape[0] == hints.rows and expert is None else 2
@@ -117,8 +118,7 @@ class Inference:
         self.sources = sources
         self.tp = tp
         self.hints = Hints.of(config)
-        scheme = scheme_of(config)
-        self.scheme = None if scheme is None or scheme.problem else scheme
+        self.scheme = model_scheme(config)
         self.params: dict[str, _ParamState] = {}
         self.read: set[str] = set()
         self.unloaded: set[str] = set()  # parameters vLLM's load_weights leaves as built
@@ -288,14 +288,16 @@ class Inference:
         ]
 
     def _dtype(self, state: _ParamState, chosen: list[Piece]) -> str | None:
-        """None where the parameter follows the model's dtype (or its source's), unless its
-        scheme holds its cut in the dtype vLLM gave it whatever the model's."""
+        """None where the parameter follows the model's dtype from a floating-point source,
+        MODEL_DTYPE where it follows it from another (an int32 shape cast), unless its scheme
+        holds its cut in the dtype vLLM gave it whatever the model's; its dtype otherwise (a
+        quantized source's, held as the checkpoint stores it, too)."""
         fixed = self.scheme.derived_dtype(chosen[0].cut) if self.scheme and chosen else None
         if fixed == state.dtype:
             return fixed
-        source = self.sources[state.pieces[0].source][0]
-        follows = self.model_dtype if source in FLOAT_DTYPES else source
-        return None if state.dtype == follows else state.dtype
+        if state.dtype != self.model_dtype:
+            return state.dtype
+        return None if self.sources[state.pieces[0].source][0] in FLOAT_DTYPES else MODEL_DTYPE
 
 
 def _groups(

@@ -14,42 +14,85 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from shardprep.errors import PlanError
 from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import MODEL_DTYPE, Piece
 from shardprep.plan.derived.regions import Fill, block_region
 from shardprep.plan.layout import piece_blocks
-from shardprep.plan.quant import Scheme, kv_cache
+from shardprep.plan.quant import Scheme, all_schemes, kv_cache, scheme_of
 
 Shapes = Mapping[str, tuple[int, ...]]
 
 
+def model_scheme(config: Mapping[str, Any]) -> Scheme | None:
+    """The scheme of config.json's `quantization_config`, or where it has none of its
+    `text_config`'s (a multimodal model's), as vLLM reads it; None for an unquantized
+    model or a scheme shardprep cannot lay out."""
+    scheme = scheme_of(config)
+    text = config.get("text_config")
+    if scheme is None and isinstance(text, Mapping):
+        scheme = scheme_of(text)
+    return None if scheme is None or scheme.problem else scheme
+
+
 def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> Layout:
-    """`layout` with the parameters `scheme` makes of each derived weight in its pieces,
-    where they read what the derived ones read on every rank."""
+    """`layout` with the parameters `scheme` (or one of its `variants`) makes of each
+    derived weight in its pieces, where they read what the derived ones read on every rank."""
     derived = {param.name: param for param in layout.params}
+    schemes = (scheme, *variants(scheme))
     replaced: dict[str, Param] = {}
     for param in layout.params:
-        weight = None if param.name in replaced else _weight(param, scheme, shapes)
-        if weight is None:
+        if param.name in replaced:
             continue
-        name, pieces, weights = weight
-        try:
-            made, _ = scheme.params(name, pieces, {**shapes, **weights}, tp, tp)
-        except (PlanError, KeyError, ValueError):  # not a weight the scheme quantizes
-            continue
-        found = [derived.get(name) for name, _, _ in made]
-        if len(made) < 2 or any(p is None for p in found):
-            continue
-        mine = [Param(name, pieces, param.stages, dtype) for name, pieces, dtype in made]
-        if all(_same_reads(a, b, shapes, tp) for a, b in zip(mine, found, strict=True)):
-            replaced |= {p.name: p for p in mine}
+        for candidate in schemes:
+            mine = _scheme_params(param, candidate, derived, shapes, tp)
+            if mine:
+                replaced |= {p.name: p for p in mine}
+                break
     replaced |= _kv_cache_scales(layout, scheme, shapes, tp)
     if not replaced:
         return layout
     params = tuple(replaced.get(param.name, param) for param in layout.params)
     return dataclasses.replace(layout, params=params)
+
+
+def variants(scheme: Scheme) -> list[Scheme]:
+    """The schemes by which another vLLM quantization method loads the same stored tensors
+    (`Family.quant_scheme` names one for a family): subclasses of the same name. vLLM's
+    parameter names and regions tell which one it took."""
+    kind = type(scheme)
+    if not dataclasses.is_dataclass(scheme):
+        return []
+    fields = {f.name: getattr(scheme, f.name) for f in dataclasses.fields(scheme)}
+    return [
+        cls(**fields)
+        for cls in all_schemes()
+        if cls is not kind and issubclass(cls, kind) and cls.name == kind.name
+    ]
+
+
+def _scheme_params(
+    param: Param, scheme: Scheme, derived: Mapping[str, Param], shapes: Shapes, tp: int
+) -> list[Param]:
+    """The parameters `scheme` makes of the weight `param` holds, where each is a derived
+    parameter of the same name that reads the same regions on every rank; none otherwise."""
+    weight = _weight(param, scheme, shapes)
+    if weight is None:
+        return []
+    name, pieces, weights = weight
+    try:
+        made, _ = scheme.params(name, pieces, {**shapes, **weights}, tp, tp)
+    except (PlanError, KeyError, ValueError):  # not a weight the scheme quantizes
+        return []
+    found = [derived.get(name) for name, _, _ in made]
+    if len(made) < 2 or any(p is None for p in found):
+        return []
+    mine = [Param(name, pieces, param.stages, dtype) for name, pieces, dtype in made]
+    if all(_same_reads(a, b, shapes, tp) for a, b in zip(mine, found, strict=True)):
+        return mine
+    return []
 
 
 def _kv_cache_scales(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> dict:
@@ -66,22 +109,24 @@ def _kv_cache_scales(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) ->
 def _weight(
     param: Param, scheme: Scheme, shapes: Shapes
 ) -> tuple[str, tuple[Piece, ...], dict[str, tuple[int, ...]]] | None:
-    """The quantized weight a derived parameter would hold: vLLM's name of it, its pieces
-    (the derived ones' cuts, of the weights their sources store) and the weights' shapes,
-    as the scheme stores them (`x.weight_packed` [N, K/2] of `x.weight` [N, K]); None
-    where its sources store no weight of the scheme's or do not all end alike."""
+    """The quantized weight a derived parameter would hold: vLLM's name of it (the
+    parameter's, less the ending its sources share where it has it: a scheme may name the
+    parameter of `x.weight_packed` after the weight alone), its pieces (the derived ones'
+    cuts, of the weights their sources store) and the weights' shapes, as the scheme
+    stores them (`x.weight_packed` [N, K/2] of `x.weight` [N, K]); None where its sources
+    store no weight of the scheme's or do not all end alike."""
     logical = [scheme.logical(piece.source) for piece in param.pieces]
     pairs = list(zip(param.pieces, logical, strict=True))
     if not all(piece.source.startswith(w) for piece, w in pairs):
         return None
     suffixes = {piece.source[len(w) :] for piece, w in pairs}
-    if len(suffixes) != 1 or not param.name.endswith(suffix := suffixes.pop()):
+    if len(suffixes) != 1:
         return None
     weights = {w: scheme.weight_shape(w, shapes) for w in logical}
     if not all(logical) or any(shape is None for shape in weights.values()):
         return None
     pieces = tuple(piece._replace(source=w) for piece, w in pairs)
-    name = param.name[: len(param.name) - len(suffix)]
+    name = param.name.removesuffix(suffixes.pop())
     return name, pieces, {w: s for w, s in weights.items() if s is not None}
 
 
