@@ -21,7 +21,7 @@ from shardprep.demo.tiny import tiny_config
 from shardprep.plan import archs
 from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.archs.parts import quantized
-from shardprep.plan.derived import DerivedFamily
+from shardprep.plan.derived import DerivedFamily, run
 from shardprep.plan.drafts import with_target_rules
 from shardprep.plan.topology import make_topology
 
@@ -55,6 +55,7 @@ def main() -> None:
     layout = with_target_rules(family, config, shapes, topology, layout, context)
     written = {p.name: p for p in layout.params}
     differ = [p.name for p in derived.params if written.get(p.name) != p]
+    run.stop()  # the child's peak is counted once it has exited
     own = [line for line in Path("/proc/self/status").read_text().splitlines() if "VmHWM" in line]
     print(json.dumps({
         "model": "DeepSeek-V3 shapes, bf16", "tensors": len(shapes), "tp": args.tp,

@@ -26,4 +26,6 @@ fi
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy"  # the package, as pyproject.toml's [tool.mypy] says
 export SHARDPREP_VLLM_PYTHON="$PWD/$venv/bin/python"
-exec "$venv/bin/python" -m pytest "$@"
+# Two workers (SHARDPREP_TEST_WORKERS; -n 0 among the arguments runs in this process):
+# one runs the real-vLLM runs of tests/vllm one at a time, the other the rest (conftest.py).
+exec "$venv/bin/python" -m pytest -n "${SHARDPREP_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -100,6 +100,8 @@ def test_rank_files_holding_other_experts_than_vllm_are_refused_naming_them() ->
     ) in problems(cut)
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_experts_over_data_parallel_ranks_are_refused_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

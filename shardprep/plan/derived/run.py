@@ -160,6 +160,11 @@ class _Probe:
 _PROBE = _Probe()
 
 
+def stop() -> int | None:
+    """Stop the deriving child now (the next derivation starts another); its exit status."""
+    return _PROBE.close()
+
+
 def _environment(topology: Topology) -> dict[str, str]:
     """vLLM's own reading of the partition, quiet logs, nothing fetched from a network."""
     env = dict(os.environ)
