@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardprep.plan.derived.regions import is_contiguous, span
+
 FILLS = {"fill_", "zero_"}
 
 
@@ -51,35 +53,18 @@ def left_by_load(built: list[list[Any]], ops: list[list[Any]]) -> list[list[Any]
     contiguous run is kept whole unless the load covers it, for the inference to refuse."""
     written: dict[str, list[tuple[int, int]]] = {}
     for op in ops:
-        written.setdefault(op[1], []).append(_span(op[2]))
+        written.setdefault(op[1], []).append(span(op[2]))
     left = []
     for kind, param, region, value in built:
         if param not in written:
             continue
-        start, end = _span(region)
+        start, end = span(region)
         runs = _uncovered(start, end, written[param])
-        if not _contiguous(region):
+        if not is_contiguous(region):
             left += [[kind, param, region, value]] if runs else []
             continue
         left += [[kind, param, [s, [e - s], [1]], value] for s, e in runs]
     return left
-
-
-def _span(region: list[Any]) -> tuple[int, int]:
-    """The first and one past the last element a region touches."""
-    offset, sizes, strides = region
-    if any(size == 0 for size in sizes):
-        return offset, offset
-    last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
-    return offset, last + 1
-
-
-def _contiguous(region: list[Any]) -> bool:
-    start, end = _span(region)
-    count = 1
-    for size in region[1]:
-        count *= size
-    return end - start == count
 
 
 def _uncovered(start: int, end: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

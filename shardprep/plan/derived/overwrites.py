@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from shardprep.plan.derived.regions import normal
+from shardprep.plan.derived.regions import is_contiguous, span
 
 Op = list[Any]  # ["copy", param, region, source, region, dtype] or ["fill", param, region, value]
 
@@ -46,14 +46,14 @@ def final_writes(ops: list[Op]) -> tuple[list[Op], dict[str, str]]:
     kept: list[Op] = []
     dropped: dict[str, str] = {}
     for op in reversed(ops):
-        start, end = _span(op[2])
+        start, end = span(op[2])
         where = covered.setdefault(op[1], _Covered())
         if start < end and where.covers(start, end):
             if op[0] == "copy":
                 dropped.setdefault(op[3], op[1])
             continue
         kept.append(op)
-        if start < end and _contiguous(op[2]):
+        if start < end and is_contiguous(op[2]):
             where.add(start, end)
     kept.reverse()
     read = {op[3] for op in kept if op[0] == "copy"}
@@ -63,18 +63,3 @@ def final_writes(ops: list[Op]) -> tuple[list[Op], dict[str, str]]:
 def last_writes(ops: list[Op]) -> list[Op]:
     """The ops with every write dropped that later writes into its parameter cover whole."""
     return final_writes(ops)[0]
-
-
-def _span(region: list[Any]) -> tuple[int, int]:
-    """The first and one past the last element a region of a tensor touches."""
-    offset, sizes, strides = region
-    if any(size == 0 for size in sizes):
-        return offset, offset
-    last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
-    return offset, last + 1
-
-
-def _contiguous(region: list[Any]) -> bool:
-    """Whether a region is one run of elements (its span is exactly what it covers)."""
-    _, sizes, strides = normal(*region)
-    return len(sizes) == 1 and strides[0] == 1

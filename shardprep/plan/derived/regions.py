@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from shardprep.errors import PlanError
 from shardprep.plan.cuts import Block
@@ -121,3 +122,18 @@ def merged(fills: list[Fill]) -> list[Fill]:
 def continues(a: Region, b: Region) -> bool:
     flat = len(a[1]) == 1 and len(b[1]) == 1 and a[2] == (1,) and b[2] == (1,)
     return flat and a[0] + a[1][0] == b[0]
+
+
+def span(region: Sequence[Any]) -> tuple[int, int]:
+    """The first and one past the last element a region (offset, sizes, strides) touches."""
+    offset, sizes, strides = region
+    if any(size == 0 for size in sizes):
+        return offset, offset
+    last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
+    return offset, last + 1
+
+
+def is_contiguous(region: Sequence[Any]) -> bool:
+    """Whether a region is one run of elements (its span is exactly what it covers)."""
+    _, sizes, strides = normal(*region)
+    return len(sizes) == 1 and strides[0] == 1
