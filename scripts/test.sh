@@ -26,6 +26,7 @@ fi
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy"  # the package, as pyproject.toml's [tool.mypy] says
 export SHARDPREP_VLLM_PYTHON="$PWD/$venv/bin/python"
-# Two workers (SHARDPREP_TEST_WORKERS; -n 0 among the arguments runs in this process):
-# one runs the real-vLLM runs of tests/vllm one at a time, the other the rest (conftest.py).
-exec "$venv/bin/python" -m pytest -n "${SHARDPREP_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# Two pytest-xdist workers (SHARDPREP_TEST_WORKERS; -n 0 among the arguments runs the tests
+# in this process): one test's real vLLM waits on its own processes much of the time, so two
+# tests at once keep 2 cores busy.
+exec "$venv/bin/python" -m pytest -n "${SHARDPREP_TEST_WORKERS:-2}" "$@"

@@ -23,13 +23,7 @@ from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` skip where this interpreter's torch sees no CUDA GPU. The real-vLLM
-    runs (tests/vllm/) are one group for pytest-xdist (`--dist loadgroup`): one worker runs
-    them one at a time, as each starts several vLLM processes of its own, while the other
-    workers take the rest."""
-    for item in items:
-        if item.path.parent.name == "vllm":
-            item.add_marker(pytest.mark.xdist_group("vllm-runs"))
+    """Tests marked `gpu` skip where this interpreter's torch sees no CUDA GPU."""
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu and cuda_devices() == 0:
         skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of vLLM")
