@@ -19,6 +19,7 @@ from derived_models import make_transformers_model
 from plans import rank_tensors, source_model
 
 from shardprep.demo.tiny import (
+    DEEPSEEK_V4_FP8,
     KIMI_K3_MXFP4,
     TINY_FP8,
     TINY_FP8_CT,
@@ -75,6 +76,8 @@ def fp8(kept: list[str]) -> dict[str, Any]:
     return {"quantization_config": TINY_FP8 | {"modules_to_not_convert": kept}}
 
 
+# whole 128-blocks of DeepSeek-V4's fp8 projections and 32-blocks of its MXFP4 experts a rank
+V4_SIZES = {"q_lora_rank": 128, "o_lora_rank": 128, "moe_intermediate_size": 256}
 # name: (architecture, tp, pp, config overrides); every family module's architectures,
 # the tiny configs of shardprep's own tests (which cover each cut the family makes)
 CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
@@ -142,6 +145,13 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
     "qwen3-moe-modelopt-nvfp4-tp2-pp2": ("Qwen3MoeForCausalLM", 2, 2, {**TWO, **MODELOPT}),
     # MXFP4 experts as published, whole 32-blocks a rank (no backend pads them)
     "gpt-oss-mxfp4-tp2": ("GptOssForCausalLM", 2, 1, {"quantization_config": TINY_MXFP4}),
+    # DeepSeek-V4 as published: fp8 blocks with e8m0 scales, MXFP4 routed experts
+    "deepseek-v4-fp8-fp4-tp2": (
+        "DeepseekV4ForCausalLM",
+        2,
+        1,
+        {"quantization_config": DEEPSEEK_V4_FP8, "expert_dtype": "fp4", **V4_SIZES},
+    ),
     # KV-cache scales as AutoFP8 (layer 0: scalars) and ModelOpt (layer 1: [1]) ship them
     "qwen3-fp8-per-tensor-kv-scales-tp2-pp2": (
         "Qwen3ForCausalLM",
@@ -161,7 +171,12 @@ SHIPPED: dict[str, dict[str, tuple[int, ...]]] = {
 }
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
-NOT_YET: dict[str, str] = {}
+NOT_YET: dict[str, str] = {
+    "deepseek-v4-fp8-fp4-tp2": "DeepSeek-V4 stores its scales as x.scale, which only the "
+    "family's own variant of fp8 (fp8_e8m0_mxfp4, given the family's pattern of routed "
+    "experts) names: the derivation gives the scales and the MXFP4 experts plain row, column "
+    "and replicated pieces, not that scheme's block and MXFP4 pieces",
+}
 # What the vLLM of a case needs beside the model: torchvision's Python part (Qwen3.5's
 # classes import it), the Kimi-K3 GEMM that is not fused with an all-reduce.
 ENVIRONMENT = {name: {"VLLM_KIMI_K3_GEMM_AR": "0"} for name in ("kimi-k3-tp2", "kimi-k3-mxfp4-tp2")}
