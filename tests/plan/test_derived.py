@@ -171,12 +171,7 @@ SHIPPED: dict[str, dict[str, tuple[int, ...]]] = {
 }
 # What the derivation cannot express yet, in one line each (strict: a fix shows): it
 # refuses (PlanError) or infers other pieces than the family's (AssertionError).
-NOT_YET: dict[str, str] = {
-    "deepseek-v4-fp8-fp4-tp2": "DeepSeek-V4 stores its scales as x.scale, which only the "
-    "family's own variant of fp8 (fp8_e8m0_mxfp4, given the family's pattern of routed "
-    "experts) names: the derivation gives the scales and the MXFP4 experts plain row, column "
-    "and replicated pieces, not that scheme's block and MXFP4 pieces",
-}
+NOT_YET: dict[str, str] = {}
 # What the vLLM of a case needs beside the model: torchvision's Python part (Qwen3.5's
 # classes import it), the Kimi-K3 GEMM that is not fused with an all-reduce.
 ENVIRONMENT = {name: {"VLLM_KIMI_K3_GEMM_AR": "0"} for name in ("kimi-k3-tp2", "kimi-k3-mxfp4-tp2")}

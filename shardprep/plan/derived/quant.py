@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from shardprep.errors import PlanError
@@ -41,7 +41,13 @@ def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> 
     """`layout` with the parameters `scheme` (or one of its `variants`) makes of each
     derived weight in its pieces, where they read what the derived ones read on every rank."""
     derived = {param.name: param for param in layout.params}
-    schemes = (scheme, *variants(scheme))
+    experts = {
+        piece.source
+        for param in layout.params
+        for piece in param.pieces
+        if piece.expert is not None
+    }
+    schemes = (scheme, *variants(scheme, experts))
     replaced: dict[str, Param] = {}
     for param in layout.params:
         if param.name in replaced:
@@ -58,18 +64,19 @@ def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> 
     return dataclasses.replace(layout, params=params)
 
 
-def variants(scheme: Scheme) -> list[Scheme]:
-    """The schemes by which another vLLM quantization method loads the same stored tensors
-    (`Family.quant_scheme` names one for a family): subclasses of the same name. vLLM's
-    parameter names and regions tell which one it took."""
+def variants(scheme: Scheme, experts: Collection[str]) -> list[Scheme]:
+    """The schemes by which another vLLM quantization method loads a checkpoint of
+    `scheme`'s (`Family.quant_scheme` names one for a family): its subclasses, told where
+    the routed experts' weights are (`experts`, the derived layout's). vLLM's parameter
+    names and regions tell which one it took."""
     kind = type(scheme)
     if not dataclasses.is_dataclass(scheme):
         return []
     fields = {f.name: getattr(scheme, f.name) for f in dataclasses.fields(scheme)}
     return [
-        cls(**fields)
+        cls(**fields).for_experts(experts)
         for cls in all_schemes()
-        if cls is not kind and issubclass(cls, kind) and cls.name == kind.name
+        if cls is not kind and issubclass(cls, kind)
     ]
 
 

@@ -10,7 +10,7 @@ here or must be given by the scheme, so the callers never probe for one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -150,3 +150,9 @@ class Scheme:
         """The dtype vLLM holds a parameter of one of `derived_cuts`' cuts in, whatever the
         model's dtype (None: it follows the model's or its source's)."""
         return None
+
+    def for_experts(self, experts: Collection[str]) -> Scheme:
+        """The scheme where `experts` are the stored weights of the routed experts vLLM
+        stacks, for a scheme that quantizes them otherwise than the linear layers (a
+        family names them by its own pattern; a derived layout finds them). Most need not."""
+        return self

@@ -18,8 +18,9 @@ and the loader pads them for the backend that runs.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -39,6 +40,11 @@ def scale_of(weight: str) -> str:
     return weight.removesuffix("weight") + "scale"
 
 
+def _any_number(name: str) -> str:
+    """A pattern of `name` whose numbered parts (`layers.3.`, `experts.11.`) match any."""
+    return r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
+
+
 @dataclass(frozen=True)
 class Fp8Mxfp4Quant(BlockQuant):
     name: ClassVar[str] = "fp8_e8m0_mxfp4"  # the scheme, which keys its layout revision
@@ -51,6 +57,20 @@ class Fp8Mxfp4Quant(BlockQuant):
 
     def is_expert(self, weight: str) -> bool:
         return re.search(self.experts_pattern, weight) is not None
+
+    def for_experts(self, experts: Collection[str]) -> Fp8Mxfp4Quant:
+        """The scheme whose pattern matches `experts`' names at any layer or expert number."""
+        forms = sorted({_any_number(name) for name in experts})
+        pattern = f"^(?:{'|'.join(forms)})$" if forms else "$^"
+        return dataclasses.replace(self, experts_pattern=pattern)
+
+    def weight_shape(
+        self, weight: str, shapes: Mapping[str, tuple[int, ...]]
+    ) -> tuple[int, ...] | None:
+        """An expert's weight [N, K] of its packed bytes [N, K/2]; a linear one's own."""
+        if self.is_expert(weight):
+            return self.unpacked_shape(weight, shapes, weight, PER_BYTE)
+        return super().weight_shape(weight, shapes)
 
     @property
     def experts(self) -> Mxfp4PackMoeQuant:

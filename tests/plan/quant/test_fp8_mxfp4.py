@@ -56,3 +56,24 @@ def test_e8m0_and_int8_become_uint8_with_their_bytes_and_floats_by_value() -> No
     assert cast(torch, pairs, torch.uint8).tolist() == [128, 255, 0, 127]
     halves = torch.tensor([0.5, -3.0], dtype=torch.bfloat16)
     assert cast(torch, halves, torch.float32).tolist() == [0.5, -3.0]
+
+
+def test_a_scheme_told_its_experts_matches_them_at_any_layer_and_expert_number() -> None:
+    """What a derived layout does: the experts' names it found become the pattern."""
+    told = Fp8Mxfp4Quant((128, 128)).for_experts(
+        ["layers.0.ffn.experts.0.w1.weight", "layers.0.ffn.experts.1.w2.weight"]
+    )
+    assert told.is_expert("layers.41.ffn.experts.255.w1.weight")
+    assert not told.is_expert("layers.41.ffn.experts.255.w3.weight")  # not among those told
+    assert not told.is_expert("layers.0.ffn.shared_experts.w1.weight")
+    assert (
+        not Fp8Mxfp4Quant((128, 128)).for_experts([]).is_expert("layers.0.ffn.experts.0.w1.weight")
+    )
+
+
+def test_an_experts_weight_shape_is_read_back_from_its_packed_bytes_and_scales() -> None:
+    expert, scale = "layers.0.ffn.experts.3.w2.weight", "layers.0.ffn.experts.3.w2.scale"
+    assert SCHEME.weight_shape(expert, {expert: (96, 32), scale: (96, 2)}) == (96, 64)
+    assert SCHEME.weight_shape(expert, {expert: (96, 32), scale: (96, 3)}) is None  # not MXFP4
+    linear = "layers.0.attn.wo_b.weight"
+    assert SCHEME.weight_shape(linear, {linear: (300, 200)}) == (300, 200)
