@@ -30,7 +30,8 @@ def with_dequantized(checkpoint: Checkpoint) -> Checkpoint:
     except ConfigError:
         return checkpoint  # planning says what is wrong with it
     dtypes = {name: t.info.dtype for name, t in checkpoint.tensors.items()}
-    wanted = family.dequantized_sources(checkpoint.config, dtypes)
+    shapes = {name: t.info.shape for name, t in checkpoint.tensors.items()}
+    wanted = family.dequantized_sources(checkpoint.config, dtypes, shapes)
     if not wanted:
         return checkpoint
     import torch

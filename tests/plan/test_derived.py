@@ -70,6 +70,22 @@ KIMI_MXFP4 = {"moe_intermediate_size": 256, "routed_expert_hidden_size": 256}
 KIMI_MXFP4 |= {"quantization_config": KIMI_K3_MXFP4}
 QWEN3_MOE_NVFP4 = {**TWO, "moe_intermediate_size": 96, "quantization_config": TINY_NVFP4}
 MODELOPT = {"quantization_config": TINY_MODELOPT_NVFP4}
+FP8_CT = {"quantization_config": TINY_FP8_CT}
+
+
+def fp8_ct(strategy: str, inputs: dict[str, Any], **weights: Any) -> dict[str, Any]:
+    """compressed-tensors fp8 of another strategy than TINY_FP8_CT's per channel."""
+    group = dict(TINY_FP8_CT["config_groups"]["group_0"])
+    group["weights"] = {**group["weights"], "strategy": strategy, **weights}
+    group["input_activations"] = {**group["input_activations"], **inputs}
+    return {"quantization_config": {**TINY_FP8_CT, "config_groups": {"group_0": group}}}
+
+
+# DeepSeek's MLP, shared and routed experts in whole 128-blocks a rank at tp2
+MLA_BLOCKS = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256}
+MLA_BLOCKS |= {"n_shared_experts": 2}
+# Kimi-K2.6 as published: int4 routed experts in groups of 32, whole groups a rank
+K26_INT4 = {"moe_intermediate_size": 128, "hidden_size": 256, "quantization_config": TINY_INT4}
 
 
 def fp8(kept: list[str]) -> dict[str, Any]:
@@ -152,6 +168,51 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any]]] = {
         1,
         {"quantization_config": DEEPSEEK_V4_FP8, "expert_dtype": "fp4", **V4_SIZES},
     ),
+    # Each scheme on every family that converts it, beside the cases above
+    "kimi-k2.5-int4-tp2-pp2": (
+        "KimiK25ForConditionalGeneration",
+        2,
+        2,
+        {"num_hidden_layers": 3, **K26_INT4},
+    ),
+    "kimi-k2.5-mxfp4-pack-tp2": ("KimiK25ForConditionalGeneration", 2, 1, MXFP4_PACK),
+    "kimi-k2.5-nvfp4-tp2": (
+        "KimiK25ForConditionalGeneration",
+        2,
+        1,
+        {**TWO, "quantization_config": TINY_NVFP4_PACK},
+    ),
+    "deepseek-v3.2-fp8-tp2-pp2": ("DeepseekV32ForCausalLM", 2, 2, {**MLA_BLOCKS, **FP8}),
+    "deepseek-v3.2-int4-tp2": ("DeepseekV32ForCausalLM", 2, 1, {"quantization_config": TINY_INT4}),
+    "deepseek-v3.2-mxfp4-pack-tp2": ("DeepseekV32ForCausalLM", 2, 1, MXFP4_PACK),
+    "deepseek-v3.2-nvfp4-tp2": (
+        "DeepseekV32ForCausalLM",
+        2,
+        1,
+        {"quantization_config": TINY_NVFP4_PACK},
+    ),
+    "deepseek-v3-fp8-ct-tp2": ("DeepseekV3ForCausalLM", 2, 1, {**TWO, **FP8_CT}),
+    "llama-fp8-ct-tp2-pp2": ("LlamaForCausalLM", 2, 2, FP8_CT),
+    "llama-fp8-ct-per-tensor-tp2": (
+        "LlamaForCausalLM",
+        2,
+        1,
+        fp8_ct("tensor", {"strategy": "tensor", "dynamic": False}),
+    ),
+    "qwen3-moe-fp8-ct-blocks-tp2": (
+        "Qwen3MoeForCausalLM",
+        2,
+        1,
+        QWEN3_MOE
+        | fp8_ct("block", {"strategy": "group", "group_size": 128}, block_structure=[128, 128]),
+    ),
+    "mixtral-fp8-ct-tp2": ("MixtralForCausalLM", 2, 1, {**TWO, **FP8_CT}),
+    "qwen3-moe-fp8-per-tensor-tp2": (
+        "Qwen3MoeForCausalLM",
+        2,
+        1,
+        {**TWO, "quantization_config": PER_TENSOR},
+    ),
     # KV-cache scales as AutoFP8 (layer 0: scalars) and ModelOpt (layer 1: [1]) ship them
     "qwen3-fp8-per-tensor-kv-scales-tp2-pp2": (
         "Qwen3ForCausalLM",
@@ -211,12 +272,16 @@ def test_derived_plan_equals_the_hand_written_plan(
     config = archs.read_config(published)
     _, family = archs.target_family(config)
     shapes = quantized.expected_shapes(family, config) | SHIPPED.get(case, {})
+    dtypes = quantized.source_dtypes(family, config)
+    # what convert adds: the weights vLLM dequantizes while loading (DeepSeek-V3.2's wk)
+    computed = family.dequantized_sources(config, dtypes, shapes)
+    shapes |= {name: shapes[weight] for name, (weight, _) in computed.items()}
     topology = make_topology(config["num_hidden_layers"], tp, pp, None, "")
     written = quantized.layout(family, config, shapes, topology, _context(pp))
     written = with_target_rules(family, config, shapes, topology, written, _context(pp))
-    dtypes = quantized.source_dtypes(family, config)
     derived = DerivedFamily().layout(published, shapes, topology, _context(pp, dtypes))
     assert {p.name: p for p in derived.params} == {p.name: p for p in written.params}
+    assert derived.computed == computed
     assert set(derived.skipped) == set(written.skipped)
     assert derived.num_experts == written.num_experts
 
@@ -291,6 +356,27 @@ def test_an_fp8_block_checkpoint_no_family_names_plans_its_derived_layout() -> N
     assert [b.source for b in scale.blocks] == [
         f"model.layers.0.self_attn.{p}_proj.weight_scale_inv" for p in "qkv"
     ]
+
+
+@pytest.mark.parametrize(
+    "quant, scale, shape",
+    [
+        (PER_TENSOR, "weight_scale", (3,)),  # one an fused part, as vLLM keeps them
+        (TINY_FP8_CT, "weight_scale", (512, 1)),  # one a row of the rank
+    ],
+    ids=["fp8-per-tensor", "compressed-tensors-fp8-per-channel"],
+)
+@pytest.mark.vllm
+@needs_vllm
+def test_an_fp8_checkpoint_of_another_kind_no_family_names_plans_its_derived_layout(
+    quant: dict[str, Any], scale: str, shape: tuple[int, ...]
+) -> None:
+    source = _unnamed("GraniteForCausalLM", "granite", **WIDE, quantization_config=quant)
+    plan = make_plan(source, ConversionRequest(tp=2, pp=1))
+    tensors = rank_tensors(plan, 0, 1)
+    qkv = "model.layers.0.self_attn.qkv_proj."
+    assert (tensors[qkv + "weight"].dtype, tensors[qkv + "weight"].shape) == ("F8_E4M3", (512, 256))
+    assert (tensors[qkv + scale].dtype, tensors[qkv + scale].shape) == ("F32", shape)
 
 
 @pytest.mark.vllm

@@ -15,7 +15,14 @@ import pytest
 import vllm_env
 from derived_mtp import GLM, QWEN35, make_mtp_model
 
-from shardprep.demo.tiny import TINY_FP8, tiny_config
+from shardprep.demo.tiny import (
+    TINY_FP8,
+    TINY_FP8_CT,
+    TINY_INT4,
+    TINY_MXFP4_PACK,
+    TINY_NVFP4_PACK,
+    tiny_config,
+)
 from shardprep.errors import PlanError
 from shardprep.format.headers import read_header
 from shardprep.format.request import ConversionRequest
@@ -31,6 +38,19 @@ from shardprep.plan.records import SourceModel
 from shardprep.plan.topology import make_topology
 
 needs_vllm = pytest.mark.skipif(not available(), reason="deriving needs vLLM installed")
+
+# Sizes of whole 128-blocks a rank at tp2 for fp8 (a refined block grid is refused), of
+# whole 32-blocks for MXFP4 experts
+MLA_BLOCKS = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256}
+MLA_BLOCKS |= {"n_shared_experts": 2}
+MXFP4_SIZES = {"moe_intermediate_size": 128, "hidden_size": 256}
+GLM_BLOCKS = {"hidden_size": 256, "head_dim": 128, "intermediate_size": 512}
+GLM_BLOCKS |= {"moe_intermediate_size": 256, "num_hidden_layers": 3}
+NEXT_BLOCKS = {"hidden_size": 256, "head_dim": 128, "moe_intermediate_size": 256}
+NEXT_BLOCKS |= {"shared_expert_intermediate_size": 256}
+# Qwen3-Next's in_proj_ba (8 rows) is left in the model dtype, as published.
+NEXT_KEPT = ["lm_head", *(f"model.layers.{i}.linear_attn.in_proj_ba" for i in (0, 2))]
+NEXT_FP8 = TINY_FP8 | {"modules_to_not_convert": NEXT_KEPT}
 
 CASES = {
     # name: (architecture, tp, pp, config overrides)
@@ -49,6 +69,39 @@ CASES = {
         "DeepseekV3ForCausalLM", 2, 2,
         {"num_hidden_layers": 3, "num_nextn_predict_layers": 1, "quantization_config": TINY_FP8},
     ),
+    # Each scheme on every MTP draft that converts it, and each MTP draft family
+    **{
+        f"deepseek-v3-{name}-tp2": (
+            "DeepseekV3ForCausalLM", 2, 1,
+            {"num_hidden_layers": 2, "num_nextn_predict_layers": 1, **sizes,
+             "quantization_config": quant},
+        )
+        for name, quant, sizes in (
+            ("fp8-ct", TINY_FP8_CT, {}),
+            ("int4", TINY_INT4, {}),
+            ("mxfp4-pack", TINY_MXFP4_PACK, MXFP4_SIZES),
+            ("nvfp4", TINY_NVFP4_PACK, {}),
+        )
+    },
+    # the indexer's wk, which vLLM dequantizes, in the MTP layer too
+    "deepseek-v3.2-fp8-tp2-pp2": (
+        "DeepseekV32ForCausalLM", 2, 2,
+        {"num_hidden_layers": 3, "num_nextn_predict_layers": 1, **MLA_BLOCKS,
+         "quantization_config": TINY_FP8},
+    ),
+    "deepseek-v3.2-tp2-pp2": (
+        "DeepseekV32ForCausalLM", 2, 2, {"num_hidden_layers": 3, "num_nextn_predict_layers": 1}
+    ),
+    "glm-4.5-tp2-pp2": ("Glm4MoeForCausalLM", 2, 2, {"num_nextn_predict_layers": 1}),
+    "glm-4.5-fp8-tp2": (
+        "Glm4MoeForCausalLM", 2, 1,
+        {"num_nextn_predict_layers": 1, **GLM_BLOCKS, "quantization_config": TINY_FP8},
+    ),
+    "qwen3-next-fp8-tp2": (
+        "Qwen3NextForCausalLM", 2, 1, {**NEXT_BLOCKS, "quantization_config": NEXT_FP8}
+    ),
+    "kimi-k3-tp2": ("KimiK3ForConditionalGeneration", 2, 1, {"num_nextn_predict_layers": 1}),
+    "qwen3.5-moe-tp2": ("Qwen3_5MoeForConditionalGeneration", 2, 1, {}),
 }  # fmt: skip
 
 
@@ -57,6 +110,10 @@ def _hand_written(arch: str, tp: int, pp: int, overrides: dict[str, Any]) -> tup
     _, family = archs.target_family(config)
     draft = archs.draft_family("mtp", family.name)
     shapes = quantized.expected_shapes(family, config) | quantized.expected_shapes(draft, config)
+    # what convert adds: the weights vLLM dequantizes while loading (DeepSeek-V3.2's wk)
+    dtypes = quantized.source_dtypes(family, config) | quantized.source_dtypes(draft, config)
+    computed = family.dequantized_sources(config, dtypes, shapes)
+    shapes |= {name: shapes[weight] for name, (weight, _) in computed.items()}
     topology = make_topology(config["num_hidden_layers"], tp, pp, None, "")
     ctx = PlanContext(pp=pp, target_config=config, draft_names=tuple(sorted(shapes)))
     return config, shapes, topology, quantized.layout(draft, config, shapes, topology, ctx)
@@ -72,10 +129,21 @@ def _same(derived: Layout, written: Layout) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.vllm
 @needs_vllm
-def test_derived_mtp_draft_plan_equals_the_hand_written_one(case: str) -> None:
+def test_derived_mtp_draft_plan_equals_the_hand_written_one(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     arch, tp, pp, overrides = CASES[case]
+    if arch == "KimiK3ForConditionalGeneration":  # the GEMM not fused with an all-reduce
+        monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
+    if arch.startswith("Qwen3_5") and vllm_env.torchvision_path() is not None:
+        monkeypatch.setenv("PYTHONPATH", vllm_env.with_torchvision()["PYTHONPATH"])
     config, shapes, topology, written = _hand_written(arch, tp, pp, overrides)
-    derived = DerivedMtpDraft().layout(config, shapes, topology, PlanContext(pp=pp))
+    family = archs.target_family(config)[1]
+    draft = archs.draft_family("mtp", family.name)
+    dtypes = quantized.source_dtypes(family, config) | quantized.source_dtypes(draft, config)
+    published = tiny_config(arch, **overrides)  # vLLM reads config.json as published
+    context = PlanContext(pp=pp, dtypes=dtypes)
+    derived = DerivedMtpDraft().layout(published, shapes, topology, context)
     _same(derived, written)
     assert {stage for p in derived.params for stage in p.stages} == {pp - 1}
 

@@ -49,7 +49,7 @@ def _recorded(program: Any) -> Recorder:
     param = torch.empty(2, 3, device="meta")
     source = torch.empty(2, 3, device="meta")
     keys = param.untyped_storage()._cdata, source.untyped_storage()._cdata
-    recorder = Recorder({keys[0]: "p"}, {keys[1]: "w"})
+    recorder = Recorder({keys[0]: "p"}, {keys[1]: "w"}, {})
     with recorder:
         program(param, source)
     return recorder

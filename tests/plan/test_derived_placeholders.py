@@ -12,6 +12,8 @@ from shardprep.plan.derived.placeholders import placeholders
 from shardprep.plan.derived.quant import model_scheme, variants
 from shardprep.plan.quant import scheme_of
 from shardprep.plan.quant.fp4 import Mxfp4PackMoeQuant, Mxfp4PackQuant
+from shardprep.plan.quant.fp8 import BlockQuant
+from shardprep.plan.quant.fp8_mxfp4 import Fp8Mxfp4Quant
 
 SHAPES = {
     "norm": (8,),
@@ -61,14 +63,19 @@ def test_a_quantization_config_under_text_config_is_the_models_as_vllm_reads_it(
 
 def test_the_variants_of_a_scheme_load_its_stored_tensors_under_the_same_name() -> None:
     """compressed-tensors MXFP4 also loads through vLLM's MXFP4 interface (w13_weight, not
-    w13_weight_packed): the same stored tensors, the same fields; fp8 blocks have none."""
+    w13_weight_packed): the same stored tensors, the same fields. fp8 blocks load through
+    DeepSeek-V4's method too (e8m0 `x.scale`), told which weights are routed experts."""
     scheme = scheme_of({"quantization_config": TINY_MXFP4_PACK})
     assert type(scheme) is Mxfp4PackQuant
-    (moe,) = variants(scheme)
+    (moe,) = variants(scheme, [])
     assert type(moe) is Mxfp4PackMoeQuant
     assert (moe.name, moe.group, moe.ignored) == (scheme.name, scheme.group, scheme.ignored)
     fp8 = scheme_of({"quantization_config": TINY_FP8})
-    assert fp8 is not None and variants(fp8) == []
+    assert isinstance(fp8, BlockQuant)
+    (v4,) = variants(fp8, ["layers.0.ffn.experts.0.w1.weight"])
+    assert type(v4) is Fp8Mxfp4Quant and (v4.block, v4.ignored) == (fp8.block, fp8.ignored)
+    assert v4.is_expert("layers.9.ffn.experts.31.w1.weight")
+    assert not v4.is_expert("layers.9.ffn.shared_experts.w1.weight")
 
 
 def test_rows_as_many_as_the_vocabulary_prefer_vocab_unless_they_are_an_experts() -> None:

@@ -85,6 +85,9 @@ class Layout:
     num_experts: int = 0
     # Expert groups of grouped routing (config's n_group), which round_robin needs.
     num_expert_group: int | None = None
+    # Sources convert computes before they are read, each from a weight and its block
+    # scales vLLM dequantizes while loading: {weight + DEQUANTIZED: (weight, scales)}.
+    computed: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -220,10 +223,11 @@ class Family:
         return {}
 
     def dequantized_sources(
-        self, config: Config, dtypes: Mapping[str, str]
+        self, config: Config, dtypes: Mapping[str, str], shapes: Shapes
     ) -> dict[str, tuple[str, str]]:
         """Weights that vLLM's `load_weights` dequantizes with their block scales before
-        copying them into an unquantized layer, given the checkpoint's tensors and dtypes:
+        copying them into an unquantized layer, given the checkpoint's tensors' dtypes and
+        shapes:
         {the name a layout reads the result under (weight + DEQUANTIZED): (weight, its
         scales)}. convert computes them as vLLM does (convert/dequantize.py)."""
         return {}

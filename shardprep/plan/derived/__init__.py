@@ -9,6 +9,7 @@ needs it until a layout is derived; `available` says whether it is installed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -26,11 +27,14 @@ from shardprep.plan.archs.base import (
     Layout,
     PlanContext,
     Shapes,
+    config_int,
 )
 from shardprep.plan.derived import drafts
 from shardprep.plan.derived.placeholders import placeholders
 from shardprep.plan.records import FilePlan, ModelPlan, SourceModel
+from shardprep.plan.topology import make_topology
 
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # weights vLLM may dequantize while loading
 DERIVED = "derived"  # the family name, which keys the layout revision
 INSTALL = "pip install shardprep[vllm]"
 
@@ -66,8 +70,11 @@ class DerivedFamily(Family):
 
     name = DERIVED
     # The schemes whose derived layout equals every family module's that takes them
-    # (tests/plan/test_derived.py); the others are refused until they do.
-    quant_schemes = frozenset({"fp8_block", "mxfp4_pack", "nvfp4_pack", "modelopt_fp4"})
+    # (tests/plan/test_derived.py), but int4 (the families prove only int4 experts, not
+    # int4 linear layers) and gpt-oss's mxfp4 (its backends pad the experts vLLM loads).
+    quant_schemes = frozenset(
+        {"fp8_block", "fp8_tensor", "fp8_ct", "mxfp4_pack", "nvfp4_pack", "modelopt_fp4"}
+    )
 
     def expected_shapes(
         self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT
@@ -88,6 +95,22 @@ class DerivedFamily(Family):
     def internal_draft(self, config: Config) -> str | None:
         """MTP, when config.json promises MTP layers: vLLM's `method: mtp` draft."""
         return drafts.MTP if drafts.mtp_layers(config) else None
+
+    def dequantized_sources(
+        self, config: Config, dtypes: Mapping[str, str], shapes: Shapes
+    ) -> dict[str, tuple[str, str]]:
+        """What vLLM's `load_weights` dequantizes from fp8 weights, found by deriving on
+        one rank that holds every layer (and the MTP draft's, where config.json promises
+        one): which weights it dequantizes does not depend on the topology."""
+        if not any(dtype in FP8_DTYPES for dtype in dtypes.values()):
+            return {}
+        whole = make_topology(config_int(config, "num_hidden_layers"), 1, 1)
+        found = dict(derived_layout(config, shapes, whole, dtypes=dtypes).computed)
+        if self.internal_draft(config):
+            # planning the draft names what keeps it from being derived, if anything does
+            with contextlib.suppress(PlanError):
+                found |= derived_layout(config, shapes, whole, drafts.MTP, dtypes).computed
+        return found
 
     def layout(
         self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
@@ -111,7 +134,8 @@ class DerivedMtpDraft(DraftFamily):
 
     name = DERIVED  # one layout revision for what is derived, the draft included
     standalone = False  # it comes inside its target, never with --draft
-    quant_schemes = frozenset({"fp8_block"})  # tests/plan/test_derived_drafts.py
+    # Those whose derived MTP draft equals every hand-written one (test_derived_drafts.py)
+    quant_schemes = frozenset({"fp8_block", "fp8_ct", "mxfp4_pack", "nvfp4_pack"})
 
     def expected_shapes(
         self, config: Config, ctx: PlanContext = DEFAULT_CONTEXT

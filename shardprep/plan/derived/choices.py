@@ -94,7 +94,7 @@ def mxfp4_emulation(*args: Any, **kwargs: Any) -> tuple[Any, type]:
 
 
 def _compressed_tensors() -> None:
-    """compressed-tensors int4 and NVFP4 experts and NVFP4 linear layers."""
+    """compressed-tensors int4 and NVFP4 experts, NVFP4 and fp8 linear layers."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
         compressed_tensors_moe_w4a4_nvfp4 as nvfp4,
     )
@@ -104,12 +104,16 @@ def _compressed_tensors() -> None:
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         compressed_tensors_w4a4_nvfp4 as nvfp4_linear,
     )
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w8a8_fp8 as fp8_linear,
+    )
 
     wna16.select_wna16_moe_backend = or_stand_in(wna16.select_wna16_moe_backend, int4_experts)
     nvfp4.select_nvfp4_moe_backend = or_stand_in(nvfp4.select_nvfp4_moe_backend, nvfp4_experts)
     nvfp4_linear.init_nvfp4_linear_kernel = or_stand_in(
         nvfp4_linear.init_nvfp4_linear_kernel, NoKernel
     )
+    fp8_linear.init_fp8_linear_kernel = or_stand_in(fp8_linear.init_fp8_linear_kernel, NoKernel)
 
 
 def install() -> None:

@@ -15,20 +15,26 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
-from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardprep.plan.derived import draft_probe
 from shardprep.plan.derived.built import BuiltFills, left_by_load
 from shardprep.plan.derived.constants import Constants, Mixed
+from shardprep.plan.derived.dequantized import COMPUTED, DEQUANTIZED, dequantized_name
+from shardprep.plan.derived.engine import (
+    as_cpu_worker,
+    engine_config,
+    kept_on_meta,
+    no_peers,
+    on_meta,
+    real_expert_maps,
+    set_rank,
+)
 from shardprep.plan.derived.experts import expert_stacks
 
 DTYPES = {
@@ -68,10 +74,14 @@ class Recorder(TorchDispatchMode):
     refused with the ops that made it. A placeholder region set to a constant in place
     (`zero_`) is kept (constants.py): a copy out of it is a fill of that constant."""
 
-    def __init__(self, params: dict[int, str], sources: dict[int, str]) -> None:
+    def __init__(
+        self, params: dict[int, str], sources: dict[int, str], tensors: dict[str, Any]
+    ) -> None:
         super().__init__()
         self.params = params
         self.sources = sources
+        self.tensors = tensors  # the placeholders by name
+        self.dequantized: dict[str, list[str]] = {}  # {weight + DEQUANTIZED: [weight, scale]}
         self.made: dict[int, Made] = {}
         self.ops: list[list[Any]] = []
         self.constants = Constants()  # placeholder regions set to a constant in place
@@ -150,6 +160,11 @@ class Recorder(TorchDispatchMode):
             raise Refused(f"{param}: vLLM's load_weights fills it with a value of its own")
         whole = src.storage_offset() == 0 and src.is_contiguous()
         if made.copy_of is not None and whole and src.numel() == made.copy_of[3]:
+            if made.copy_of[0].endswith(DEQUANTIZED) and NAMES.get(src.dtype) != COMPUTED:
+                raise Refused(
+                    f"{param}: vLLM's load_weights dequantizes {made.origin} to {src.dtype}, "
+                    "where convert computes bfloat16"
+                )
             return list(made.copy_of[:3])
         raise Refused(
             f"{param}: vLLM's load_weights computes it from {made.origin} "
@@ -171,10 +186,38 @@ class Recorder(TorchDispatchMode):
             self.made[self._key(out)] = Made((SHOWN.get(name, name),), region[0], region, value)
             return
         before = [self.made[self._key(a)] for a in tensors if self._key(a) in self.made]
+        made = self._dequantized(name, before, out)
+        if made is not None:
+            self.made[self._key(out)] = made
+            return
         origins = [self.sources[self._key(a)] for a in known] + [m.origin for m in before]
         if origins:
             ops = (*(op for m in before[:1] for op in m.ops), SHOWN.get(name, name))
             self.made[self._key(out)] = Made(ops, origins[0])
+
+    def _dequantized(self, name: str, before: list[Made], out: torch.Tensor) -> Made | None:
+        """A weight times its block scales (dequantized.py), or a cast of one: a copy of
+        the weight's dequantized values, which convert computes; None for anything else."""
+        if name in COPIES and len(before) == 1:
+            copy = before[0].copy_of
+            if copy is None or not copy[0].endswith(DEQUANTIZED) or out.numel() != copy[3]:
+                return None
+            return Made((*before[0].ops, SHOWN.get(name, name)), before[0].origin, copy)
+        if name != "mul" or len(before) != 2:
+            return None
+        for weight, scale in (before, before[::-1]):
+            if weight.copy_of is None or scale.origin not in self.tensors:
+                continue
+            found = dequantized_name(
+                (weight.origin, self.tensors[weight.origin], weight.copy_of[3]),
+                (scale.origin, scale.ops, self.tensors[scale.origin]),
+                out,
+            )
+            if found is not None:
+                self.dequantized[found] = [weight.origin, scale.origin]
+                region = [0, list(out.shape), list(out.stride())]
+                return Made(("dequantize",), weight.origin, (found, region, COMPUTED, out.numel()))
+        return None
 
 
 def check_registered(architecture: str, version: str) -> None:
@@ -186,121 +229,6 @@ def check_registered(architecture: str, version: str) -> None:
             "there is no model definition to derive its layout from; use a vLLM that "
             "serves it"
         )
-
-
-def engine_config(request: dict[str, Any]) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = EngineArgs(
-        model=request["folder"],
-        tensor_parallel_size=request["tp"],
-        pipeline_parallel_size=request["pp"],
-        dtype=request["dtype"],
-        load_format="safetensors",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        enable_expert_parallel=request.get("expert_placement") is not None,
-        expert_placement_strategy=request.get("expert_placement") or "linear",
-        enable_prefix_caching=False,  # nothing is cached; some models refuse it (Kimi-K3)
-        speculative_config=draft_probe.speculative(request),
-    )
-    return args.create_engine_config()
-
-
-@contextmanager
-def no_peers() -> Iterator[None]:
-    """vLLM's groups, built over torch's fake process group, without the parts that
-    would talk to other processes (gloo CPU groups, device communicators, shared-memory
-    queues, the host-name gather)."""
-    import torch.distributed as dist
-    from vllm.distributed import parallel_state
-
-    real_new_group = dist.new_group
-    real_init = parallel_state.GroupCoordinator.__init__
-
-    def new_group(ranks: Any = None, backend: Any = None, **kwargs: Any) -> Any:
-        return real_new_group(ranks, backend="fake", **kwargs)
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs.update(use_device_communicator=False, use_message_queue_broadcaster=False)
-        real_init(self, *args, **kwargs)
-
-    with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(dist, "new_group", new_group))
-        stack.enter_context(mock.patch.object(parallel_state, "_node_count", lambda *a: 1))
-        stack.enter_context(mock.patch.object(parallel_state.GroupCoordinator, "__init__", init))
-        yield
-
-
-def set_rank(config: Any, tp: int, pp: int, p: int, t: int) -> None:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from vllm.distributed import parallel_state
-
-    if dist.is_initialized():
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
-    rank = p * tp + t
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp * pp)
-    parallel_state.init_distributed_environment(tp * pp, rank, "env://", 0, "fake")
-    parallel_state.initialize_model_parallel(tp, pp, backend="fake")
-
-
-def on_meta(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's parameters, those a layer builds on a device of its own choosing
-    (Qwen3-Next's gated norm, DeepSeek-V4's compressor positions) replaced by meta ones
-    like the rest: a placeholder is copied into none but a meta tensor. Integer tensors
-    (expert maps) stay real."""
-    for name, param in list(model.named_parameters()):
-        if param.is_meta or not param.is_floating_point() or type(param) is not Parameter:
-            continue
-        owner, _, attr = name.rpartition(".")
-        meta = Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-        meta.__dict__.update(param.__dict__)  # its weight_loader and other attributes
-        setattr(model.get_submodule(owner), attr, meta)
-    return dict(model.named_parameters())
-
-
-@contextmanager
-def kept_on_meta() -> Iterator[None]:
-    """A module built on meta stays there when a model moves it to its device while it
-    is built (Kimi-K2.5's vision tower); a cast to a dtype still applies."""
-    real_to = torch.nn.Module.to
-
-    def to(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        if not any(param.is_meta for param in module.parameters()):
-            return real_to(module, *args, **kwargs)
-        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
-        return module if dtype is None else real_to(module, dtype=dtype)
-
-    with mock.patch.object(torch.nn.Module, "to", to):
-        yield
-
-
-@contextmanager
-def real_expert_maps() -> Iterator[None]:
-    """vLLM's map of global to local experts (expert parallelism) built on the CPU, not on
-    meta: its loader reads it to skip the experts of other ranks."""
-    from vllm.model_executor.layers.fused_moe import expert_map_manager
-
-    manager = expert_map_manager.ExpertMapManager
-    real_init = manager.__init__
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        with torch.device("cpu"):
-            real_init(self, *args, **kwargs)
-
-    with mock.patch.object(manager, "__init__", init):
-        yield
-
-
-def as_cpu_worker() -> None:
-    """What vLLM's CPU worker sets up before it builds a model (stand-ins for CUDA events
-    and streams that some layers create while they are built); nothing elsewhere."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        import vllm.v1.worker.cpu.shm  # noqa: F401 (its import is the set-up)
 
 
 def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[str, Any]:
@@ -326,6 +254,7 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         recorder = Recorder(
             {v.untyped_storage()._cdata: k for k, v in params.items()},
             {v.untyped_storage()._cdata: k for k, v in placeholders.items()},
+            placeholders,
         )
 
         class Placeholders(DefaultModelLoader):
@@ -346,6 +275,7 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         "ops": ops,
         "shared": shared,
         "expert_stacks": expert_stacks(model),
+        "dequantized": recorder.dequantized,
     }
 
 

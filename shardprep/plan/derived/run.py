@@ -5,6 +5,7 @@ dropped as it comes (infer.py). The child shows a progress bar over the ranks.""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from typing import Any
 from shardprep.errors import PlanError, printable
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import Layout
+from shardprep.plan.derived.dequantized import COMPUTED, DEQUANTIZED
 from shardprep.plan.derived.drafts import split_shared, with_shared
 from shardprep.plan.derived.infer import Inference
 
@@ -35,9 +37,11 @@ def derive(
     every stage derived, and the vLLM release it came from; a write no plan can express
     is one PlanError naming it. `draft`: the speculative method of the draft to derive
     instead of the target (MTP: the draft the checkpoint carries), on the last stage."""
-    inference = Inference(config, tensors, topology.tp)
+    known = dict(tensors)  # and the weights vLLM dequantizes, as convert computes them
+    inference = Inference(config, known, topology.tp)
     shared: set[str] = set()
     shared_sources: dict[str, str] = {}
+    computed: dict[str, tuple[str, str]] = {}
     with rank_records(config, tensors, topology, dtype, draft=draft, progress=progress) as (
         version,
         records,
@@ -46,8 +50,12 @@ def derive(
             shared |= set(record.get("shared", ()))
             record, sources = split_shared(record)
             shared_sources |= sources
+            for name, (weight, scale) in record.get("dequantized", {}).items():
+                computed[name] = (weight, scale)
+                known[name] = (COMPUTED, tensors[weight][1])
             inference.add(record)
     layout = inference.layout(_int(config.get("n_group")))
+    layout = dataclasses.replace(layout, computed=computed)
     return with_shared(layout, shared, shared_sources), version
 
 
@@ -79,7 +87,11 @@ def rank_records(
             "pp": topology.pp,
             "dtype": dtype,
             "ranks": [list(rank) for rank in ranks],
-            "tensors": {name: [d, list(shape)] for name, (d, shape) in tensors.items()},
+            "tensors": {
+                name: [d, list(shape)]
+                for name, (d, shape) in tensors.items()
+                if not name.endswith(DEQUANTIZED)  # convert computes them; vLLM reads none
+            },
             "progress": progress,
             "draft": draft,
             "expert_placement": expert_placement,

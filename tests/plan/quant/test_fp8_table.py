@@ -55,7 +55,7 @@ TABLE: dict[str, tuple[set[str], str]] = {
     "mixtral": (EVERY_FP8 | EVERY_CT, ""),
     "deepseek": ({"fp8 blocks"} | EVERY_CT, UNPROVEN),
     "deepseek_v32": ({"fp8 blocks"}, "read from fp8 blocks only"),
-    "kimi_k25": ({"fp8 blocks"}, UNPROVEN),
+    "kimi_k25": (set(), "quantizes the vision tower and projector too"),
     "deepseek_v4": ({"fp8 blocks"}, "converted unquantized or as published (fp8 blocks, fp4"),
     "glm4_moe": ({"fp8 blocks"}, f"GLM-4.5 {PUBLISHED_BLOCKS}"),
     "qwen3_next": ({"fp8 blocks"}, f"Qwen3-Next {PUBLISHED_BLOCKS}"),
@@ -78,7 +78,7 @@ def _source(config: dict[str, Any]) -> SourceModel:
     shapes = quantized.expected_shapes(family, read)
     # what convert adds: the weights vLLM dequantizes while loading (DeepSeek-V3.2's wk)
     stored = {n: dtype for n, (dtype, _) in tensors.items()}
-    for name, (weight, _) in family.dequantized_sources(read, stored).items():
+    for name, (weight, _) in family.dequantized_sources(read, stored, shapes).items():
         tensors[name] = ("BF16", shapes[weight])
     return SourceModel(config, tensors)
 

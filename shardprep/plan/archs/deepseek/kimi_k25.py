@@ -181,8 +181,13 @@ def vision_config_problems(config: Config) -> list[str]:
 
 class KimiK25Family(DeepseekFamily):
     name = "kimi_k25"
-    # As published (int4 experts), and fp8 blocks as Kimi-K2; not compressed-tensors fp8.
-    quant_schemes = frozenset({"fp8_block", "int4_pack", "mxfp4_pack", "nvfp4_pack"})
+    # As published (int4 experts) and the other compressed-tensors schemes, under which
+    # vLLM builds the vision tower and projector unquantized; no fp8.
+    quant_schemes = frozenset({"int4_pack", "mxfp4_pack", "nvfp4_pack"})
+    quant_refusals: ClassVar[Mapping[str, str]] = {
+        "*": "shardprep's layout of them is not proven against vLLM, which quantizes the "
+        "vision tower and projector too unless the checkpoint is compressed-tensors",
+    }
     attribute_maps: ClassVar[Mapping[str, Mapping[str, str]]] = {}
     builtin_draft = None  # vLLM drops the MTP layers here: `layout` skips them itself
 

@@ -161,7 +161,7 @@ class DeepseekV32Family(DeepseekFamily):
             yield prefix + INDEXER + norm, Piece(source + norm, Cut.REPLICATE), F32
 
     def dequantized_sources(
-        self, config: Config, dtypes: Mapping[str, str]
+        self, config: Config, dtypes: Mapping[str, str], shapes: Shapes
     ) -> dict[str, tuple[str, str]]:
         """Each built indexer's `wk` that the checkpoint stores quantized, with its block
         scales: vLLM dequantizes it to bfloat16 before fusing it."""

@@ -59,7 +59,8 @@ def with_dequantized(model: SourceModel) -> SourceModel:
     """The headers plus the dequantized tensors convert adds (bfloat16, the stored shape)."""
     family = archs.target_family(model.config)[1]
     dtypes = {name: dtype for name, (dtype, _) in model.tensors.items()}
-    derived = family.dequantized_sources(model.config, dtypes)
+    shapes = {name: shape for name, (_, shape) in model.tensors.items()}
+    derived = family.dequantized_sources(model.config, dtypes, shapes)
     added = {name: ("BF16", model.tensors[weight][1]) for name, (weight, _) in derived.items()}
     return SourceModel(model.config, {**model.tensors, **added})
 
@@ -103,7 +104,8 @@ def test_each_fp8_wk_is_dequantized_and_headers_alone_are_refused(
 ) -> None:
     family = archs.target_family(published.config)[1]
     dtypes = {name: dtype for name, (dtype, _) in published.tensors.items()}
-    derived = family.dequantized_sources(published.config, dtypes)
+    shapes = {name: shape for name, (_, shape) in published.tensors.items()}
+    derived = family.dequantized_sources(published.config, dtypes, shapes)
     assert len(derived) == 62
     wk = f"model.layers.61.{IDX}wk.weight"
     assert derived[wk + ".dequantized"] == (wk, wk + "_scale_inv")
