@@ -41,6 +41,7 @@ from shardprep.plan.archs.parts import quantized
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived import DerivedFamily, available
 from shardprep.plan.derived.infer import Hints, Inference
+from shardprep.plan.derived.quant import model_scheme
 from shardprep.plan.drafts import with_target_rules
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
@@ -255,6 +256,21 @@ def _case(name: str) -> Any:
 
 def test_every_registered_architecture_has_a_case() -> None:
     assert set(archs.supported()[0]) <= {arch for arch, *_ in CASES.values()}
+
+
+def _covered(cases: Mapping[str, tuple[str, int, int, dict[str, Any]]]) -> set[tuple[str, str]]:
+    """(family, scheme or "") of each case, the scheme as its config.json declares it."""
+    found = set()
+    for arch, _, _, overrides in cases.values():
+        scheme = model_scheme(tiny_config(arch, **overrides))  # or its text_config's
+        found.add((archs.target_family_of(arch).name, scheme.name if scheme else ""))
+    return found
+
+
+def test_every_scheme_of_every_family_has_a_case() -> None:
+    families = {archs.target_family_of(arch) for arch in archs.supported()[0]}
+    wanted = {(f.name, s) for f in families for s in {"", *f.quant_schemes}}
+    assert wanted <= _covered(CASES)
 
 
 @pytest.mark.parametrize("case", [_case(name) for name in sorted(CASES)])

@@ -29,10 +29,11 @@ from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
 from shardprep.plan.archs.base import Layout, PlanContext
 from shardprep.plan.archs.parts import quantized
-from shardprep.plan.derived import DerivedFamily, DerivedMtpDraft, available
+from shardprep.plan.derived import DERIVED, DerivedFamily, DerivedMtpDraft, available
 from shardprep.plan.derived.drafts import MTP_HELD, mtp_layers, split_shared
 from shardprep.plan.derived.infer import Inference
 from shardprep.plan.derived.overwrites import last_writes
+from shardprep.plan.derived.quant import model_scheme
 from shardprep.plan.make import make_plan
 from shardprep.plan.records import SourceModel
 from shardprep.plan.topology import make_topology
@@ -71,10 +72,13 @@ CASES = {
     ),
     # Each scheme on every MTP draft that converts it, and each MTP draft family
     **{
-        f"deepseek-v3-{name}-tp2": (
-            "DeepseekV3ForCausalLM", 2, 1,
+        f"{prefix}-{name}-tp2": (
+            arch, 2, 1,
             {"num_hidden_layers": 2, "num_nextn_predict_layers": 1, **sizes,
              "quantization_config": quant},
+        )
+        for prefix, arch in (
+            ("deepseek-v3", "DeepseekV3ForCausalLM"), ("deepseek-v3.2", "DeepseekV32ForCausalLM")
         )
         for name, quant, sizes in (
             ("fp8-ct", TINY_FP8_CT, {}),
@@ -82,6 +86,7 @@ CASES = {
             ("mxfp4-pack", TINY_MXFP4_PACK, MXFP4_SIZES),
             ("nvfp4", TINY_NVFP4_PACK, {}),
         )
+        if (arch, name) != ("DeepseekV32ForCausalLM", "fp8-ct")  # not a V3.2 scheme
     },
     # the indexer's wk, which vLLM dequantizes, in the MTP layer too
     "deepseek-v3.2-fp8-tp2-pp2": (
@@ -117,6 +122,18 @@ def _hand_written(arch: str, tp: int, pp: int, overrides: dict[str, Any]) -> tup
     topology = make_topology(config["num_hidden_layers"], tp, pp, None, "")
     ctx = PlanContext(pp=pp, target_config=config, draft_names=tuple(sorted(shapes)))
     return config, shapes, topology, quantized.layout(draft, config, shapes, topology, ctx)
+
+
+def test_every_scheme_of_every_mtp_draft_has_a_case() -> None:
+    drafts = {archs.draft_family(m, t) for m, t in archs._DRAFTS if m == "mtp" and t != DERIVED}
+    wanted = {(d.name, s) for d in drafts for s in {"", *d.quant_schemes}}
+    covered = set()
+    for arch, _, _, overrides in CASES.values():
+        scheme = model_scheme(tiny_config(arch, **overrides))  # or its text_config's
+        family = archs.target_family_of(arch)
+        draft = archs.draft_family("mtp", family.name)
+        covered.add((draft.name, scheme.name if scheme else ""))
+    assert wanted <= covered
 
 
 def _same(derived: Layout, written: Layout) -> None:
