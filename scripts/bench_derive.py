@@ -1,7 +1,9 @@
 """Time and peak memory of deriving a flagship layout from vLLM (plan/derived), headers
-only: DeepSeek-V3's shapes (61 layers, 256 experts, MLA) in bfloat16, no MTP layer.
+only: DeepSeek-V3's shapes (61 layers, 256 experts, MLA) in bfloat16, no MTP layer; or
+Kimi-K3 as published (`--model kimi-k3`: 93 layers, 896 MXFP4 experts, KDA and MLA, the
+vision tower; its config.json from tests/data).
 
-    python scripts/bench_derive.py [--tp 8 --pp 2] [--layers 61]
+    python scripts/bench_derive.py [--model deepseek-v3|kimi-k3] [--tp 8 --pp 2] [--layers N]
 
 Nothing is read or written but config.json: the checkpoint is its tensor table. The
 derived layout is then compared with the hand-written DeepSeek family's, piece for piece.
@@ -13,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from pathlib import Path
 
 from shardprep.demo.tiny import tiny_config
 from shardprep.plan import archs
-from shardprep.plan.archs.base import PlanContext
+from shardprep.plan.archs.base import PlanContext, config_int
 from shardprep.plan.archs.parts import quantized
 from shardprep.plan.derived import DerivedFamily, run
 from shardprep.plan.drafts import with_target_rules
@@ -37,19 +40,39 @@ def deepseek_v3_config(layers: int) -> dict:
     )  # fmt: skip
 
 
+def kimi_k3_config(layers: int | None) -> dict:
+    """Kimi-K3's config.json as published (MXFP4 experts), `layers` of it if given."""
+    config = json.loads(KIMI_K3.read_text())
+    if layers is not None:
+        config["text_config"]["num_hidden_layers"] = layers
+    return config
+
+
+MODELS = {"deepseek-v3": "DeepSeek-V3 shapes, bf16", "kimi-k3": "Kimi-K3 as published, MXFP4"}
+KIMI_K3 = Path(__file__).resolve().parents[1] / "tests" / "data" / "kimi-k3" / "config.json"
+ENVIRONMENT = {"kimi-k3": {"VLLM_KIMI_K3_GEMM_AR": "0"}}  # its GEMM without an all-reduce
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="deepseek-v3")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--layers", type=int, default=None)
     args = parser.parse_args()
-    config = archs.read_config(deepseek_v3_config(args.layers))
+    os.environ.update(ENVIRONMENT.get(args.model, {}))
+    if args.model == "kimi-k3":
+        published = kimi_k3_config(args.layers)
+    else:
+        published = deepseek_v3_config(args.layers or 61)
+    config = archs.read_config(published)
     family = archs.target_family(config)[1]
     shapes = quantized.expected_shapes(family, config)
-    topology = make_topology(args.layers, args.tp, args.pp, None, "")
+    topology = make_topology(config_int(config, "num_hidden_layers"), args.tp, args.pp, None, "")
     context = PlanContext(pp=args.pp)
+    stored = PlanContext(pp=args.pp, dtypes=quantized.source_dtypes(family, config))
     start = time.perf_counter()
-    derived = DerivedFamily().layout(config, shapes, topology, context)
+    derived = DerivedFamily().layout(published, shapes, topology, stored)
     seconds = time.perf_counter() - start
     layout = quantized.layout(family, config, shapes, topology, context)
     layout = with_target_rules(family, config, shapes, topology, layout, context)
@@ -58,7 +81,7 @@ def main() -> None:
     run.stop()  # the child's peak is counted once it has exited
     own = [line for line in Path("/proc/self/status").read_text().splitlines() if "VmHWM" in line]
     print(json.dumps({
-        "model": "DeepSeek-V3 shapes, bf16", "tensors": len(shapes), "tp": args.tp,
+        "model": MODELS[args.model], "tensors": len(shapes), "tp": args.tp,
         "pp": args.pp, "ranks": args.tp * args.pp, "seconds": round(seconds, 1),
         "peak_rss_parent": own[0].split(":")[1].strip(),
         "peak_rss_child_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,

@@ -235,9 +235,13 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.models import utils
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config.compilation_config.static_forward_context.clear()
+    # vLLM keys each model's missing pipeline layers by id(model), which a model of an
+    # earlier rank, freed, may have had: one model a process, as in a worker.
+    utils._model_to_pp_missing_layer_names.clear()
     with set_current_vllm_config(config), no_peers():
         set_rank(config, request["tp"], request["pp"], p, t)
         model_config = draft_probe.model_config(config, request)

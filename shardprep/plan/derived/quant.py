@@ -21,7 +21,7 @@ from shardprep.plan.archs.base import Layout, Param
 from shardprep.plan.cuts import MODEL_DTYPE, Piece
 from shardprep.plan.derived.regions import Fill, block_region
 from shardprep.plan.layout import piece_blocks
-from shardprep.plan.quant import Scheme, all_schemes, kv_cache, scheme_of
+from shardprep.plan.quant import Scheme, all_schemes, kv_cache, scheme_of, variant_schemes
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -66,17 +66,18 @@ def in_scheme_terms(layout: Layout, scheme: Scheme, shapes: Shapes, tp: int) -> 
 
 def variants(scheme: Scheme, experts: Collection[str]) -> list[Scheme]:
     """The schemes by which another vLLM quantization method loads a checkpoint of
-    `scheme`'s (`Family.quant_scheme` names one for a family): its subclasses, told where
-    the routed experts' weights are (`experts`, the derived layout's). vLLM's parameter
-    names and regions tell which one it took."""
+    `scheme`'s: its subclasses of the same name, and those a family names for it
+    (`Family.quant_scheme`), each told where the routed experts' weights are (`experts`,
+    the derived layout's). vLLM's parameter names and regions tell which one it took."""
     kind = type(scheme)
     if not dataclasses.is_dataclass(scheme):
         return []
     fields = {f.name: getattr(scheme, f.name) for f in dataclasses.fields(scheme)}
+    named = variant_schemes()
     return [
         cls(**fields).for_experts(experts)
         for cls in all_schemes()
-        if cls is not kind and issubclass(cls, kind)
+        if cls is not kind and issubclass(cls, kind) and (cls.name == kind.name or cls in named)
     ]
 
 

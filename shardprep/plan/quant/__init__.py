@@ -30,6 +30,7 @@ __all__ = [
     "register_scheme",
     "scheme_names",
     "scheme_of",
+    "variant_schemes",
 ]
 
 ANY_FORMAT = "*"
@@ -108,6 +109,12 @@ def all_schemes() -> tuple[type[Scheme], ...]:
         if "name" in vars(scheme) or "method" in vars(scheme):
             found.append(scheme)
     return tuple(dict.fromkeys(found))
+
+
+def variant_schemes() -> tuple[type[Scheme], ...]:
+    """The scheme classes of the families' variants: those no config selects by itself."""
+    modules = {f"{__name__}.{module}" for module in _VARIANTS}
+    return tuple(scheme for scheme in all_schemes() if scheme.__module__ in modules)
 
 
 def scheme_names(method: str) -> frozenset[str]:
