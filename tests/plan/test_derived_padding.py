@@ -15,6 +15,7 @@ from shardprep.errors import PlanError
 from shardprep.plan.cuts import Cut, Piece
 from shardprep.plan.derived.built import BuiltFills, left_by_load
 from shardprep.plan.derived.infer import Inference
+from shardprep.plan.derived.padding import aligned_multiple
 
 
 class _Padded(nn.Module):
@@ -83,10 +84,40 @@ def test_built_zero_rows_no_power_of_two_aligns_to_are_refused_in_one_line() -> 
     with pytest.raises(PlanError) as info:
         inference.layout()
     assert str(info.value) == (
-        "cannot derive the layout: 1 parameter(s): p: vLLM builds its last 2 row(s) as zeros "
-        "and loads nothing into them, but its 5 rows are no multiple of a power of two above "
-        "that, a padding a plan of aligned rows does not express"
+        "cannot derive the layout: 1 parameter(s): p: vLLM builds zero rows after the rows it "
+        "loads into it (3 to 5 at the tps derived), which no multiple of a power of two gives; "
+        "a plan of aligned rows does not express that padding"
     )
+
+
+def test_the_rows_a_coarser_tp_builds_pin_the_multiple_one_tp_leaves_open() -> None:
+    """Kimi-K3's KDA at tp8: 12 rows a rank padded to 16, which a multiple of 8 gives as
+    well as 16; at tp4 vLLM pads 24 rows to 32, which only 16 gives."""
+    inference = Inference({}, {"w": ("F32", (96, 2))}, 8)
+    for rank in range(8):
+        inference.add(_record(_rank(rank, 12, 4), rank, rows=16))
+    assert inference.padded() == ["p"]
+    assert inference.layout().params[0].pieces[-1] == Piece("w", Cut.ALIGN_ROWS, 8)
+    inference.observe_rows("p", 24, 32)  # tp4
+    inference.observe_rows("p", 48, 48)  # tp2: nothing to pad
+    assert inference.layout().params[0].pieces[-1] == Piece("w", Cut.ALIGN_ROWS, 16)
+
+
+@pytest.mark.parametrize(
+    "observed, multiple",
+    [
+        ([(3, 4)], 2),
+        ([(5, 8)], 4),
+        ([(12, 16), (24, 32), (48, 48), (96, 96)], 16),
+        ([(7, 7)], 1),
+        ([(3, 5)], None),
+        ([(12, 16), (20, 20)], None),  # 8 rounds 20 up to 24, 16 to 32, 4 leaves 12
+    ],
+)
+def test_the_multiple_is_the_smallest_power_of_two_that_gives_every_rows_built(
+    observed: list[tuple[int, int]], multiple: int | None
+) -> None:
+    assert aligned_multiple(observed) == multiple
 
 
 def test_a_built_value_other_than_zero_is_refused_naming_the_parameter() -> None:

@@ -17,6 +17,7 @@ from shardprep.plan.cuts import MODEL_DTYPE, Cut, Piece
 from shardprep.plan.derived.experts import expert_groups, one_value_each, per_expert, value_piece
 from shardprep.plan.derived.overwrites import final_writes
 from shardprep.plan.derived.padding import align_piece, built_tails
+from shardprep.plan.derived.qkv import qkv_candidates
 from shardprep.plan.derived.quant import model_scheme
 from shardprep.plan.derived.regions import (
     Fill,
@@ -53,6 +54,8 @@ class _ParamState:
     pieces: list[_PieceState]
     stages: set[int] = field(default_factory=set)
     padding: int = 0  # the most zero rows a rank ends with, built and never loaded
+    # (loaded rows, built rows) of a rank whose last rows are built zeros, at any tp
+    aligned: set[tuple[int, int]] = field(default_factory=set)
 
 
 def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hints) -> list[Piece]:
@@ -163,6 +166,14 @@ class Inference:
                 name, dtype, tuple(shape), writes[name], (p, t), padding, name in stacks
             )
 
+    def padded(self) -> list[str]:
+        """The parameters whose ranks end with zero rows vLLM builds and never loads."""
+        return [name for name, state in self.params.items() if state.padding]
+
+    def observe_rows(self, name: str, loaded: int, built: int) -> None:
+        """A rank of another tp of `name` (a coarser one), built with these rows."""
+        self.params[name].aligned.add((loaded, built))
+
     def _add_param(
         self,
         name: str,
@@ -191,7 +202,7 @@ class Inference:
                     + candidates(
                         source, self.sources[source][1], expert if stacked else None, self.hints
                     )
-                    + _qkv_candidates(source, self.sources[source][1], fills, self.tp, t),
+                    + qkv_candidates(source, self.sources[source][1], fills, self.tp, t),
                 )
                 for source, expert, fills in groups
             ]
@@ -210,6 +221,7 @@ class Inference:
             )
         state.stages.add(p)
         state.padding = max(state.padding, padding)
+        state.aligned.add((shape[0] - padding, shape[0]) if shape else (0, 0))
         width = _row_width(shape, stacked and len(shape) == 3)
         for piece, (_, _, fills) in zip(state.pieces, groups, strict=True):
             piece.candidates = [c for c in piece.candidates if self._matches(c, fills, width, t)]
@@ -244,7 +256,7 @@ class Inference:
                 chosen.append(piece.candidates[0])
             complete = bool(chosen) and len(chosen) == len(state.pieces)
             if state.padding and chosen:
-                align = align_piece(name, state.shape, state.padding, chosen[-1])
+                align = align_piece(name, state.aligned, chosen[-1])
                 if isinstance(align, str):
                     problems.append(align)
                     complete = False
@@ -364,22 +376,6 @@ def _kv_heads_beside_queries(
             continue
         after = next((i + 1 for i, c in enumerate(rest) if c.cut is Cut.ROWS), len(rest))
         piece.candidates = [*rest[:after], kv, *rest[after:]]
-
-
-def _qkv_candidates(
-    source: str, shape: tuple[int, ...], fills: list[Fill], tp: int, rank: int
-) -> list[Piece]:
-    """QKV_ROWS for a source a rank reads in three runs (its q rows, its k rows, its v
-    rows: a gated DeltaNet's conv1d), its k part as long as q, told by where the rank's
-    second run starts (k's start plus the rank's share of k): the other ranks confirm it."""
-    runs = [region for name, region in _merged(fills) if name is not None]
-    width = math.prod(shape[1:])
-    if len(runs) != 3 or not width or runs[1][0] % width:
-        return []
-    part, extra = divmod(runs[1][0] // width * tp, tp + rank)
-    if extra or part <= 0 or 2 * part >= shape[0]:
-        return []
-    return [Piece(source, Cut.QKV_ROWS, heads=part)]
 
 
 def _next_expert(shape: tuple[int, ...], last: int | None, index: int | None) -> bool:

@@ -4,13 +4,15 @@ padding each rank's output to a multiple of some rows for its GEMM. In a plan th
 ALIGN_ROWS piece after the parameter's last: zero rows up to a multiple of its rows.
 
 One tp shows the rank's zero rows, not the multiple vLLM aligns to: every multiple that
-leaves as many zero rows on every rank gives the same plan at that tp. The smallest power
-of two above the most zero rows a rank has is taken, as GEMM alignments are."""
+leaves as many zero rows on every rank gives the same rank files at that tp, but not at a
+coarser tp served from them. So the ranks of every coarser tp are built too (run.py), and
+the multiple is the smallest power of two, as GEMM alignments are, that gives the rows vLLM
+builds at each: (loaded rows, built rows) observed, built = loaded rounded up to it."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from shardprep.plan.cuts import Cut, Piece
@@ -39,17 +41,27 @@ def built_tails(
     return kept, tails
 
 
-def align_piece(name: str, shape: Sequence[int], rows: int, last: Piece) -> Piece | str:
-    """The ALIGN_ROWS piece (of the source of the parameter's `last` piece) that pads each
-    rank with at most `rows` zero rows, or the one-line problem where no power of two
-    does (the parameter's rows are not a multiple of one above them)."""
-    multiple = 1 << rows.bit_length()  # the smallest power of two above `rows`
-    while multiple <= shape[0] and shape[0] % multiple:
-        multiple <<= 1
-    if multiple > shape[0]:
+def align_piece(name: str, observed: Iterable[tuple[int, int]], last: Piece) -> Piece | str:
+    """The ALIGN_ROWS piece (of the source of the parameter's `last` piece) that rounds
+    each rank's loaded rows up to the rows vLLM builds, at every tp `observed` ((loaded,
+    built) rows of a rank), or the one-line problem where no power of two does."""
+    seen = sorted(set(observed))
+    multiple = aligned_multiple(seen)
+    if multiple is None:
+        shown = ", ".join(f"{loaded} to {built}" for loaded, built in seen)
         return (
-            f"{name}: vLLM builds its last {rows} row(s) as zeros and loads nothing into "
-            f"them, but its {shape[0]} rows are no multiple of a power of two above that, "
-            "a padding a plan of aligned rows does not express"
+            f"{name}: vLLM builds zero rows after the rows it loads into it ({shown} at the "
+            "tps derived), which no multiple of a power of two gives; a plan of aligned rows "
+            "does not express that padding"
         )
     return Piece(last.source, Cut.ALIGN_ROWS, multiple)
+
+
+def aligned_multiple(observed: Sequence[tuple[int, int]]) -> int | None:
+    """The smallest power of two that rounds each loaded row count up to its built one."""
+    multiple, top = 1, max(built for _, built in observed)
+    while multiple <= top:
+        if all(-(-loaded // multiple) * multiple == built for loaded, built in observed):
+            return multiple
+        multiple <<= 1
+    return None

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from shardprep.plan.archs.base import Layout
 from shardprep.plan.derived.dequantized import COMPUTED, DEQUANTIZED
 from shardprep.plan.derived.drafts import split_shared, with_shared
 from shardprep.plan.derived.infer import Inference
+from shardprep.plan.derived.padding import built_tails
 
 
 def derive(
@@ -54,9 +55,35 @@ def derive(
                 computed[name] = (weight, scale)
                 known[name] = (COMPUTED, tensors[weight][1])
             inference.add(record)
+    if inference.padded():
+        _observe_coarser_tps(inference, config, tensors, topology, dtype, draft)
     layout = inference.layout(_int(config.get("n_group")))
     layout = dataclasses.replace(layout, computed=computed)
     return with_shared(layout, shared, shared_sources), version
+
+
+def _observe_coarser_tps(
+    inference: Inference,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    topology: Topology,
+    dtype: str,
+    draft: str | None,
+) -> None:
+    """The rows vLLM builds for each parameter it pads (padding.py) at every coarser tp
+    the rank files may be served at, one rank of each stage apiece."""
+    padded = inference.padded()
+    for tp in (d for d in range(1, topology.tp) if topology.tp % d == 0):
+        coarser = dataclasses.replace(topology, tp=tp)
+        with rank_records(
+            config, tensors, coarser, dtype, draft=draft, progress=False, tp_ranks=[0]
+        ) as (_, records):
+            for record in records:
+                _, tails = built_tails(record["ops"], record["params"])
+                for name in padded:
+                    if name in record["params"]:
+                        rows = record["params"][name][1][0]
+                        inference.observe_rows(name, rows - tails.get(name, 0), rows)
 
 
 @contextmanager
@@ -69,16 +96,18 @@ def rank_records(
     draft: str | None = None,
     progress: bool = True,
     expert_placement: str | None = None,
+    tp_ranks: Sequence[int] | None = None,
 ) -> Iterator[tuple[str, Iterator[dict[str, Any]]]]:
     """The vLLM release and each rank's record (probe.py), read one at a time: the
     target's on every stage, or the draft's (`draft`) on the last. `expert_placement`:
-    vLLM's experts placed that way under expert parallelism; None: without it."""
+    vLLM's experts placed that way under expert parallelism; None: without it.
+    `tp_ranks`: those of each stage to derive (every one by default)."""
     with tempfile.TemporaryDirectory(prefix="shardprep-derive-") as folder:
         work = Path(folder)
         (work / "model").mkdir()
         (work / "model" / "config.json").write_text(json.dumps(dict(config)))
         stages = range(topology.pp) if draft is None else [topology.last_stage]
-        ranks = [(p, t) for p in stages for t in range(topology.tp)]
+        ranks = [(p, t) for p in stages for t in tp_ranks or range(topology.tp)]
         request = {
             "architecture": str((config.get("architectures") or [""])[0]),
             "folder": str(work / "model"),
