@@ -20,7 +20,7 @@ from shardprep.errors import PlanError, printable
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import Layout
 from shardprep.plan.derived.dequantized import COMPUTED, DEQUANTIZED
-from shardprep.plan.derived.drafts import split_shared, with_shared
+from shardprep.plan.derived.drafts import Speculative, split_shared, with_shared
 from shardprep.plan.derived.infer import Inference
 
 
@@ -32,22 +32,24 @@ def derive(
     *,
     draft: str | None = None,
     progress: bool = True,
+    spec: Speculative | None = None,
 ) -> tuple[Layout, str]:
     """The layout vLLM's own `load_weights` gives `tensors` at `topology`, every rank of
     every stage derived, and the vLLM release it came from; a write no plan can express
     is one PlanError naming it. `draft`: the speculative method of the draft to derive
-    instead of the target (MTP: the draft the checkpoint carries), on the last stage."""
+    instead of the target (MTP: the draft the checkpoint carries), on the last stage.
+    `spec`: a draft checkpoint of its own, whose tensors `tensors` then are (`draft`
+    given), or beside which the target is derived (`draft` None)."""
     known = dict(tensors)  # and the weights vLLM dequantizes, as convert computes them
-    inference = Inference(config, known, topology.tp)
+    inference = Inference(spec.config if spec and draft else config, known, topology.tp)
     shared: set[str] = set()
     shared_sources: dict[str, str] = {}
     computed: dict[str, tuple[str, str]] = {}
-    with rank_records(config, tensors, topology, dtype, draft=draft, progress=progress) as (
-        version,
-        records,
-    ):
+    with rank_records(
+        config, tensors, topology, dtype, draft=draft, progress=progress, spec=spec
+    ) as (version, records):
         for record in records:
-            shared |= set(record.get("shared", ()))
+            shared |= set(record.get("shared", ())) | set(record.get("may_share", ()))
             record, sources = split_shared(record)
             shared_sources |= sources
             for name, (weight, scale) in record.get("dequantized", {}).items():
@@ -69,14 +71,20 @@ def rank_records(
     draft: str | None = None,
     progress: bool = True,
     expert_placement: str | None = None,
+    spec: Speculative | None = None,
 ) -> Iterator[tuple[str, Iterator[dict[str, Any]]]]:
     """The vLLM release and each rank's record (probe.py), read one at a time: the
     target's on every stage, or the draft's (`draft`) on the last. `expert_placement`:
-    vLLM's experts placed that way under expert parallelism; None: without it."""
+    vLLM's experts placed that way under expert parallelism; None: without it. `spec`:
+    a draft checkpoint of its own (its config.json in a folder of its own), derived or
+    beside the target."""
     with tempfile.TemporaryDirectory(prefix="shardprep-derive-") as folder:
         work = Path(folder)
         (work / "model").mkdir()
         (work / "model" / "config.json").write_text(json.dumps(dict(config)))
+        if spec is not None:
+            (work / "draft").mkdir()
+            (work / "draft" / "config.json").write_text(json.dumps(dict(spec.config)))
         stages = range(topology.pp) if draft is None else [topology.last_stage]
         ranks = [(p, t) for p in stages for t in range(topology.tp)]
         request = {
@@ -94,6 +102,8 @@ def rank_records(
             },
             "progress": progress,
             "draft": draft,
+            "beside": spec.method if spec and draft is None else None,
+            "draft_folder": str(work / "draft") if spec else None,
             "expert_placement": expert_placement,
             "env": _environment(topology),
         }
