@@ -157,7 +157,9 @@ def _jobs(
     )
     draft_family = archs.draft_family(method, family.name)
     shares = draft_family.shares_target_embedding
-    target_ctx = replace(moe, draft_method=method, draft_shares_embedding=shares)
+    target_ctx = replace(
+        moe, draft_method=method, draft_shares_embedding=shares, draft_config=draft.config
+    )
     draft_ctx = replace(
         moe,
         target_config=target.config,

@@ -259,15 +259,6 @@ def test_mtp_layers_config_json_promises_and_the_checkpoint_lacks_are_one_line(
     assert [m.role for m in alone.models] == ["target"]
 
 
-def test_a_derived_target_takes_its_mtp_draft_and_refuses_another_in_one_line() -> None:
-    family = DerivedFamily()
-    assert family.check({}, 2, PlanContext(draft_method="mtp")) == []
-    assert family.check({}, 2, PlanContext(draft_method="eagle3")) == [
-        "a eagle3 draft beside a derived layout is not supported yet (the MTP draft a "
-        "checkpoint carries is); convert without --draft"
-    ]
-
-
 @pytest.mark.parametrize(
     ("config", "layers"),
     [

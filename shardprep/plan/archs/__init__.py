@@ -50,8 +50,12 @@ _DRAFTS: dict[tuple[str, str], tuple[str, str]] = {
     ("mtp", "kimi_k3"): (".kimi_k3.mtp", "KimiK3MtpDraft"),
     ("mtp", "qwen3_next"): (".qwen3_next.mtp", "Qwen3NextMtpDraft"),
     ("mtp", "qwen3_5_moe"): (".qwen3_next.qwen3_5_moe", "Qwen35MoeMtpDraft"),
-    # the MTP draft of a target whose layout is derived from vLLM (plan/derived)
+    # the drafts of a target whose layout is derived from vLLM (plan/derived)
     ("mtp", "derived"): ("shardprep.plan.derived", "DerivedMtpDraft"),
+    ("eagle", "derived"): ("shardprep.plan.derived.standalone", "DerivedEagleDraft"),
+    ("eagle3", "derived"): ("shardprep.plan.derived.standalone", "DerivedEagle3Draft"),
+    ("dflash", "derived"): ("shardprep.plan.derived.standalone", "DerivedDFlashDraft"),
+    ("dspark", "derived"): ("shardprep.plan.derived.standalone", "DerivedDSparkDraft"),
 }
 
 

@@ -49,6 +49,9 @@ class PlanContext:
     # A target's: whether its draft shares the target's embedding
     # (`DraftFamily.shares_target_embedding`).
     draft_shares_embedding: bool = False
+    # A target's: its draft's config.json, when the draft comes with --draft ({}: none).
+    # A layout derived from vLLM builds the target beside it (plan/derived).
+    draft_config: Config = field(default_factory=dict)
     # The checkpoint's dtype of each of its tensors (safetensors names); empty: not known.
     # A layout derived from vLLM needs them (plan/derived); a family declares its own.
     dtypes: Mapping[str, str] = field(default_factory=dict)

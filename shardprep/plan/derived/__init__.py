@@ -85,10 +85,10 @@ class DerivedFamily(Family):
     def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         method = ctx.draft_method
         problems = _data_parallel_problems(ctx)
-        if method is not None and method != drafts.MTP:
+        if method is not None and method not in drafts.DERIVED_METHODS:
             problems.append(
-                f"a {method} draft beside a derived layout is not supported yet (the MTP "
-                "draft a checkpoint carries is); convert without --draft"
+                f"a {method} draft beside a derived layout is not supported yet (those of "
+                f"{', '.join(sorted(drafts.DERIVED_METHODS))} are); convert without --draft"
             )
         return problems
 
@@ -116,6 +116,12 @@ class DerivedFamily(Family):
         self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
     ) -> Layout:
         layout = derived_layout(config, shapes, topology, dtypes=ctx.dtypes)
+        if ctx.draft_method in drafts.STANDALONE and topology.pp > 1:
+            # vLLM builds the target otherwise beside such a draft (the embedding on the
+            # last stage too, for the draft to share): what it adds is spec-decode only.
+            spec = drafts.Speculative.of(ctx.draft_method, ctx.draft_config)
+            beside = derived_layout(config, shapes, topology, None, ctx.dtypes, spec)
+            return drafts.built_beside(layout, beside)
         if ctx.draft_method != drafts.MTP:
             return layout
         draft = mtp_draft_layout(config, shapes, topology, ctx.dtypes)
@@ -207,15 +213,19 @@ def derived_layout(
     topology: Topology,
     draft: str | None = None,
     dtypes: Mapping[str, str] | None = None,
+    spec: drafts.Speculative | None = None,
 ) -> Layout:
     """The layout vLLM gives the checkpoint's tensors at `topology`: its target's, or
     (`draft`: a speculative method) the draft's it builds from the same checkpoint.
-    `dtypes`: the checkpoint's (derived/placeholders.py); None: not known."""
+    `dtypes`: the checkpoint's (derived/placeholders.py); None: not known. `spec`: a
+    draft checkpoint of its own: the draft derived (`shapes` its tensors, `config` its
+    target's), or with `draft` None the target derived beside it."""
     dtype = _serving_dtype(config)
     tensors = tuple(sorted(placeholders(shapes, dtypes or {}, dtype).items()))
     text = json.dumps(dict(config), sort_keys=True, default=repr)
-    layout = _derived(text, tensors, topology, dtype, draft)[0]
-    return _in_scheme_terms(config, layout, shapes, topology.tp)
+    layout = _derived(text, tensors, topology, dtype, draft, spec)[0]
+    own = spec.config if spec is not None and draft is not None else config
+    return _in_scheme_terms(own, layout, shapes, topology.tp)
 
 
 def _in_scheme_terms(config: Config, layout: Layout, shapes: Shapes, tp: int) -> Layout:
@@ -244,8 +254,10 @@ def _derived(
     topology: Topology,
     dtype: str,
     draft: str | None = None,
+    spec: drafts.Speculative | None = None,
 ) -> tuple[Layout, str]:
     from shardprep.plan.derived.run import derive
 
     names = {v: k for k, v in MODEL_DTYPES.items()}
-    return derive(json.loads(config), dict(tensors), topology, names[dtype], draft=draft)
+    config_json = json.loads(config)
+    return derive(config_json, dict(tensors), topology, names[dtype], draft=draft, spec=spec)

@@ -9,16 +9,38 @@ what turns those records into a draft's layout, and the target's side of it."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from shardprep.plan.archs.base import Config, Layout
 
 MTP = "mtp"
+# The methods of drafts given with `--draft` whose layout is derived (standalone.py).
+STANDALONE = frozenset({"eagle", "eagle3", "dflash", "dspark"})
+DERIVED_METHODS = STANDALONE | {MTP}
 # config.json's count of MTP layers, under the names vLLM reads it by (DeepSeek-style
 # and Qwen3.5-style checkpoints), at the top or in a text model's config.
 MTP_COUNTS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 MTP_HELD = "vLLM's MTP draft reads it, and the draft holds it"
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """A draft checkpoint of its own (`--draft`): vLLM's speculative method for it and its
+    config.json (as sorted JSON text, so that a derivation can be cached by it)."""
+
+    method: str
+    text: str
+
+    @classmethod
+    def of(cls, method: str, config: Config) -> Speculative:
+        return cls(method, json.dumps(dict(config), sort_keys=True, default=repr))
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(json.loads(self.text))
 
 
 def mtp_layers(config: Config) -> int:
@@ -61,3 +83,16 @@ def held_by_draft(target: Layout, draft: Layout) -> Layout:
     held = {piece.source for param in draft.params for piece in param.pieces}
     skipped = {name: MTP_HELD if name in held else why for name, why in target.skipped.items()}
     return dataclasses.replace(target, skipped=skipped)
+
+
+def built_beside(alone: Layout, beside: Layout) -> Layout:
+    """The target's layout as vLLM builds it beside a draft (`beside`), each stage it adds
+    to a parameter only then (`alone` lacks it) marked spec-decode only."""
+    stages = {param.name: set(param.stages) for param in alone.params}
+    added = {
+        (param.name, stage)
+        for param in beside.params
+        for stage in param.stages
+        if stage not in stages.get(param.name, set())
+    }
+    return dataclasses.replace(beside, spec_decode_only=beside.spec_decode_only | added)

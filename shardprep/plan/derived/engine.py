@@ -33,7 +33,8 @@ def engine_config(request: dict[str, Any]) -> Any:
         enable_prefix_caching=False,  # nothing is cached; some models refuse it (Kimi-K3)
         speculative_config=draft_probe.speculative(request),
     )
-    return args.create_engine_config()
+    with draft_probe.building(request):
+        return args.create_engine_config()
 
 
 @contextmanager

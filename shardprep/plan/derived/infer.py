@@ -66,7 +66,7 @@ def candidates(source: str, shape: Sequence[int], expert: int | None, hints: Hin
     stacks the experts (dim 0) reads its expert's matrix (EXPERT_HALVES_ROWS, ...)."""
     found = [Piece(source, cut, expert=expert) for cut in SIMPLE_CUTS]
     # VOCAB, which ROWS equals for a vocabulary of 64s (an expert's rows never are one)
-    if expert is None and shape and shape[0] == hints.vocab:
+    if expert is None and shape and shape[0] in (hints.vocab, hints.draft_vocab):
         found.insert(1, found.pop(3))
     if hints.heads and shape and shape[0] % hints.heads == 0:
         place = 1 if shape[0] == hints.rows and expert is None else 2
@@ -93,6 +93,7 @@ class Hints:
     rows: int
     vocab: int
     q_heads: int = 0
+    draft_vocab: int = 0  # a draft's own vocabulary (an EAGLE3 draft's lm_head)
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> Hints:
@@ -109,7 +110,8 @@ class Hints:
             whole("hidden_size"),
         )
         head_dim = whole("head_dim") or (hidden // heads if heads else 0)
-        return cls(kv, kv * head_dim if 0 < kv < heads else 0, whole("vocab_size"), heads)
+        rows = kv * head_dim if 0 < kv < heads else 0
+        return cls(kv, rows, whole("vocab_size"), heads, whole("draft_vocab_size"))
 
 
 class Inference:

@@ -269,7 +269,7 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         loader.counter_before_loading_weights = 0.0
         with set_default_torch_dtype(config.model_config.dtype), recorder:
             loader.load_weights(model, model_config)
-        shared = draft_probe.shared(model, config) if request.get("draft") else []
+        shared, may_share = draft_probe.shared(model, config) if request.get("draft") else ([], [])
     ops = recorder.ops  # every write, in order: a later one wins (overwrites.py)
     ops = ops + left_by_load(fills, ops)
     return {
@@ -278,6 +278,7 @@ def derive_rank(config: Any, request: dict[str, Any], p: int, t: int) -> dict[st
         "params": {k: [NAMES.get(v.dtype, str(v.dtype)), list(v.shape)] for k, v in params.items()},
         "ops": ops,
         "shared": shared,
+        "may_share": may_share,
         "expert_stacks": expert_stacks(model),
         "dequantized": recorder.dequantized,
     }
