@@ -7,7 +7,8 @@ vision tower; its config.json from tests/data).
 
 Nothing is read or written but config.json: the checkpoint is its tensor table. The
 derived layout is then compared with the hand-written DeepSeek family's, piece for piece.
-Prints one JSON line: seconds, this process's and the deriving child's peak RSS, ranks,
+Prints one JSON line: seconds, this process's and the largest deriving child's peak RSS,
+how many children derived (one a core, up to 4; SHARDPREP_DERIVE_CHILDREN sets it), ranks,
 parameters, and how many differ from the hand-written layout.
 """
 
@@ -24,7 +25,7 @@ from shardprep.demo.tiny import tiny_config
 from shardprep.plan import archs
 from shardprep.plan.archs.base import PlanContext, config_int
 from shardprep.plan.archs.parts import quantized
-from shardprep.plan.derived import DerivedFamily, run
+from shardprep.plan.derived import DerivedFamily, children, run
 from shardprep.plan.drafts import with_target_rules
 from shardprep.plan.topology import make_topology
 
@@ -78,11 +79,12 @@ def main() -> None:
     layout = with_target_rules(family, config, shapes, topology, layout, context)
     written = {p.name: p for p in layout.params}
     differ = [p.name for p in derived.params if written.get(p.name) != p]
-    run.stop()  # the child's peak is counted once it has exited
+    run.stop()  # a child's peak is counted once it has exited
     own = [line for line in Path("/proc/self/status").read_text().splitlines() if "VmHWM" in line]
     print(json.dumps({
         "model": MODELS[args.model], "tensors": len(shapes), "tp": args.tp,
         "pp": args.pp, "ranks": args.tp * args.pp, "seconds": round(seconds, 1),
+        "children": children.how_many(args.tp * args.pp, len(shapes)),
         "peak_rss_parent": own[0].split(":")[1].strip(),
         "peak_rss_child_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
         "params": len(derived.params), "differ_from_hand_written": len(differ),

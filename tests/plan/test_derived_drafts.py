@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import vllm_env
 from derived_mtp import GLM, QWEN35, make_mtp_model
+from plans import assert_derived_like_written, assert_same_layout
 
 from shardprep.demo.tiny import (
     TINY_FP8,
@@ -27,7 +28,7 @@ from shardprep.errors import PlanError
 from shardprep.format.headers import read_header
 from shardprep.format.request import ConversionRequest
 from shardprep.plan import archs
-from shardprep.plan.archs.base import Layout, PlanContext
+from shardprep.plan.archs.base import PlanContext
 from shardprep.plan.archs.parts import quantized
 from shardprep.plan.derived import DERIVED, DerivedFamily, DerivedMtpDraft, available
 from shardprep.plan.derived.drafts import MTP_HELD, mtp_layers, split_shared
@@ -136,13 +137,6 @@ def test_every_scheme_of_every_mtp_draft_has_a_case() -> None:
     assert wanted <= covered
 
 
-def _same(derived: Layout, written: Layout) -> None:
-    assert {p.name: p for p in derived.params} == {p.name: p for p in written.params}
-    assert set(derived.skipped) == set(written.skipped)
-    assert derived.shared_with_target == written.shared_with_target
-    assert derived.num_experts == written.num_experts
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.vllm
 @needs_vllm
@@ -161,7 +155,7 @@ def test_derived_mtp_draft_plan_equals_the_hand_written_one(
     published = tiny_config(arch, **overrides)  # vLLM reads config.json as published
     context = PlanContext(pp=pp, dtypes=dtypes)
     derived = DerivedMtpDraft().layout(published, shapes, topology, context)
-    _same(derived, written)
+    assert_same_layout(derived, written)
     assert {stage for p in derived.params for stage in p.stages} == {pp - 1}
 
 
@@ -185,17 +179,9 @@ def test_a_target_no_family_names_plans_its_mtp_draft_as_the_hand_written_plan(
     monkeypatch.delitem(archs._TARGETS, arch)
     assert archs.internal_draft_method(config) == "mtp"
     derived = make_plan(source, request, source)
-    assert [(m.role, m.family) for m in derived.models] == [
-        ("target", "derived"),
-        ("draft", "derived"),
-    ]
-    for mine, theirs in zip(derived.models, written.models, strict=True):
-        assert mine.pieces == theirs.pieces, mine.role
-        assert mine.shared_with_target == theirs.shared_with_target
-        assert {n for n, _ in mine.skipped} == {n for n, _ in theirs.skipped}
+    assert_derived_like_written(derived, written)
     assert dict(derived.models[0].skipped)["model.layers.3.eh_proj.weight"] == MTP_HELD
     assert {f.pp for f in derived.files if f.role == "draft"} == {pp - 1}
-    assert [f.path for f in derived.files] == [f.path for f in written.files]
 
 
 @pytest.mark.vllm
@@ -216,7 +202,7 @@ def test_qwen3_5_moe_text_mtp_draft_no_family_names_follows_the_qwen3_next_mtp_r
     qwen3_next = archs.draft_family("mtp", "qwen3_next")
     rules = qwen3_next.read_config({**config, "num_nextn_predict_layers": 1})
     ctx = PlanContext(pp=2, target_config=rules, draft_names=tuple(sorted(shapes)))
-    _same(derived, quantized.layout(qwen3_next, rules, shapes, topology, ctx))
+    assert_same_layout(derived, quantized.layout(qwen3_next, rules, shapes, topology, ctx))
     assert derived.shared_with_target == {"lm_head.weight"}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_derived_drafts import _same
+from plans import assert_derived_like_written, assert_same_layout
 
 from shardprep.demo.tiny import make_tiny_draft, make_tiny_model
 from shardprep.errors import PlanError
@@ -104,7 +104,7 @@ def test_derived_draft_plan_equals_the_hand_written_one(case: str, tmp_path: Pat
     dtypes = {name: dtype for name, (dtype, _) in tensors.items()}
     ctx = PlanContext(pp=pp, target_config=target, dtypes=dtypes)
     derived = family.layout(config, shapes, topology, ctx)
-    _same(derived, written)
+    assert_same_layout(derived, written)
     assert {stage for p in derived.params for stage in p.stages} == {pp - 1}
 
 
@@ -126,18 +126,9 @@ def test_a_target_no_family_names_plans_its_eagle3_draft_as_the_hand_written_pla
     written = make_plan(source, request, draft)
     monkeypatch.delitem(archs._TARGETS, arch)
     derived = make_plan(source, request, draft)
-    assert [(m.role, m.family) for m in derived.models] == [
-        ("target", "derived"),
-        ("draft", "derived"),
-    ]
-    for mine, theirs in zip(derived.models, written.models, strict=True):
-        assert mine.pieces == theirs.pieces, mine.role
-        assert mine.shared_with_target == theirs.shared_with_target
-        assert mine.spec_decode_only == theirs.spec_decode_only
-        assert {n for n, _ in mine.skipped} == {n for n, _ in theirs.skipped}
+    assert_derived_like_written(derived, written)
     assert derived.models[0].spec_decode_only == (("model.embed_tokens.weight", pp - 1),)
     assert {f.pp for f in derived.files if f.role == "draft"} == {pp - 1}
-    assert [f.path for f in derived.files] == [f.path for f in written.files]
 
 
 def test_a_derived_target_takes_the_drafts_it_derives_and_refuses_another_in_one_line() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from shardprep.demo.tiny import tiny_config
 from shardprep.plan import archs
-from shardprep.plan.archs.base import Family, PlanContext
+from shardprep.plan.archs.base import Family, Layout, PlanContext
 from shardprep.plan.archs.parts import quantized
 from shardprep.plan.records import Plan, SourceModel, TensorPlan
 
@@ -56,3 +56,26 @@ def rank_tensors(plan: Plan, pp: int, tp: int, role: str | None = None) -> dict[
 def rank_shapes(plan: Plan, role: str, pp: int, tp: int) -> dict[str, tuple[str, tuple]]:
     """The dtype and shape of each tensor of one rank file of `role`."""
     return {name: (t.dtype, t.shape) for name, t in rank_tensors(plan, pp, tp, role).items()}
+
+
+def assert_derived_like_written(derived: Plan, written: Plan) -> None:
+    """A plan whose target and draft were derived from vLLM (plan/derived) holds what the
+    hand-written families' plan does: the same pieces, sharing and skips, in the same files."""
+    assert [(m.role, m.family) for m in derived.models] == [
+        ("target", "derived"),
+        ("draft", "derived"),
+    ]
+    for mine, theirs in zip(derived.models, written.models, strict=True):
+        assert mine.pieces == theirs.pieces, mine.role
+        assert mine.shared_with_target == theirs.shared_with_target
+        assert mine.spec_decode_only == theirs.spec_decode_only
+        assert {n for n, _ in mine.skipped} == {n for n, _ in theirs.skipped}
+    assert [f.path for f in derived.files] == [f.path for f in written.files]
+
+
+def assert_same_layout(derived: Layout, written: Layout) -> None:
+    """A layout derived from vLLM equals a family's, piece for piece."""
+    assert {p.name: p for p in derived.params} == {p.name: p for p in written.params}
+    assert set(derived.skipped) == set(written.skipped)
+    assert derived.shared_with_target == written.shared_with_target
+    assert derived.num_experts == written.num_experts

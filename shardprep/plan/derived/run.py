@@ -4,21 +4,18 @@ dropped as it comes (infer.py). The child shows a progress bar over the ranks.""
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from shardprep.errors import PlanError, printable
 from shardprep.format.records import Topology
 from shardprep.plan.archs.base import Layout
+from shardprep.plan.derived import children
 from shardprep.plan.derived.dequantized import COMPUTED, DEQUANTIZED
 from shardprep.plan.derived.drafts import Speculative, split_shared, with_shared
 from shardprep.plan.derived.infer import Inference
@@ -137,90 +134,22 @@ def rank_records(
             "expert_placement": expert_placement,
             "env": _environment(topology),
         }
-        answer = _PROBE.ask(request)
+        version = children.derive(request, [list(rank) for rank in ranks])
         yield (
-            answer["vllm"],
+            version,
             (json.loads((work / f"rank-{p}-{t}.json").read_text()) for p, t in ranks),
         )
 
 
-PARTITION = "VLLM_PP_LAYER_PARTITION"  # set by the child for each request
-# What a child reads as it starts (the rest it reads from each request's environment).
-AT_START = ("PYTHON", "LD_", "VLLM_", "TORCH", "CUDA")
-
-
-class _Probe:
-    """The child process that derives (probe.py), started at the first request and kept
-    for the next ones: importing vLLM costs seconds that every derivation would pay
-    again. One that failed has stopped; the next request starts another."""
-
-    def __init__(self) -> None:
-        self.child: subprocess.Popen[str] | None = None
-        self.started_in: dict[str, str] = {}
-        atexit.register(self.close)
-
-    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        environment = {
-            k: v for k, v in request["env"].items() if k.startswith(AT_START) and k != PARTITION
-        }
-        if environment != self.started_in:  # a new PYTHONPATH, say: what it imports differs
-            self.close()
-        if self.child is None or self.child.poll() is not None:
-            self.started_in = environment
-            self.child = subprocess.Popen(
-                [sys.executable, "-m", "shardprep.plan.derived.probe"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=request["env"],
-            )
-        child = self.child
-        assert child.stdin is not None and child.stdout is not None
-        try:
-            child.stdin.write(json.dumps(request) + "\n")
-            child.stdin.flush()
-        except BrokenPipeError:
-            pass  # it stopped: said below
-        for line in child.stdout:  # what vLLM prints there too, then the answer
-            answer = json.loads(line) if line.startswith("{") else None
-            if isinstance(answer, dict) and answer.keys() & {"vllm", "error"}:
-                break
-        else:
-            answer = {}
-        if "error" in answer:
-            self.close()
-            raise PlanError(
-                f"cannot derive the layout from vLLM: {printable(answer['error'], 600)}"
-            )
-        if "vllm" not in answer:
-            status = self.close()
-            raise PlanError(
-                f"deriving the layout from vLLM stopped (exit status {status}) before it "
-                "finished; its messages are above"
-            )
-        return answer
-
-    def close(self) -> int | None:
-        child, self.child = self.child, None
-        if child is None:
-            return None
-        if child.stdin is not None:
-            child.stdin.close()
-        return child.wait()
-
-
-_PROBE = _Probe()
-
-
-def stop() -> int | None:
-    """Stop the deriving child now (the next derivation starts another); its exit status."""
-    return _PROBE.close()
+def stop() -> None:
+    """Stop the deriving children now (the next derivation starts others)."""
+    children.stop()
 
 
 def _environment(topology: Topology) -> dict[str, str]:
     """vLLM's own reading of the partition, quiet logs, nothing fetched from a network."""
     env = dict(os.environ)
-    env[PARTITION] = ",".join(map(str, topology.partition))
+    env[children.PARTITION] = ",".join(map(str, topology.partition))
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     env["HF_HUB_OFFLINE"] = "1"
     return env
