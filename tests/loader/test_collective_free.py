@@ -374,10 +374,11 @@ pg.send([t], 1, 0)
     assert collective_uses("import asyncio\nasyncio.gather(a, b)\nsock.send(b'x')\n") == []
 
 
-# The one module that may name torch.distributed: the child process that derives a layout
-# (plan/derived) builds vLLM's model of one rank offline over torch's fake process group,
-# where nothing reaches another process; no loader and no vLLM worker ever imports it.
-OFFLINE_FAKE_GROUP = "shardprep/plan/derived/probe.py"
+# The one module that may name torch.distributed: the set-up of the child process that
+# derives a layout (plan/derived), which builds vLLM's model of one rank offline over
+# torch's fake process group, where nothing reaches another process; no loader and no
+# vLLM worker ever imports it.
+OFFLINE_FAKE_GROUP = "shardprep/plan/derived/engine.py"
 
 
 def test_no_module_of_the_package_calls_a_collective() -> None:
