@@ -84,7 +84,7 @@ class DerivedFamily(Family):
 
     def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
         method = ctx.draft_method
-        problems = _data_parallel_problems(ctx)
+        problems = data_parallel_problems(ctx)
         if method is not None and method not in drafts.DERIVED_METHODS:
             problems.append(
                 f"a {method} draft beside a derived layout is not supported yet (those of "
@@ -159,7 +159,7 @@ class DerivedMtpDraft(DraftFamily):
         return mtp_draft_layout(config, shapes, topology, ctx.dtypes)
 
     def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
-        return _data_parallel_problems(ctx)
+        return data_parallel_problems(ctx)
 
     def rank_file_problems(
         self, source: SourceModel, model: ModelPlan, files: Sequence[FilePlan], topology: Topology
@@ -167,7 +167,7 @@ class DerivedMtpDraft(DraftFamily):
         return _expert_parallel_problems(source, model, files, topology, drafts.MTP)
 
 
-def _data_parallel_problems(ctx: PlanContext) -> list[str]:
+def data_parallel_problems(ctx: PlanContext) -> list[str]:
     if ctx.expert_parallel and ctx.dp > 1:
         return [
             "a derived layout of experts spread over data-parallel ranks is not proven "

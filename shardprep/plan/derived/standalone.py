@@ -23,6 +23,7 @@ from shardprep.plan.archs.base import (
     PlanContext,
     Shapes,
 )
+from shardprep.plan.derived import DERIVED, data_parallel_problems, derived_layout
 from shardprep.plan.derived.drafts import Speculative
 from shardprep.plan.records import FilePlan, ModelPlan, SourceModel
 from shardprep.plan.topology import Topology
@@ -31,7 +32,7 @@ from shardprep.plan.topology import Topology
 class DerivedDraft(DraftFamily):
     """A `--draft` draft of a derived target: its layout derived from vLLM."""
 
-    name = "derived"  # one layout revision for what is derived, the draft included
+    name = DERIVED  # one layout revision for what is derived, the draft included
     method: ClassVar[str]
 
     def _method_family(self) -> DraftFamily:
@@ -46,11 +47,9 @@ class DerivedDraft(DraftFamily):
         return {}
 
     def check(self, config: Config, tp: int, ctx: PlanContext = DEFAULT_CONTEXT) -> list[str]:
-        from shardprep.plan.derived import _data_parallel_problems
-
         names = set(ctx.draft_names or ())
         side = sorted(set(self._method_family().side_tensor_files(config)) & names)
-        problems = _data_parallel_problems(ctx)
+        problems = data_parallel_problems(ctx)
         if side:
             problems.append(
                 f"its {', '.join(side)} comes from a side file that vLLM reads beside the "
@@ -62,8 +61,6 @@ class DerivedDraft(DraftFamily):
     def layout(
         self, config: Config, shapes: Shapes, topology: Topology, ctx: PlanContext = DEFAULT_CONTEXT
     ) -> Layout:
-        from shardprep.plan.derived import derived_layout
-
         spec = Speculative.of(self.method, config)
         return derived_layout(ctx.target_config, shapes, topology, self.method, ctx.dtypes, spec)
 
